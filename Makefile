@@ -1,0 +1,59 @@
+# octacloud: two commands on a fresh machine.
+#   make up    install into .venv and run the main job
+#   make test  install the dev tools and run the whole suite (lint, types, layering, tests)
+
+PYTHON   ?= python3
+VENV     ?= .venv
+BIN      := $(VENV)/bin
+PY       := $(BIN)/python
+PIP      := $(PY) -m pip
+STAMP    := $(VENV)/.octacloud-installed
+DEVSTAMP := $(VENV)/.octacloud-dev-installed
+BUILDSTAMP := $(VENV)/.octacloud-build-installed
+PYTEST_ARGS ?=
+
+.PHONY: up install dev build-tools test lint types layers pytest models clean
+
+up: install
+	$(BIN)/octacloud up
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --quiet -e .
+	@touch $@
+
+install: $(STAMP)
+
+$(DEVSTAMP): $(STAMP) requirements/dev.txt
+	$(PIP) install --quiet -r requirements/dev.txt
+	@touch $@
+
+dev: $(DEVSTAMP)
+
+# torch/transformers are only needed to build models (convert, the example repository).
+$(BUILDSTAMP): $(STAMP) requirements/build-models.txt
+	$(PIP) install --quiet -r requirements/build-models.txt
+	@touch $@
+
+build-tools: $(BUILDSTAMP)
+
+lint: dev
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+types: dev
+	$(BIN)/mypy
+
+layers: dev
+	$(BIN)/lint-imports
+
+pytest: dev build-tools
+	scripts/netns-run $(BIN)/pytest $(PYTEST_ARGS)
+
+test: lint types layers pytest
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache build

@@ -1,0 +1,1 @@
+"""The ``octacloud`` command line: thin commands that call public APIs."""

@@ -1,0 +1,1 @@
+"""octacloud.sim."""
