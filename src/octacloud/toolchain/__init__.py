@@ -1,0 +1,1 @@
+"""Model toolchain: convert PyTorch / Hugging Face / ONNX models into served, versioned ONNX variants."""
