@@ -1,0 +1,202 @@
+"""The runner: mechanism that drives a profile's plugins through one scheduling cycle.
+
+The runner, not the plugins, normalises each scorer's scores to 0..100, range-checks them, applies the
+profile's weights and breaks ties. Ties go to the node that comes first in the profile's node order: the
+authors of FGD broke ties by node name with a random per-run prefix, i.e. one random node priority order per
+run, and a seeded permutation reproduces that.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from octacloud.core.model import Placement, Request
+from octacloud.core.units import MILLI_PER_GPU
+from octacloud.scheduler.framework.api import (
+    MAX_NODE_SCORE,
+    MIN_NODE_SCORE,
+    CardSelector,
+    Code,
+    CycleContext,
+    FilterPlugin,
+    PreFilterPlugin,
+    ReservePlugin,
+    ScorePlugin,
+)
+from octacloud.scheduler.framework.state import ClusterState
+
+
+class PluginError(RuntimeError):
+    """A plugin broke its contract (e.g. a score outside 0..100 after normalisation)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    plugin: ScorePlugin
+    weight: float
+
+
+@dataclass(slots=True)
+class Decision:
+    """The outcome of one cycle: a placement, or the reasons no node qualified."""
+
+    request: Request
+    placement: Placement | None
+    reasons: dict[str, int] = field(default_factory=dict)
+    """Plugin name → nodes it filtered out (or a pre-filter's reason → 1)."""
+    score: float = 0.0
+
+    @property
+    def placed(self) -> bool:
+        return self.placement is not None
+
+    def explain(self) -> str:
+        if self.placement is not None:
+            return f"{self.request.name} → {self.placement.node} cards {list(self.placement.gpus)}"
+        parts = ", ".join(f"{why}: {n}" for why, n in sorted(self.reasons.items(), key=lambda kv: -kv[1]))
+        return f"{self.request.name} fits nowhere ({parts or 'no nodes'})"
+
+
+@dataclass(slots=True)
+class Profile:
+    """A named set of plugins with weights: the policy the runner executes."""
+
+    name: str
+    pre_filters: list[PreFilterPlugin] = field(default_factory=list)
+    filters: list[FilterPlugin] = field(default_factory=list)
+    scorers: list[WeightedScorer] = field(default_factory=list)
+    card_selectors: list[CardSelector] = field(default_factory=list)
+    reservers: list[ReservePlugin] = field(default_factory=list)
+    random_choice: bool = False
+    """Pick uniformly among feasible nodes at every decision (the published Random baseline)."""
+    seed: int = 0
+    """Seeds the node tie-break order and any random choice."""
+
+
+class Scheduler:
+    """Places requests on a :class:`ClusterState` according to a :class:`Profile`."""
+
+    def __init__(self, state: ClusterState, profile: Profile) -> None:
+        self.state = state
+        self.profile = profile
+        self._rng = random.Random(profile.seed)
+        order = list(range(len(state)))
+        random.Random(profile.seed).shuffle(order)
+        self.tie_rank: list[int] = [0] * len(order)
+        for rank, i in enumerate(order):
+            self.tie_rank[i] = rank
+        self._all_nodes = list(range(len(state)))
+
+    def decide(self, request: Request, nodes: Sequence[int] | None = None) -> Decision:
+        """Choose a placement for ``request`` without committing it."""
+        ctx = CycleContext(self.state, request)
+        decision = Decision(request, None)
+        for pf in self.profile.pre_filters:
+            status = pf.pre_filter(ctx)
+            if status.code is Code.UNSCHEDULABLE:
+                decision.reasons[f"{pf.name}: {status.reason}"] = 1
+                return decision
+            if status.code is Code.SKIP:
+                ctx.skipped.add(pf.name)
+        candidates: list[int] = self._all_nodes if nodes is None else list(nodes)
+        for flt in self.profile.filters:
+            if flt.name in ctx.skipped:
+                continue
+            kept = flt.filter(ctx, candidates)
+            if len(kept) != len(candidates):
+                decision.reasons[flt.name] = len(candidates) - len(kept)
+            candidates = kept
+            if not candidates:
+                return decision
+        best, score = self._pick(ctx, candidates)
+        cards = self._select_cards(ctx, best)
+        if cards is None:
+            decision.reasons["card selection"] = 1
+            return decision
+        milli = request.gpu_milli if request.num_gpu else 0
+        decision.placement = Placement(request.name, self.state.nodes[best].name, cards, milli)
+        decision.score = score
+        return decision
+
+    def schedule(self, request: Request, nodes: Sequence[int] | None = None) -> Decision:
+        """Choose a placement for ``request`` and commit it to the state when there is one."""
+        decision = self.decide(request, nodes)
+        if decision.placement is not None:
+            self.commit(request, decision.placement)
+        return decision
+
+    def commit(self, request: Request, placement: Placement) -> None:
+        allocation = self.state.allocate(request, placement)
+        ctx = CycleContext(self.state, request)
+        for r in self.profile.reservers:
+            r.reserve(ctx, allocation.node_index, placement.gpus)
+
+    # ---- mechanism -------------------------------------------------------------------------------------
+
+    def _pick(self, ctx: CycleContext, candidates: list[int]) -> tuple[int, float]:
+        if self.profile.random_choice or not self.profile.scorers:
+            if self.profile.random_choice:
+                return candidates[self._rng.randrange(len(candidates))], 0.0
+            return min(candidates, key=self.tie_rank.__getitem__), 0.0
+        total = [0.0] * len(candidates)
+        for ws in self.profile.scorers:
+            plugin = ws.plugin
+            if plugin.name in ctx.skipped:
+                continue
+            raw = plugin.score(ctx, candidates)
+            if len(raw) != len(candidates):
+                raise PluginError(
+                    f"score plugin {plugin.name!r} returned {len(raw)} scores for {len(candidates)} nodes"
+                )
+            normalized = plugin.normalize(ctx, raw)
+            weight = ws.weight
+            for k, s in enumerate(normalized):
+                if not (MIN_NODE_SCORE <= s <= MAX_NODE_SCORE) or math.isnan(s):
+                    raise PluginError(
+                        f"score plugin {plugin.name!r} gave node {self.state.nodes[candidates[k]].name!r} "
+                        f"score {s} after normalisation; scores must lie in 0..100"
+                    )
+                total[k] += weight * s
+        best_score = max(total)
+        rank = self.tie_rank
+        best = -1
+        best_rank = len(rank)
+        for k, s in enumerate(total):
+            if s == best_score and rank[candidates[k]] < best_rank:
+                best, best_rank = candidates[k], rank[candidates[k]]
+        return best, best_score
+
+    def _select_cards(self, ctx: CycleContext, node: int) -> tuple[int, ...] | None:
+        for selector in self.profile.card_selectors:
+            if selector.name in ctx.skipped:
+                continue
+            cards = selector.select_cards(ctx, node)
+            if cards is not None:
+                return cards
+        return default_cards(self.state, ctx.request, node)
+
+
+def default_cards(state: ClusterState, request: Request, node: int) -> tuple[int, ...] | None:
+    """Lowest-index fully free cards for whole cards; the fullest card that fits (best fit) for a share."""
+    if request.num_gpu == 0:
+        return ()
+    gpus = state.nodes[node].gpus
+    free = state.free_gpu[node]
+    free_mem = state.free_gpu_memory[node]
+    fitting = [
+        g
+        for g in range(len(gpus))
+        if free[g] >= request.gpu_milli
+        and free_mem[g] >= request.gpu_memory_mib
+        and state.card_usable(node, g)
+        and request.allows_model(gpus[g].model)
+    ]
+    if request.gpu_milli == MILLI_PER_GPU or request.num_gpu > 1:
+        whole = [g for g in fitting if free[g] == MILLI_PER_GPU]
+        return tuple(whole[: request.num_gpu]) if len(whole) >= request.num_gpu else None
+    if not fitting:
+        return None
+    return (min(fitting, key=lambda g: (free[g], g)),)
