@@ -1,0 +1,5 @@
+"""``python -m octacloud``: the same as the ``octacloud`` console script."""
+
+from octacloud.cli.main import main
+
+main()

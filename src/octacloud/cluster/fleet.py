@@ -1,0 +1,287 @@
+"""Fleet discovery: which nodes and cards exist.
+
+Three sources, tried in this order by :func:`discover_fleet`:
+
+1. a fleet file (YAML) that declares nodes — for test fleets, CPU-only machines, or fleets described by hand;
+2. NVML (``nvidia-ml-py``) on this host, when NVIDIA GPUs are present: model, memory, NVLink peers, health;
+3. otherwise this host as one node whose "cards" are CPU capacity (see :func:`cpu_host_node`).
+
+A fleet file looks like::
+
+    nodes:
+      - name: gpu-a
+        cpu_milli: 64000
+        memory_mib: 262144
+        labels: {zone: a}
+        gpus:
+          - {model: A100, memory_mib: 81920, nvlink_group: 0}
+          - {model: A100, memory_mib: 81920, nvlink_group: 0}
+      - name: gpu-b
+        cpu_milli: 32000
+        memory_mib: 131072
+        gpu_count: 8            # shorthand: 8 identical cards
+        gpu_model: T4
+        gpu_memory_mib: 16384
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from octacloud.core.clock import Clock, SystemClock
+from octacloud.core.errors import InvalidSpecError
+from octacloud.core.model import Gpu, Health, Node
+
+CPU_CARD_MODEL = "cpu"
+"""The model name of a "card" that is really a share of the host's CPU (machines without GPUs)."""
+
+_NODE_KEYS = {"name", "cpu_milli", "memory_mib", "labels", "gpus", "gpu_count", "gpu_model", "gpu_memory_mib"}
+_GPU_KEYS = {"model", "memory_mib", "nvlink_group", "health"}
+
+
+def _int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSpecError(f"{where}: expected an integer, got {value!r}")
+    return value
+
+
+def _check_keys(spec: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(spec) - allowed)
+    if unknown:
+        raise InvalidSpecError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def parse_fleet(data: object, source: str = "<fleet>") -> list[Node]:
+    """Nodes from a parsed fleet document; errors name the source, the node and the key."""
+    if not isinstance(data, Mapping) or not isinstance(data.get("nodes"), list):
+        raise InvalidSpecError(f"{source}: a fleet file needs a top-level 'nodes:' list")
+    nodes: list[Node] = []
+    seen: set[str] = set()
+    for k, spec in enumerate(data["nodes"]):
+        where = f"{source}: nodes[{k}]"
+        if not isinstance(spec, Mapping):
+            raise InvalidSpecError(f"{where}: expected a mapping, got {spec!r}")
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidSpecError(f"{where}: 'name' must be a non-empty string")
+        where = f"{source}: node {name!r}"
+        _check_keys(spec, _NODE_KEYS, where)
+        if name in seen:
+            raise InvalidSpecError(f"{where}: duplicate node name")
+        seen.add(name)
+        gpus = _parse_gpus(spec, where)
+        labels = spec.get("labels", {}) or {}
+        if not isinstance(labels, Mapping):
+            raise InvalidSpecError(f"{where}: 'labels' must be a mapping")
+        nodes.append(
+            Node(
+                name=name,
+                cpu_milli=_int(spec.get("cpu_milli"), f"{where}: cpu_milli"),
+                memory_mib=_int(spec.get("memory_mib"), f"{where}: memory_mib"),
+                gpus=gpus,
+                labels={str(a): str(b) for a, b in labels.items()},
+            )
+        )
+    return nodes
+
+
+def _parse_gpus(spec: Mapping[str, Any], where: str) -> tuple[Gpu, ...]:
+    if "gpus" in spec and "gpu_count" in spec:
+        raise InvalidSpecError(f"{where}: give either 'gpus' or 'gpu_count', not both")
+    if "gpu_count" in spec:
+        count = _int(spec["gpu_count"], f"{where}: gpu_count")
+        model = spec.get("gpu_model")
+        if not isinstance(model, str) or not model:
+            raise InvalidSpecError(f"{where}: 'gpu_model' is required with 'gpu_count'")
+        memory = _int(spec.get("gpu_memory_mib"), f"{where}: gpu_memory_mib")
+        return tuple(Gpu(i, model, memory) for i in range(count))
+    gpus = spec.get("gpus", []) or []
+    if not isinstance(gpus, list):
+        raise InvalidSpecError(f"{where}: 'gpus' must be a list")
+    out: list[Gpu] = []
+    for i, g in enumerate(gpus):
+        gw = f"{where}: gpus[{i}]"
+        if not isinstance(g, Mapping):
+            raise InvalidSpecError(f"{gw}: expected a mapping, got {g!r}")
+        _check_keys(g, _GPU_KEYS, gw)
+        model = g.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidSpecError(f"{gw}: 'model' must be a non-empty string")
+        group = g.get("nvlink_group")
+        try:
+            health = Health(g.get("health", "healthy"))
+        except ValueError:
+            raise InvalidSpecError(f"{gw}: health must be one of {[h.value for h in Health]}") from None
+        out.append(
+            Gpu(
+                i,
+                model,
+                _int(g.get("memory_mib"), f"{gw}: memory_mib"),
+                None if group is None else _int(group, f"{gw}: nvlink_group"),
+                health,
+            )
+        )
+    return tuple(out)
+
+
+def load_fleet_file(path: Path) -> list[Node]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise InvalidSpecError(f"cannot read fleet file {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InvalidSpecError(f"{path}: not valid YAML: {exc}") from None
+    return parse_fleet(data, str(path))
+
+
+def cpu_host_node(name: str | None = None, cards: int = 1) -> Node:
+    """This host as one node whose ``cards`` "cards" are shares of its CPU.
+
+    On a machine without GPUs replicas compute on the CPU. Each pseudo-card stands for ``cores / cards`` of
+    the host's cores and half of the host's memory split evenly (the memory a replica may use for tensors);
+    an octant of a pseudo-card is therefore 1/8 of that CPU share, which the launcher turns into an
+    onnxruntime thread budget. The node's own CPU and memory are the host's.
+    """
+    cores = os.cpu_count() or 1
+    memory_mib = _host_memory_mib()
+    card_memory = memory_mib // 2 // max(cards, 1)
+    gpus = tuple(Gpu(i, CPU_CARD_MODEL, card_memory) for i in range(cards))
+    return Node(
+        name=name or socket.gethostname() or "localhost",
+        cpu_milli=cores * 1000,
+        memory_mib=memory_mib,
+        gpus=gpus,
+        labels={"octacloud.io/accelerator": "cpu", "octacloud.io/cores": str(cores)},
+    )
+
+
+def _host_memory_mib() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
+    except (ValueError, OSError):
+        return 4096
+
+
+def nvml_host_node(name: str | None = None) -> Node | None:
+    """This host's NVIDIA GPUs through NVML, or ``None`` when NVML or GPUs are absent."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...: no NVIDIA GPUs here
+        return None
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        if count == 0:
+            return None
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        groups = _nvlink_groups(pynvml, handles)
+        gpus = []
+        for i, h in enumerate(handles):
+            model = pynvml.nvmlDeviceGetName(h)
+            model = model.decode() if isinstance(model, bytes) else str(model)
+            memory = int(pynvml.nvmlDeviceGetMemoryInfo(h).total) // (1024 * 1024)
+            gpus.append(
+                Gpu(i, model.replace("NVIDIA ", "").replace(" ", "-"), memory, groups[i], _nvml_health(pynvml, h))
+            )
+        cores = os.cpu_count() or 1
+        return Node(
+            name=name or socket.gethostname() or "localhost",
+            cpu_milli=cores * 1000,
+            memory_mib=_host_memory_mib(),
+            gpus=tuple(gpus),
+            labels={"octacloud.io/accelerator": "nvidia"},
+        )
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvlink_groups(pynvml: Any, handles: Sequence[Any]) -> list[int | None]:
+    """Cards connected by active NVLinks share a group (union-find over NVLink peers)."""
+    parent = list(range(len(handles)))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    bus_ids = {}
+    for i, h in enumerate(handles):
+        bus_ids[str(pynvml.nvmlDeviceGetPciInfo(h).busId).lower()] = i
+    linked = [False] * len(handles)
+    for i, h in enumerate(handles):
+        for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+            try:
+                if pynvml.nvmlDeviceGetNvLinkState(h, link) != pynvml.NVML_FEATURE_ENABLED:
+                    continue
+                peer = str(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link).busId).lower()
+            except Exception:  # NVMLError_NotSupported on PCIe cards, or link index out of range
+                break
+            j = bus_ids.get(peer)
+            if j is not None:
+                linked[i] = linked[j] = True
+                parent[find(i)] = find(j)
+    return [find(i) if linked[i] else None for i in range(len(handles))]
+
+
+def _nvml_health(pynvml: Any, handle: Any) -> Health:
+    """Degraded when the card reports uncorrected ECC errors or pending page retirement."""
+    try:
+        volatile = pynvml.nvmlDeviceGetTotalEccErrors(
+            handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC
+        )
+        if volatile > 0:
+            return Health.DEGRADED
+    except Exception:  # ECC not supported (consumer cards): nothing to say
+        pass
+    return Health.HEALTHY
+
+
+def discover_fleet(fleet_file: Path | None = None, *, cpu_cards: int = 1) -> list[Node]:
+    """The fleet: the fleet file if given, else this host through NVML, else this host's CPU as cards."""
+    if fleet_file is not None:
+        return load_fleet_file(fleet_file)
+    node = nvml_host_node()
+    return [node] if node is not None else [cpu_host_node(cards=cpu_cards)]
+
+
+@dataclass(slots=True)
+class HealthEvent:
+    at: float
+    node: str
+    gpu: int | None
+    health: Health
+    reason: str
+
+
+@dataclass(slots=True)
+class FleetHealth:
+    """Node and card health tracked over time: the current state and the history of transitions."""
+
+    clock: Clock = field(default_factory=SystemClock)
+    current: dict[tuple[str, int | None], Health] = field(default_factory=dict)
+    history: list[HealthEvent] = field(default_factory=list)
+
+    def observe(self, node: str, health: Health, reason: str = "", gpu: int | None = None) -> bool:
+        """Record an observation; returns True when it changes the node's (or card's) health."""
+        key = (node, gpu)
+        changed = self.current.get(key, Health.HEALTHY) is not health  # everything starts healthy
+        self.current[key] = health
+        if changed:
+            self.history.append(HealthEvent(self.clock.time(), node, gpu, health, reason))
+        return changed
+
+    def health(self, node: str, gpu: int | None = None) -> Health:
+        return self.current.get((node, gpu), Health.HEALTHY)

@@ -1,0 +1,159 @@
+"""The gateway's REST front end: a raw ASGI app that forwards OIP V2 requests to replicas.
+
+Per-model paths (``/v2/models/<name>/...``) go to a ready replica of deployment ``<name>``; the server-level
+paths (health, metadata) are answered by the gateway itself; ``/admin/...`` goes to the admin API. Bodies are
+forwarded untouched, so JSON and Triton's binary tensor extension both work and cost no re-encoding.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from octacloud import __version__
+from octacloud.cluster.gateway.routing import RouteTable
+from octacloud.cluster.gateway.upstream import UpstreamError, UpstreamPool
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+MAX_ATTEMPTS = 3
+MAX_BODY_BYTES = 256 * 1024 * 1024
+SERVER_EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "classification"]
+_JSON = [(b"content-type", b"application/json")]
+
+
+async def _reply(send: Send, status: int, payload: object, headers: list[tuple[bytes, bytes]] | None = None) -> int:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [*_JSON, *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+    return len(body)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class RestGateway:
+    """ASGI app. ``ready`` is a callable so the gateway reports not-ready until the controller has started."""
+
+    def __init__(
+        self,
+        routes: RouteTable,
+        pool: UpstreamPool | None = None,
+        admin: ASGIApp | None = None,
+        ready: Callable[[], bool] = lambda: True,
+        request_timeout: float = 60.0,
+    ) -> None:
+        self.routes = routes
+        self.pool = pool or UpstreamPool()
+        self.admin = admin
+        self.ready = ready
+        self.request_timeout = request_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        if path.startswith("/v2/models/"):
+            await self._proxy(scope, receive, send, path)
+        elif path == "/v2/health/live":
+            await _reply(send, 200, {"live": True})
+        elif path == "/v2/health/ready":
+            ok = self.ready()
+            await _reply(send, 200 if ok else 503, {"ready": ok})
+        elif path in ("/v2", "/v2/"):
+            await _reply(send, 200, {"name": "octacloud", "version": __version__, "extensions": SERVER_EXTENSIONS})
+        elif path.startswith("/admin") and self.admin is not None:
+            await self.admin(scope, receive, send)
+        else:
+            await _reply(send, 404, {"error": f"no route for {scope['method']} {path}"})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.pool.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        deployment = path[len("/v2/models/") :].split("/", 1)[0]
+        started = time.perf_counter()
+        body = await _read_body(receive, MAX_BODY_BYTES)
+        if body is None:
+            await _reply(send, 413, {"error": f"request body larger than {MAX_BODY_BYTES} bytes or incomplete"})
+            return
+        counters = self.routes.counter(deployment)
+        if deployment not in self.routes.routes:
+            await _reply(send, 404, {"error": f"unknown model or deployment '{deployment}'"})
+            return
+        target = scope["raw_path"] or path.encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        tried: list[str] = []
+        last_error = f"deployment '{deployment}' has no ready replica"
+        counters.requests += 1
+        counters.bytes_in += len(body)
+        counters.outstanding += 1
+        try:
+            for _ in range(MAX_ATTEMPTS):
+                endpoint = self.routes.choose(deployment, tried)
+                if endpoint is None:
+                    break
+                tried.append(endpoint.replica_id)
+                endpoint.outstanding += 1
+                try:
+                    response = await self.pool.request(
+                        endpoint.host,
+                        endpoint.http_port,
+                        scope["method"].encode(),
+                        target,
+                        scope["headers"],
+                        body,
+                        self.request_timeout,
+                    )
+                except UpstreamError as exc:
+                    endpoint.failures += 1
+                    last_error = str(exc)
+                    continue
+                except TimeoutError:
+                    last_error = f"replica {endpoint.replica_id} did not answer within {self.request_timeout:g} s"
+                    break
+                finally:
+                    endpoint.outstanding -= 1
+                endpoint.failures = 0
+                headers = [(k, v) for k, v in response.headers if k.lower() not in (b"connection", b"keep-alive")]
+                await send({"type": "http.response.start", "status": response.status, "headers": headers})
+                await send({"type": "http.response.body", "body": response.body})
+                counters.bytes_out += len(response.body)
+                if response.status >= 400:
+                    counters.failures += 1
+                return
+            counters.failures += 1
+            counters.bytes_out += await _reply(send, 503, {"error": last_error}, [(b"retry-after", b"1")])
+        finally:
+            counters.outstanding -= 1
+            counters.latency_us_total += int((time.perf_counter() - started) * 1e6)

@@ -1,0 +1,90 @@
+"""Routing policy: which replica of a deployment gets the next request.
+
+The mechanism (connections, retries, counting) lives in the proxies; this module only chooses. The default
+is the power of two choices on outstanding requests (as Ray Serve's router): sample two ready replicas, send
+to the one with fewer requests in flight. It balances as well as least-outstanding with O(1) work and no
+herding on a replica that just became free.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Endpoint:
+    """A ready replica as the gateway sees it."""
+
+    replica_id: str
+    host: str
+    http_port: int
+    grpc_port: int
+    outstanding: int = 0
+    failures: int = 0
+    """Consecutive transport failures; the endpoint is skipped once it reaches the limit."""
+
+
+@dataclass(slots=True)
+class DeploymentCounters:
+    """What the gateway measured for one deployment (read by the autoscaler and the meter)."""
+
+    requests: int = 0
+    failures: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    latency_us_total: int = 0
+    outstanding: int = 0
+
+
+MAX_CONSECUTIVE_FAILURES = 3
+
+
+@dataclass(slots=True)
+class RouteTable:
+    """Deployment name → its ready endpoints. Replaced wholesale by the controller; read per request."""
+
+    routes: dict[str, list[Endpoint]] = field(default_factory=dict)
+    counters: dict[str, DeploymentCounters] = field(default_factory=dict)
+    rng: random.Random = field(default_factory=random.Random)
+
+    def update(self, deployment: str, endpoints: Iterable[Endpoint]) -> None:
+        """Set the ready endpoints of ``deployment``, keeping the live counts of endpoints that stay."""
+        old = {e.replica_id: e for e in self.routes.get(deployment, [])}
+        new: list[Endpoint] = []
+        for e in endpoints:
+            kept = old.get(e.replica_id)
+            if kept is not None and (kept.host, kept.http_port, kept.grpc_port) == (e.host, e.http_port, e.grpc_port):
+                new.append(kept)
+            else:
+                new.append(e)
+        self.routes[deployment] = new
+        self.counters.setdefault(deployment, DeploymentCounters())
+
+    def remove(self, deployment: str) -> None:
+        self.routes.pop(deployment, None)
+
+    def drop_endpoint(self, replica_id: str) -> None:
+        """Stop routing to a replica at once (it died or is being stopped)."""
+        for name, endpoints in self.routes.items():
+            self.routes[name] = [e for e in endpoints if e.replica_id != replica_id]
+
+    def choose(self, deployment: str, exclude: Sequence[str] = ()) -> Endpoint | None:
+        """Power of two choices among healthy endpoints not in ``exclude``; None when there is none."""
+        endpoints = self.routes.get(deployment)
+        if not endpoints:
+            return None
+        healthy = [e for e in endpoints if e.failures < MAX_CONSECUTIVE_FAILURES and e.replica_id not in exclude]
+        if not healthy:
+            return None
+        if len(healthy) == 1:
+            return healthy[0]
+        a, b = self.rng.sample(healthy, 2)
+        return a if a.outstanding <= b.outstanding else b
+
+    def counter(self, deployment: str) -> DeploymentCounters:
+        c = self.counters.get(deployment)
+        if c is None:
+            c = self.counters[deployment] = DeploymentCounters()
+        return c

@@ -1,0 +1,179 @@
+"""Replica launch: a replica is an ``octacloud serve`` process bound to its slice.
+
+:class:`ReplicaLauncher` is the small interface the controller uses; :class:`LocalProcessLauncher` runs
+replicas as local processes (one machine), and the Ray backend (``cluster/ray*``) runs them as Ray actors on
+other machines. Replicas run in their own session, so a controller that restarts finds them still serving and
+adopts them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from octacloud.core.errors import InvalidSpecError, NotFoundError
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    replica_id: str
+    serve_as: str
+    """The model name clients use (the deployment's name)."""
+    model_dir: Path
+    """``<repository>/<model>``: the model's folder in the repository."""
+    version: str
+    env: dict[str, str]
+    threads: int
+
+
+@dataclass(frozen=True, slots=True)
+class Launched:
+    pid: int
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log: Path
+
+
+class ReplicaLauncher(Protocol):
+    """Starts and stops replica processes.
+
+    ``launch`` returns once the process exists (not once it is ready: the controller probes readiness);
+    ``alive`` is cheap and never blocks; ``stop`` sends a graceful stop, waits up to ``grace`` seconds, then
+    kills, and is a no-op for a replica that is already gone.
+    """
+
+    def launch(self, spec: LaunchSpec) -> Launched: ...
+
+    def alive(self, pid: int) -> bool: ...
+
+    def stop(self, pid: int, grace: float = 5.0) -> None: ...
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+_NAME_LINE = re.compile(r'^\s*name\s*:\s*"[^"]*"\s*$', re.MULTILINE)
+
+
+def model_view(spec: LaunchSpec, root: Path) -> Path:
+    """A one-model repository under ``root`` that serves ``spec.model_dir`` as ``spec.serve_as``.
+
+    Version folders are symlinked (no copy of the weights); ``config.pbtxt`` is copied with its ``name``
+    rewritten, since Triton's layout requires the folder and the configured name to agree.
+    """
+    if not spec.model_dir.is_dir():
+        raise NotFoundError(f"model folder {spec.model_dir} does not exist")
+    repo = root / "repository"
+    target = repo / spec.serve_as
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    for entry in sorted(spec.model_dir.iterdir()):
+        if entry.is_dir() and entry.name.isdigit():
+            (target / entry.name).symlink_to(entry.resolve(), target_is_directory=True)
+        elif entry.name == "config.pbtxt":
+            text = entry.read_text()
+            if _NAME_LINE.search(text):
+                text = _NAME_LINE.sub(f'name: "{spec.serve_as}"', text, count=1)
+            (target / "config.pbtxt").write_text(text)
+        elif entry.is_file():
+            (target / entry.name).symlink_to(entry.resolve())
+    return repo
+
+
+class LocalProcessLauncher:
+    """Replicas as local ``octacloud serve`` processes, one per slice."""
+
+    def __init__(self, workdir: Path, host: str = "127.0.0.1", python: str = sys.executable) -> None:
+        self.workdir = workdir
+        self.host = host
+        self.python = python
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+
+    def launch(self, spec: LaunchSpec) -> Launched:
+        root = self.workdir / spec.replica_id
+        root.mkdir(parents=True, exist_ok=True)
+        repo = model_view(spec, root)
+        ports = [free_port(self.host) for _ in range(3)]
+        if len(set(ports)) != 3:
+            raise InvalidSpecError("could not find three distinct free ports")
+        argv = [
+            self.python, "-m", "octacloud", "serve",
+            "--repository", str(repo),
+            "--model-control-mode", "explicit",
+            "--load-model", spec.serve_as,
+            "--host", self.host,
+            "--http-port", str(ports[0]),
+            "--grpc-port", str(ports[1]),
+            "--metrics-port", str(ports[2]),
+            "--threads", str(spec.threads),
+        ]  # fmt: skip
+        env = {**os.environ, **spec.env, "OCTACLOUD_REPLICA_ID": spec.replica_id, "PYTHONUNBUFFERED": "1"}
+        log = root / "replica.log"
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # survives a controller restart; stopped by PID
+                cwd=root,
+            )
+        self._children[proc.pid] = proc
+        return Launched(proc.pid, self.host, ports[0], ports[1], ports[2], log)
+
+    def alive(self, pid: int) -> bool:
+        child = self._children.get(pid)
+        if child is not None:
+            if child.poll() is None:
+                return True
+            del self._children[pid]
+            return False
+        return _pid_alive(pid)
+
+    def stop(self, pid: int, grace: float = 5.0) -> None:
+        if not self.alive(pid):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if not self.alive(pid):
+                return
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        child = self._children.pop(pid, None)
+        if child is not None:
+            child.wait(timeout=5)
+
+
+def _pid_alive(pid: int) -> bool:
+    """True when ``pid`` exists and is not a zombie (works for processes that are not our children)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"

@@ -1,0 +1,171 @@
+"""The state store: deployments, replicas and events, in SQLite by default (PostgreSQL by URL).
+
+The controller is the only writer. Everything it needs to come back after a restart lives here: the
+deployments it was asked for and the replicas it launched (their slices, PIDs and ports), so that a restarted
+controller adopts live replicas instead of starting them twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+from sqlalchemy import Float, Integer, String, Text, create_engine, event, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
+from octacloud.core.errors import NotFoundError
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class _DeploymentRow(_Base):
+    __tablename__ = "deployments"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    spec: Mapped[str] = mapped_column(Text)
+    replicas: Mapped[int] = mapped_column(Integer)
+    octants: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Float)
+    generation: Mapped[int] = mapped_column(Integer)
+
+
+class _ReplicaRow(_Base):
+    __tablename__ = "replicas"
+    id: Mapped[str] = mapped_column(String(96), primary_key=True)
+    deployment: Mapped[str] = mapped_column(String(64), index=True)
+    data: Mapped[str] = mapped_column(Text)
+
+
+class _EventRow(_Base):
+    __tablename__ = "events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[float] = mapped_column(Float, index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    subject: Mapped[str] = mapped_column(String(128))
+    message: Mapped[str] = mapped_column(Text)
+
+
+def sqlite_url(path: Path) -> str:
+    return f"sqlite:///{path}"
+
+
+class StateStore:
+    """Deployments, replicas and events behind one small interface (SQLAlchemy)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine: Engine = create_engine(url, future=True)
+        if url.startswith("sqlite"):
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        _Base.metadata.create_all(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @classmethod
+    def at(cls, path: Path) -> StateStore:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return cls(sqlite_url(path))
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        with self._sessions.begin() as session:
+            yield session
+
+    # ---- deployments -------------------------------------------------------------------------------------
+
+    def put_deployment(self, d: Deployment) -> None:
+        with self._tx() as s:
+            s.merge(
+                _DeploymentRow(
+                    name=d.spec.name,
+                    spec=json.dumps(asdict(d.spec)),
+                    replicas=d.replicas,
+                    octants=d.octants,
+                    created_at=d.created_at,
+                    generation=d.generation,
+                )
+            )
+
+    def get_deployment(self, name: str) -> Deployment:
+        with self._tx() as s:
+            row = s.get(_DeploymentRow, name)
+            if row is None:
+                raise NotFoundError(f"no deployment named {name!r}")
+            return _deployment(row)
+
+    def deployments(self) -> list[Deployment]:
+        with self._tx() as s:
+            return [_deployment(r) for r in s.scalars(select(_DeploymentRow).order_by(_DeploymentRow.created_at))]
+
+    def delete_deployment(self, name: str) -> None:
+        with self._tx() as s:
+            row = s.get(_DeploymentRow, name)
+            if row is None:
+                raise NotFoundError(f"no deployment named {name!r}")
+            s.delete(row)
+
+    # ---- replicas ----------------------------------------------------------------------------------------
+
+    def put_replica(self, r: Replica) -> None:
+        data = asdict(r)
+        data["state"] = r.state.value
+        with self._tx() as s:
+            s.merge(_ReplicaRow(id=r.id, deployment=r.deployment, data=json.dumps(data)))
+
+    def delete_replica(self, replica_id: str) -> None:
+        with self._tx() as s:
+            row = s.get(_ReplicaRow, replica_id)
+            if row is not None:
+                s.delete(row)
+
+    def replicas(self, deployment: str | None = None) -> list[Replica]:
+        with self._tx() as s:
+            q = select(_ReplicaRow).order_by(_ReplicaRow.id)
+            if deployment is not None:
+                q = q.where(_ReplicaRow.deployment == deployment)
+            return [_replica(r) for r in s.scalars(q)]
+
+    # ---- events ------------------------------------------------------------------------------------------
+
+    def add_event(self, kind: str, subject: str, message: str, at: float | None = None) -> None:
+        with self._tx() as s:
+            s.add(_EventRow(at=time.time() if at is None else at, kind=kind, subject=subject, message=message))
+
+    def events(self, limit: int = 100) -> list[dict[str, object]]:
+        with self._tx() as s:
+            rows = s.scalars(select(_EventRow).order_by(_EventRow.id.desc()).limit(limit))
+            return [{"at": r.at, "kind": r.kind, "subject": r.subject, "message": r.message} for r in rows]
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:
+    cursor = dbapi_connection.cursor()  # type: ignore[attr-defined]
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.close()
+
+
+def _deployment(row: _DeploymentRow) -> Deployment:
+    return Deployment(
+        spec=DeploymentSpec(**json.loads(row.spec)),
+        replicas=row.replicas,
+        octants=row.octants,
+        created_at=row.created_at,
+        generation=row.generation,
+    )
+
+
+def _replica(row: _ReplicaRow) -> Replica:
+    data = json.loads(row.data)
+    data["state"] = ReplicaState(data["state"])
+    data["gpus"] = tuple(data["gpus"])
+    return Replica(**data)
