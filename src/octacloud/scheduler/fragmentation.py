@@ -1,0 +1,250 @@
+"""GPU fragmentation as the FGD paper measures it (Weng et al., USENIX ATC'23), computed exactly as the authors'
+simulator does, with caches that make it cheap enough to evaluate after every placement.
+
+A *target workload* is a distribution over task shapes ``(cpu_milli, gpu_milli, num_gpu, gpu_models)``. A node's
+fragmentation is the expected idle milli-GPU that a task drawn from that workload could not use:
+
+* a CPU-only shape, or a shape whose GPU models exclude the node, counts all idle GPU of the node as fragment;
+* a GPU shape that fits the node (enough cards with ``free >= gpu_milli``, enough CPU) counts the idle milli-GPU
+  of the cards too small for it (``free < gpu_milli``);
+* a GPU shape that does not fit (too few such cards, or too little CPU) counts all idle GPU.
+
+Only CPU and milli-GPU matter (the authors' model ignores memory). The value depends on a node's free CPU only
+through which shape CPU thresholds it meets, and on its cards only through the multiset of free milli-GPU, so
+results are cached on ``(model class, CPU threshold bucket, sorted free cards)``: nodes that differ in card order,
+memory or CPU within a bucket share one entry.
+
+The per-shape contributions are summed in the authors' order (by fragment kind, then by shape) so that the
+floating-point result, and hence FGD's integer-truncated score, matches theirs bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+
+from octacloud.core.errors import InvalidSpecError
+from octacloud.core.model import Request
+from octacloud.scheduler.framework.state import ClusterState
+
+_CACHE_LIMIT = 1 << 18
+"""Entries kept per fragmentation cache before it is cleared (bounds memory on long churn runs)."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class WorkloadShape:
+    """One task shape of a target workload (``gpu_milli`` is per card; ``num_gpu`` cards)."""
+
+    cpu_milli: int
+    gpu_milli: int
+    num_gpu: int
+    gpu_models: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, request: Request) -> WorkloadShape:
+        return cls(request.cpu_milli, request.gpu_milli, request.num_gpu, request.gpu_models)
+
+    @property
+    def spec(self) -> str:
+        """The allowed GPU models as the traces write them (``A|B``, sorted; empty = any)."""
+        return "|".join(sorted(self.gpu_models))
+
+
+@dataclass(frozen=True, slots=True)
+class TargetWorkload:
+    """A distribution over task shapes: ``probabilities[k]`` is the chance of ``shapes[k]``."""
+
+    shapes: tuple[WorkloadShape, ...]
+    probabilities: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.shapes) != len(self.probabilities):
+            raise InvalidSpecError(
+                f"target workload: {len(self.shapes)} shapes but {len(self.probabilities)} probabilities"
+            )
+        if not self.shapes:
+            raise InvalidSpecError("target workload: needs at least one shape")
+        for shape, p in zip(self.shapes, self.probabilities, strict=True):
+            if not (0.0 <= p <= 1.0) or math.isnan(p):
+                raise InvalidSpecError(f"target workload: probability of {shape} must be in [0, 1], got {p}")
+        total = math.fsum(self.probabilities)
+        if abs(total - 1.0) > 1e-6:
+            raise InvalidSpecError(f"target workload: probabilities must sum to 1, got {total}")
+
+    @classmethod
+    def from_requests(cls, requests: Iterable[Request], coverage: float = 0.95) -> TargetWorkload:
+        """FGD's definition: the most frequent shapes covering ``coverage`` of the requests, renormalised.
+
+        Shapes are ranked by count, ties by the larger CPU, then GPU milli, card count and model spec (the
+        authors' stable order); shapes are added one at a time until their count reaches ``coverage`` of all.
+        CPU-only requests are shapes like any other.
+        """
+        if not 0.0 < coverage <= 1.0:
+            raise InvalidSpecError(f"target workload: coverage must be in (0, 1], got {coverage}")
+        counts = Counter(WorkloadShape.of(r) for r in requests)
+        if not counts:
+            raise InvalidSpecError("target workload: no requests to learn shapes from")
+        total = sum(counts.values())
+        ranked = sorted(
+            counts.items(),
+            key=lambda kv: (kv[1], kv[0].cpu_milli, kv[0].gpu_milli, kv[0].num_gpu, kv[0].spec),
+            reverse=True,
+        )
+        expected = coverage * total
+        chosen: list[tuple[WorkloadShape, int]] = []
+        covered = 0
+        for shape, n in ranked:
+            if covered >= expected:
+                break
+            chosen.append((shape, n))
+            covered += n
+        return cls(tuple(s for s, _ in chosen), tuple(n / covered for _, n in chosen))
+
+    @classmethod
+    def from_weights(cls, weights: Mapping[WorkloadShape, float]) -> TargetWorkload:
+        """A workload from relative weights (normalised here)."""
+        total = math.fsum(weights.values())
+        if total <= 0:
+            raise InvalidSpecError("target workload: weights must sum to more than 0")
+        return cls(tuple(weights), tuple(w / total for w in weights.values()))
+
+
+@dataclass(slots=True)
+class FragmentationModel:
+    """A target workload compiled for fast, cached fragmentation of node states.
+
+    Guarantees: :meth:`fragmentation` is a pure function of its arguments (the caches never change a result),
+    equal to the authors' ``NodeGpuShareFragAmountScore`` for the same node state.
+    """
+
+    workload: TargetWorkload
+    _cpu_thresholds: list[int] = field(default_factory=list)
+    _access: dict[str, int] = field(default_factory=dict)
+    _access_masks: list[tuple[bool, ...]] = field(default_factory=list)
+    _cache: dict[tuple[int, int, tuple[int, ...]], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._cpu_thresholds = sorted({s.cpu_milli for s in self.workload.shapes})
+
+    def fragmentation(self, gpu_model: str, cpu_left: int, free: Iterable[int]) -> float:
+        """Expected idle milli-GPU that a task of the workload could not use, on a node in this state."""
+        access = self._access.get(gpu_model)
+        if access is None:
+            access = self._access_class(gpu_model)
+        key = (access, bisect_right(self._cpu_thresholds, cpu_left), tuple(sorted(free)))
+        value = self._cache.get(key)
+        if value is None:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            value = self._cache[key] = self._compute(self._access_masks[access], cpu_left, key[2])
+        return value
+
+    def _access_class(self, gpu_model: str) -> int:
+        mask = tuple(not s.gpu_models or (bool(gpu_model) and gpu_model in s.gpu_models) for s in self.workload.shapes)
+        try:
+            access = self._access_masks.index(mask)
+        except ValueError:
+            access = len(self._access_masks)
+            self._access_masks.append(mask)
+        self._access[gpu_model] = access
+        return access
+
+    def _compute(self, accessible: tuple[bool, ...], cpu_left: int, free_sorted: tuple[int, ...]) -> float:
+        total = sum(free_sorted)
+        if total == 0:
+            return 0.0
+        # Fragment kinds in the authors' order: lack both, lack GPU, (satisfied), lack CPU, CPU-only ok,
+        # CPU-only lacking CPU, no access. Each accumulates over shapes in order; the sum skips "satisfied".
+        q1 = q2 = q4 = xl = xr = na = 0.0
+        n_cards = len(free_sorted)
+        for shape, p, ok in zip(self.workload.shapes, self.workload.probabilities, accessible, strict=True):
+            milli = shape.gpu_milli
+            cpu_fits = cpu_left >= shape.cpu_milli
+            if milli == 0:
+                if cpu_fits:
+                    xl += p * total
+                else:
+                    xr += p * total
+            elif not ok:
+                na += p * total
+            else:
+                small = bisect_left(free_sorted, milli)
+                if n_cards - small >= shape.num_gpu:
+                    if cpu_fits:
+                        q2 += p * sum(free_sorted[:small])
+                    else:
+                        q4 += p * total
+                elif cpu_fits:
+                    q2 += p * total
+                else:
+                    q1 += p * total
+        return q1 + q2 + q4 + xl + xr + na
+
+
+@cache
+def compile_workload(workload: TargetWorkload) -> FragmentationModel:
+    """The (shared, cached) compiled model of ``workload``."""
+    return FragmentationModel(workload)
+
+
+def node_fragmentation(state: ClusterState, node_index: int, workload: TargetWorkload) -> float:
+    """Fragmentation of node ``node_index`` now: expected idle milli-GPU a task of ``workload`` could not use."""
+    model, cpu_left, _memory, free = state.signature[node_index]
+    return compile_workload(workload).fragmentation(model, cpu_left, free)
+
+
+class FragmentationTracker:
+    """Per-node fragmentation and the cluster total, kept current incrementally.
+
+    Call :meth:`update` with each node that changed (or :meth:`refresh` after many changes); the total is then
+    exact up to float rounding, which a periodic full re-sum bounds.
+    """
+
+    _RESUM_EVERY = 4096
+
+    def __init__(self, state: ClusterState, workload: TargetWorkload) -> None:
+        self.state = state
+        self.workload = workload
+        self.model = compile_workload(workload)
+        self._signature = list(state.signature)
+        self.per_node: list[float] = [self._of(i) for i in range(len(state))]
+        self.total: float = math.fsum(self.per_node)
+        self._updates = 0
+
+    def update(self, node_index: int) -> float:
+        """Re-evaluate one node (cheap when its signature did not change); returns the new cluster total."""
+        sig = self.state.signature[node_index]
+        if sig is self._signature[node_index] or sig == self._signature[node_index]:
+            return self.total
+        self._signature[node_index] = sig
+        value = self._of(node_index)
+        self.total += value - self.per_node[node_index]
+        self.per_node[node_index] = value
+        self._updates += 1
+        if self._updates % self._RESUM_EVERY == 0:
+            self.total = math.fsum(self.per_node)
+        return self.total
+
+    def refresh(self) -> float:
+        """Re-evaluate every node whose signature changed."""
+        for i in range(len(self.state)):
+            self.update(i)
+        self.total = math.fsum(self.per_node)
+        return self.total
+
+    def idle_gpu_milli(self) -> int:
+        """Free milli-GPU on usable cards of the whole cluster."""
+        return sum(sum(sig[3]) for sig in self.state.signature)
+
+    def rate(self) -> float:
+        """Fragmentation as a share of idle GPU (0..1; 0 when nothing is idle)."""
+        idle = self.idle_gpu_milli()
+        return self.total / idle if idle else 0.0
+
+    def _of(self, i: int) -> float:
+        model, cpu_left, _memory, free = self.state.signature[i]
+        return self.model.fragmentation(model, cpu_left, free)
