@@ -1,0 +1,87 @@
+"""Probes and model footprints: the controller's I/O towards replicas and the repository."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from octacloud.cluster.deployments import Replica
+from octacloud.cluster.gateway.upstream import UpstreamError, UpstreamPool
+from octacloud.cluster.sizing import ModelFootprint
+from octacloud.core.errors import InvalidSpecError, NotFoundError
+
+
+class HttpProber:
+    """Readiness through the replica's own OIP endpoint: ``GET /v2/models/<model>/ready``."""
+
+    def __init__(self, pool: UpstreamPool | None = None) -> None:
+        self.pool = pool or UpstreamPool(max_idle_per_host=2, connect_timeout=1.0)
+
+    async def ready(self, replica: Replica, model: str, timeout: float) -> bool:
+        if not replica.http_port:
+            return False
+        try:
+            response = await self.pool.request(
+                "127.0.0.1", replica.http_port, b"GET", f"/v2/models/{model}/ready".encode(), [], b"", timeout
+            )
+        except (UpstreamError, TimeoutError, OSError):
+            return False
+        return response.status == 200
+
+
+class RepositoryFootprints:
+    """A model's footprint from its folder: ``config.pbtxt`` parameters written by the toolchain
+    (``octacloud.weights_bytes``, ``octacloud.bytes_per_sample``), ``max_batch_size``, and the newest
+    version's ``profile.json``; without them, the size of the ONNX files stands for the weights."""
+
+    def __init__(self, repository: Path) -> None:
+        self.repository = repository
+
+    def __call__(self, model: str) -> ModelFootprint:
+        folder = self.repository / model
+        if not folder.is_dir():
+            raise NotFoundError(f"model {model!r} is not in the repository {self.repository}")
+        config = model_config_pb2.ModelConfig()
+        config_path = folder / "config.pbtxt"
+        if config_path.exists():
+            try:
+                text_format.Parse(config_path.read_text(), config)
+            except text_format.ParseError as exc:
+                raise InvalidSpecError(f"{config_path}: {exc}") from None
+        versions = sorted((p for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+        if not versions:
+            raise NotFoundError(f"model {model!r} has no version folders in {folder}")
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        weights = _int(params.get("octacloud.weights_bytes"))
+        if weights is None:
+            weights = sum(f.stat().st_size for f in versions[-1].rglob("*") if f.is_file())
+        per_sample = _int(params.get("octacloud.bytes_per_sample")) or 0
+        throughput = _profile_throughput(versions[-1] / "profile.json")
+        return ModelFootprint(weights, per_sample, max(1, config.max_batch_size), throughput)
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None
+
+
+def _profile_throughput(path: Path) -> float | None:
+    """Best samples/s in a toolchain profile, if there is one (any layout with a list of batch points)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    best = None
+    points = data.get("batches") or data.get("points") or data.get("throughput") or []
+    if isinstance(points, list):
+        for p in points:
+            if isinstance(p, dict):
+                v = p.get("samples_per_s") or p.get("samples_per_second")
+                if isinstance(v, int | float):
+                    best = max(best or 0.0, float(v))
+    return best
