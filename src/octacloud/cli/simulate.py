@@ -1,0 +1,284 @@
+"""``octacloud simulate``: replay traces under the published protocol (or churn), and compare with the paper.
+
+* ``octacloud simulate --nodes N.csv --pods P.csv [--pods Q.csv] --policy fgd,bestfit --seeds 42-51 --out DIR``
+  writes ``alloc.csv``, ``frag.csv``, ``summary.json`` and PNGs;
+* with ``--arrivals poisson:RATE --lifetime lognormal:MU,SIGMA --duration SECONDS`` it runs churn mode instead
+  and writes ``churn.json`` (time-averaged GPU allocation, failed and queued requests) and ``churn_*.png``;
+* ``octacloud simulate compare DIR --published fgd_published_alloc.csv`` lines our results up with the paper's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from octacloud.core.errors import InvalidSpecError
+
+if TYPE_CHECKING:
+    from octacloud.sim.experiment import ChurnResult, RunResult
+    from octacloud.sim.report import Comparison
+
+app = typer.Typer(
+    name="simulate",
+    help="Fleet-scale simulation: the FGD paper's protocol, churn mode, and comparison with published results.",
+    add_completion=False,
+)
+
+
+def _fail(message: str) -> typer.Exit:
+    Console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
+    return typer.Exit(2)
+
+
+def _existing(path: Path | None, option: str) -> Path:
+    if path is None:
+        raise InvalidSpecError(f"{option} is required")
+    if not path.is_file():
+        raise InvalidSpecError(f"{option} {path}: no such file")
+    return path
+
+
+@app.callback(invoke_without_command=True)
+def simulate(
+    ctx: typer.Context,
+    nodes: Path | None = typer.Option(None, "--nodes", help="Fleet CSV (openb node list)."),
+    pods: list[Path] | None = typer.Option(None, "--pods", help="Pods CSV; repeat for several traces."),
+    policy: str = typer.Option("fgd", "--policy", help="Comma-separated policies, e.g. random,bestfit,fgd."),
+    seeds: str = typer.Option("42", "--seeds", help="Seeds: 42-51, or 42,45,50-51."),
+    tune: float = typer.Option(1.3, "--tune", help="Inflate each trace to TUNE × cluster GPU capacity."),
+    out: Path | None = typer.Option(None, "--out", help="Folder for the result files (created if needed)."),
+    jobs: int = typer.Option(1, "--jobs", help="Runs in parallel worker processes (results do not depend on it)."),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG figures."),
+    arrivals: str | None = typer.Option(None, "--arrivals", help="Churn mode: poisson:RATE (requests per second)."),
+    lifetime: str = typer.Option("lognormal:7,1", "--lifetime", help="Churn: lognormal:MU,SIGMA | exponential:MEAN."),
+    duration: float = typer.Option(86400.0, "--duration", help="Churn: simulated seconds."),
+    warmup: float = typer.Option(0.0, "--warmup", help="Churn: seconds left out of the time average."),
+    queue: bool = typer.Option(False, "--queue/--no-queue", help="Churn: requests that fit nowhere wait."),
+    period: float = typer.Option(5.0, "--period", help="Churn: seconds between re-evaluations of the queue."),
+) -> None:
+    """Replay traces under the FGD paper's protocol (or in churn mode) and write results to --out."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from octacloud.sim.experiment import ChurnSpec, RunSpec, check_policies, parse_seeds
+    from octacloud.sim.synthetic import parse_arrivals, parse_lifetime
+
+    try:
+        fleet = _existing(nodes, "--nodes")
+        traces = [_existing(p, "--pods") for p in (pods or [])]
+        if not traces:
+            raise InvalidSpecError("--pods is required (repeat it for several traces)")
+        if len({t.stem for t in traces}) != len(traces):
+            raise InvalidSpecError("--pods: two traces have the same file name; results are keyed by it")
+        if out is None:
+            raise InvalidSpecError("--out is required: the folder for alloc.csv, frag.csv, summary.json and PNGs")
+        if jobs < 1:
+            raise InvalidSpecError(f"--jobs must be >= 1, got {jobs}")
+        policies = check_policies([p.strip() for p in policy.split(",") if p.strip()])
+        seed_list = parse_seeds(seeds)
+        if arrivals is None:
+            if not 0 < tune <= 10:
+                raise InvalidSpecError(f"--tune must be in (0, 10], got {tune}")
+            specs = [RunSpec(fleet, t, p, s, tune) for t in traces for p in policies for s in seed_list]
+        else:
+            if duration <= 0 or not 0 <= warmup < duration or period <= 0:
+                raise InvalidSpecError(
+                    f"churn: need --duration > 0, 0 <= --warmup < --duration and --period > 0 "
+                    f"(got {duration}, {warmup}, {period})"
+                )
+            arrival_spec, lifetime_spec = parse_arrivals(arrivals), parse_lifetime(lifetime)
+            churn_specs = [
+                ChurnSpec(fleet, t, p, s, arrival_spec, lifetime_spec, duration, queue, period, warmup)
+                for t in traces
+                for p in policies
+                for s in seed_list
+            ]
+        out.mkdir(parents=True, exist_ok=True)
+    except InvalidSpecError as exc:
+        raise _fail(str(exc)) from None
+    except OSError as exc:
+        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
+
+    try:
+        if arrivals is None:
+            _run_protocol(specs, out, jobs, plots)
+        else:
+            _run_churn(churn_specs, out, jobs, plots)
+    except InvalidSpecError as exc:
+        raise _fail(str(exc)) from None
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _run_protocol(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> None:
+    from octacloud.sim.experiment import RunSpec, run_many
+    from octacloud.sim.report import curve_rows, write_curves, write_summary
+
+    console = Console()
+    run_specs = [s for s in specs if isinstance(s, RunSpec)]
+    with _progress(console) as progress:
+        task = progress.add_task("simulating", total=len(run_specs))
+
+        def done(result: RunResult) -> None:
+            s = result.spec
+            progress.update(task, advance=1, description=f"{s.workload} {s.policy} seed {s.seed}")
+
+        results = run_many(run_specs, jobs=jobs, on_result=done)
+    alloc_rows = curve_rows(results, "alloc")
+    write_curves(out / "alloc.csv", alloc_rows)
+    write_curves(out / "frag.csv", curve_rows(results, "frag"))
+    write_summary(out / "summary.json", results)
+    if plots:
+        from octacloud.sim.plots import unallocated_bars, unallocated_curves
+
+        unallocated_curves(alloc_rows, out)
+        unallocated_bars(alloc_rows, out)
+    console.print(_results_table(results))
+    console.print(f"results in {out}/ (alloc.csv, frag.csv, summary.json{', *.png' if plots else ''})")
+
+
+def _results_table(results: Sequence[RunResult]) -> Table:
+    from octacloud.sim.report import mean_sd
+
+    table = Table(title="unallocated GPU % (mean ± sd over seeds)")
+    for name, justify in (
+        ("workload", "left"),
+        ("policy", "left"),
+        ("seeds", "right"),
+        ("@100 %", "right"),
+        ("@130 %", "right"),
+        ("failed pods", "right"),
+        ("decisions/s", "right"),
+        ("p99 ms", "right"),
+        ("s/run", "right"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    groups: dict[tuple[str, str], list[RunResult]] = {}
+    for r in results:
+        groups.setdefault((r.spec.workload, r.spec.policy), []).append(r)
+    for (workload, policy), runs in groups.items():
+        cells = []
+        for at in (100, 130):
+            mean, sd = mean_sd(r.unallocated_at(at) for r in runs)
+            cells.append("n/a" if mean is None else f"{mean:.2f} ± {sd or 0.0:.2f}")
+        n = len(runs)
+        table.add_row(
+            workload,
+            policy,
+            str(n),
+            *cells,
+            f"{sum(r.failed for r in runs) / n:.0f}",
+            f"{sum(r.decisions_per_second for r in runs) / n:,.0f}",
+            f"{max(r.p99_decision_ms for r in runs):.2f}",
+            f"{sum(r.wall_seconds for r in runs) / n:.1f}",
+        )
+    return table
+
+
+def _run_churn(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> None:
+    from octacloud.sim.experiment import ChurnSpec, run_churn, run_parallel
+
+    console = Console()
+    churn_specs = [s for s in specs if isinstance(s, ChurnSpec)]
+    with _progress(console) as progress:
+        task = progress.add_task("churn", total=len(churn_specs))
+
+        def done(result: ChurnResult) -> None:
+            s = result.spec
+            progress.update(task, advance=1, description=f"{s.workload} {s.policy} seed {s.seed}")
+
+        results = run_parallel(run_churn, churn_specs, jobs=jobs, on_result=done)
+    (out / "churn.json").write_text(json.dumps({"runs": [r.summary() for r in results]}, indent=2) + "\n")
+    if plots:
+        from octacloud.sim.plots import churn_timelines
+
+        churn_timelines(results, out)
+    table = Table(title="churn: time-averaged GPU allocation")
+    for name in ("workload", "policy", "seed", "offered %", "allocated %", "placed", "failed", "queued", "wait s"):
+        table.add_column(name, justify="left" if name in ("workload", "policy") else "right")
+    for r in results:
+        rep = r.report
+        table.add_row(
+            r.spec.workload,
+            r.spec.policy,
+            str(r.spec.seed),
+            f"{r.offered_load_pct:.1f}",
+            f"{rep.time_avg_allocated_pct:.2f}",
+            str(rep.placed),
+            str(rep.failed),
+            str(rep.queued_at_end),
+            f"{rep.mean_wait_seconds:.1f}",
+        )
+    console.print(table)
+    console.print(f"results in {out}/ (churn.json{', churn_*.png' if plots else ''})")
+
+
+@app.command("compare")
+def compare(
+    results_dir: Path = typer.Argument(..., help="A folder written by `octacloud simulate` (with alloc.csv)."),
+    published: Path = typer.Option(..., "--published", help="The published alloc CSV (fgd_published_alloc.csv)."),
+    at: int = typer.Option(100, "--at", help="Arrived GPU % at which to compare (0..130)."),
+    tolerance: float = typer.Option(0.5, "--tolerance", help="Percentage points within which a row matches."),
+    output_format: str = typer.Option("table", "--format", help="table, csv or json."),
+) -> None:
+    """Side by side: published vs our unallocated GPU % (mean ± sd over seeds) per workload and policy."""
+    from octacloud.sim.report import compare as compare_rows
+    from octacloud.sim.report import comparison_csv, read_curves
+
+    try:
+        if output_format not in ("table", "csv", "json"):
+            raise InvalidSpecError(f"--format must be table, csv or json, got {output_format!r}")
+        ours_path = results_dir / "alloc.csv"
+        if not results_dir.is_dir():
+            raise InvalidSpecError(f"{results_dir}: no such folder (give the --out folder of `octacloud simulate`)")
+        if not ours_path.is_file():
+            raise InvalidSpecError(f"{results_dir}: no alloc.csv here; run `octacloud simulate --out {results_dir}`")
+        table = compare_rows(read_curves(ours_path), read_curves(published), at=at)
+    except InvalidSpecError as exc:
+        raise _fail(str(exc)) from None
+    if output_format == "csv":
+        typer.echo(comparison_csv(table), nl=False)
+    elif output_format == "json":
+        typer.echo(json.dumps([row.as_dict() for row in table], indent=2))
+    else:
+        Console().print(_comparison_table(table, at, tolerance))
+
+
+def _comparison_table(rows: Sequence[Comparison], at: int, tolerance: float) -> Table:
+    def fmt(mean: float | None, sd: float | None, n: int) -> str:
+        return "—" if mean is None else f"{mean:.2f} ± {sd or 0.0:.2f} (n={n})"
+
+    table = Table(title=f"unallocated GPU % at {at} % arrived: published vs octacloud")
+    for name in ("workload", "policy", "published", "ours", "diff", f"|diff| ≤ {tolerance:g}"):
+        table.add_column(name, justify="left" if name in ("workload", "policy") else "right")
+    for row in rows:
+        within = row.within(tolerance)
+        diff = row.difference
+        table.add_row(
+            row.workload,
+            row.sc_policy,
+            fmt(row.published_mean, row.published_sd, row.published_n),
+            fmt(row.ours_mean, row.ours_sd, row.ours_n),
+            "—" if diff is None else f"{diff:+.2f}",
+            "—" if within is None else ("yes" if within else "[red]no[/red]"),
+        )
+    return table
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="simulate")
