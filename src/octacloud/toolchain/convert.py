@@ -1,0 +1,210 @@
+"""``convert``: a source model → fp32/fp16/int8 ONNX variants, checked for parity, profiled, published.
+
+The pipeline, all of it inside a staging directory of the repository:
+
+1. export the source to ONNX (dynamic batch axis) and apply portable graph optimisations → the fp32 graph;
+2. derive the fp16 graph and the int8 graph (dynamic quantization, or static with a calibration set);
+3. run every variant on the same seeded sample inputs as the source framework and compare
+   (:mod:`.parity`); a variant outside its tolerance is dropped unless ``force``;
+4. profile each remaining variant (:mod:`.profiling`) and write its ``config.pbtxt``;
+5. publish them all at once (:meth:`ModelRepository.publish`).
+
+Any error before step 5 leaves the repository exactly as it was; step 5 is all or nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from octacloud.core.errors import InvalidSpecError
+from octacloud.toolchain.errors import ConversionError
+from octacloud.toolchain.onnxgraph import check_model, open_session, optimize_offline, run, signature
+from octacloud.toolchain.parity import DEFAULT_TOLERANCES, PARITY_FILENAME, ParityReport, Tolerance, compare
+from octacloud.toolchain.profile import PRECISIONS, ModelProfile, Precision
+from octacloud.toolchain.profiling import ProfileSettings, measure_profile
+from octacloud.toolchain.repository import (
+    MODEL_FILENAME,
+    ModelRepository,
+    PublishedVersion,
+    StagedModel,
+    build_config,
+    check_model_name,
+    variant_name,
+)
+from octacloud.toolchain.sources import SourceModel
+from octacloud.toolchain.variants import CalibrationSet, load_calibration, to_fp16, to_int8_dynamic, to_int8_static
+
+
+@dataclass(frozen=True, slots=True)
+class ConvertOptions:
+    name: str
+    precisions: tuple[Precision, ...] = PRECISIONS
+    max_batch_size: int = 32
+    calibration: Path | Mapping[str, np.ndarray] | None = None
+    """int8 calibration set (an ``.npz`` path or arrays by input name): static quantization when given."""
+    tolerances: Mapping[Precision, Tolerance] = field(default_factory=lambda: dict(DEFAULT_TOLERANCES))
+    force: bool = False
+    """Publish variants outside tolerance too (their parity report says so)."""
+    parity_samples: int = 8
+    seed: int = 0
+    profile: ProfileSettings = field(default_factory=ProfileSettings)
+    max_queue_delay_us: int = 2000
+
+    def __post_init__(self) -> None:
+        check_model_name(self.name)
+        if not self.precisions:
+            raise InvalidSpecError("at least one precision (fp32, fp16, int8) is needed")
+        bad = [p for p in self.precisions if p not in PRECISIONS]
+        if bad:
+            raise InvalidSpecError(f"unknown precision(s) {bad}; choose from {list(PRECISIONS)}")
+        if self.max_batch_size < 1:
+            raise InvalidSpecError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.parity_samples < 1:
+            raise InvalidSpecError(f"parity_samples must be >= 1, got {self.parity_samples}")
+
+
+@dataclass(frozen=True, slots=True)
+class VariantResult:
+    name: str
+    precision: Precision
+    file_bytes: int
+    parity: ParityReport
+    profile: ModelProfile | None
+    """``None`` when the variant was rejected (outside tolerance and not forced)."""
+    published: PublishedVersion | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ConversionResult:
+    source: str
+    variants: tuple[VariantResult, ...]
+
+    @property
+    def published(self) -> tuple[VariantResult, ...]:
+        return tuple(v for v in self.variants if v.published is not None)
+
+    @property
+    def rejected(self) -> tuple[VariantResult, ...]:
+        return tuple(v for v in self.variants if v.published is None)
+
+
+Progress = Callable[[str], None]
+
+
+def _calibration(source: SourceModel, options: ConvertOptions) -> CalibrationSet | None:
+    cal = options.calibration
+    if cal is None:
+        return None
+    if isinstance(cal, Path):
+        return load_calibration(cal, source.inputs)
+    return CalibrationSet(source.inputs, cal, "(arrays)")
+
+
+def _make_variant(
+    precision: Precision, fp32: Path, dst: Path, calibration: CalibrationSet | None, workdir: Path
+) -> None:
+    if precision == "fp32":
+        dst.write_bytes(fp32.read_bytes())
+    elif precision == "fp16":
+        to_fp16(fp32, dst)
+    elif calibration is not None:
+        to_int8_static(fp32, dst, calibration, workdir)
+    else:
+        to_int8_dynamic(fp32, dst)
+
+
+def convert(
+    source: SourceModel,
+    repository: ModelRepository,
+    options: ConvertOptions,
+    progress: Progress | None = None,
+) -> ConversionResult:
+    """Convert ``source`` and publish its variants into ``repository`` (see the module docstring)."""
+    say = progress or (lambda _msg: None)
+    calibration = _calibration(source, options)  # a bad calibration set fails before any work
+    names = {p: variant_name(options.name, p) for p in options.precisions}
+    for n in names.values():
+        check_model_name(n)
+    rng = np.random.default_rng(options.seed)
+    samples = source.sample_inputs(options.parity_samples, rng)
+    reference = source.reference(samples)
+    with repository.staging() as stage:
+        work = stage / "work"
+        work.mkdir()
+        say(f"exporting {source.description} to ONNX")
+        exported = work / "exported.onnx"
+        source.export(exported)
+        check_model(exported)
+        fp32 = work / "fp32.onnx"
+        optimize_offline(exported, fp32)
+        inputs, outputs = signature(check_model(fp32))
+        expected = [s.name for s in source.inputs]
+        if [s.name for s in inputs] != expected:
+            raise ConversionError(
+                f"the exported graph's inputs {[s.name for s in inputs]} differ from the source's {expected}"
+            )
+        results: list[VariantResult] = []
+        staged: list[StagedModel] = []
+        for precision in options.precisions:
+            name = names[precision]
+            say(f"{name}: building the {precision} variant")
+            directory = stage / name
+            directory.mkdir()
+            path = directory / MODEL_FILENAME
+            _make_variant(precision, fp32, path, calibration, work)
+            got = run(open_session(path, options.profile.threads), samples)
+            report = compare(
+                name,
+                precision,
+                got,
+                reference,
+                reference_name=source.reference_name,
+                classifier=source.classifier,
+                tolerance=options.tolerances.get(precision),
+                forced=options.force,
+            )
+            (directory / PARITY_FILENAME).write_text(report.to_json(), encoding="utf-8")
+            size = path.stat().st_size
+            if not report.publishable:
+                say(f"{name}: outside tolerance, not published ({'; '.join(report.failures)})")
+                results.append(VariantResult(name, precision, size, report, None))
+                continue
+            say(f"{name}: profiling")
+            profile = measure_profile(
+                name,
+                precision,
+                path,
+                inputs,
+                options.max_batch_size,
+                dataclasses.replace(
+                    options.profile, shape_hints={**source.shape_hints, **(options.profile.shape_hints or {})}
+                ),
+            )
+            config = build_config(
+                name,
+                inputs,
+                outputs,
+                max_batch_size=options.max_batch_size,
+                weights_bytes=profile.weights_bytes,
+                bytes_per_sample=profile.bytes_per_sample,
+                precision=precision,
+                max_queue_delay_us=options.max_queue_delay_us,
+            )
+            staged.append(StagedModel(name, directory, config, profile))
+            results.append(VariantResult(name, precision, size, report, profile))
+        published = {p.name: p for p in repository.publish(staged)}
+    final = tuple(
+        dataclasses.replace(r, published=published[r.name], profile=published[r.name].profile)
+        if r.name in published
+        else r
+        for r in results
+    )
+    for r in final:
+        if r.published is not None:
+            say(f"published {r.name} version {r.published.version}")
+    return ConversionResult(source.description, final)

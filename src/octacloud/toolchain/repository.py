@@ -1,0 +1,255 @@
+"""Publishing into a Triton-layout model repository, atomically.
+
+Layout (Triton's)::
+
+    <repository>/<model>/config.pbtxt
+    <repository>/<model>/<version>/model.onnx      the graph
+    <repository>/<model>/<version>/profile.json    its measured profile (octacloud.toolchain.profile)
+    <repository>/<model>/<version>/parity.json     its parity report against the source framework
+
+A precision variant is a model of its own (``minilm``, ``minilm_fp16``, ``minilm_int8``); every publish adds
+version ``max(existing) + 1``. Files are written under ``<repository>/.octacloud-staging/`` (names starting
+with ``.`` are never models) and moved in with ``rename``: a new model appears complete with its config; a new
+version of an existing model appears complete, then its config is replaced atomically. A repository that is
+polled therefore never sees half a model, and a publish that fails part-way is rolled back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from octacloud.core.errors import InvalidSpecError
+from octacloud.toolchain.profile import ModelProfile, Precision, write_profile
+from octacloud.toolchain.spec import TensorSpec, triton_type
+
+CONFIG_FILENAME: Final = "config.pbtxt"
+MODEL_FILENAME: Final = "model.onnx"
+STAGING_DIRNAME: Final = ".octacloud-staging"
+WEIGHTS_BYTES_PARAM: Final = "octacloud.weights_bytes"
+BYTES_PER_SAMPLE_PARAM: Final = "octacloud.bytes_per_sample"
+PRECISION_PARAM: Final = "octacloud.precision"
+DEFAULT_MAX_QUEUE_DELAY_US: Final = 2000
+
+
+def variant_name(base: str, precision: Precision) -> str:
+    """The repository name of ``base`` in ``precision``: fp32 keeps the base name."""
+    return base if precision == "fp32" else f"{base}_{precision}"
+
+
+def check_model_name(name: str) -> None:
+    if not name or name.startswith(".") or "/" in name or name != name.strip() or name in ("..",):
+        raise InvalidSpecError(
+            f"model name {name!r} is not usable as a repository directory (no '/', no leading '.', not empty)"
+        )
+
+
+def build_config(
+    name: str,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    *,
+    max_batch_size: int,
+    weights_bytes: int,
+    bytes_per_sample: int,
+    precision: Precision,
+    max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US,
+) -> mc.ModelConfig:
+    """Triton's ``ModelConfig`` for an ONNX model with a batch axis, dynamic batching and our parameters."""
+    config = mc.ModelConfig(
+        name=name, platform="onnxruntime_onnx", backend="onnxruntime", max_batch_size=max_batch_size
+    )
+    for spec in inputs:
+        config.input.add(
+            name=spec.name,
+            data_type=mc.DataType.Value(triton_type(spec.dtype)),
+            dims=[-1 if d is None else d for d in spec.sample_dims],
+        )
+    for spec in outputs:
+        config.output.add(
+            name=spec.name,
+            data_type=mc.DataType.Value(triton_type(spec.dtype)),
+            dims=[-1 if d is None else d for d in spec.sample_dims],
+        )
+    config.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
+    config.parameters[WEIGHTS_BYTES_PARAM].string_value = str(weights_bytes)
+    config.parameters[BYTES_PER_SAMPLE_PARAM].string_value = str(bytes_per_sample)
+    config.parameters[PRECISION_PARAM].string_value = precision
+    return config
+
+
+def config_text(config: mc.ModelConfig) -> str:
+    return str(text_format.MessageToString(config))
+
+
+def read_config(model_dir: Path) -> mc.ModelConfig:
+    path = model_dir / CONFIG_FILENAME
+    config = mc.ModelConfig()
+    try:
+        text_format.Parse(path.read_text(encoding="utf-8"), config)
+    except text_format.ParseError as e:
+        raise InvalidSpecError(f"{path}: not a valid Triton model configuration: {e}") from None
+    return config
+
+
+def versions(model_dir: Path) -> list[int]:
+    """The numeric version directories of a model, ascending."""
+    if not model_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+
+
+def _signature(config: mc.ModelConfig) -> tuple[object, ...]:
+    def io(items: Sequence[mc.ModelInput] | Sequence[mc.ModelOutput]) -> tuple[object, ...]:
+        return tuple((t.name, t.data_type, tuple(t.dims)) for t in items)
+
+    return io(config.input), io(config.output), config.max_batch_size
+
+
+@dataclass(frozen=True, slots=True)
+class StagedModel:
+    """A variant ready to publish: a directory holding ``model.onnx`` (+ ``parity.json``), its config and profile.
+
+    The profile's ``version`` is a placeholder: :meth:`ModelRepository.publish` sets the real one.
+    """
+
+    name: str
+    directory: Path
+    config: mc.ModelConfig
+    profile: ModelProfile
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedVersion:
+    name: str
+    version: int
+    path: Path
+    profile: ModelProfile
+
+
+class ModelRepository:
+    """A Triton-layout model repository on a local file system. One writer at a time."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def models(self) -> list[str]:
+        """Names of the models in the repository (directories with a ``config.pbtxt``), sorted."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            p.name
+            for p in self.root.iterdir()
+            if p.is_dir() and not p.name.startswith(".") and (p / CONFIG_FILENAME).is_file()
+        )
+
+    def versions(self, name: str) -> list[int]:
+        return versions(self.root / name)
+
+    def config(self, name: str) -> mc.ModelConfig:
+        return read_config(self.root / name)
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[Path]:
+        """A private scratch directory on the repository's file system (so ``rename`` into it is atomic).
+
+        Removed on exit, whatever happens; the repository itself is not touched.
+        """
+        created_root = not self.root.exists()
+        area = self.root / STAGING_DIRNAME
+        area.mkdir(parents=True, exist_ok=True)
+        path = area / uuid.uuid4().hex
+        path.mkdir()
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                area.rmdir()  # only succeeds when no other staging area is in use
+                if created_root:
+                    self.root.rmdir()  # only succeeds when nothing was published
+
+    def check_compatible(self, staged: StagedModel) -> None:
+        """Refuse a new version whose inputs, outputs or max batch size differ from the model's current config.
+
+        All versions of a Triton model share one ``config.pbtxt``: a different signature needs a new name.
+        """
+        model_dir = self.root / staged.name
+        if not (model_dir / CONFIG_FILENAME).is_file():
+            return
+        if _signature(read_config(model_dir)) != _signature(staged.config):
+            raise InvalidSpecError(
+                f"model {staged.name!r} already exists in {self.root} with different inputs, outputs or "
+                "max_batch_size; all versions of a model share one config.pbtxt, so publish under a new --name"
+            )
+
+    def publish(self, staged: Sequence[StagedModel]) -> list[PublishedVersion]:
+        """Move every staged variant into the repository as a new version; all or nothing.
+
+        On any failure, versions already moved are removed and replaced configs restored before re-raising.
+        """
+        for s in staged:
+            check_model_name(s.name)
+            self.check_compatible(s)
+        done: list[tuple[PublishedVersion, str | None]] = []  # (published, previous config text or None)
+        try:
+            for s in staged:
+                done.append(self._publish_one(s))
+        except BaseException:
+            for published, previous in reversed(done):
+                _rollback(published, previous)
+            raise
+        return [p for p, _ in done]
+
+    def _publish_one(self, s: StagedModel) -> tuple[PublishedVersion, str | None]:
+        model_dir = self.root / s.name
+        version = (max(versions(model_dir), default=0)) + 1
+        profile = dataclasses.replace(s.profile, model=s.name, version=version)
+        write_profile(profile, s.directory)
+        text = config_text(s.config)
+        if not model_dir.exists():
+            # A new model: assemble <model>/config.pbtxt + <model>/1/ beside the staged version, rename once.
+            shell = s.directory.parent / f"{s.name}.model"
+            shell.mkdir()
+            (shell / CONFIG_FILENAME).write_text(text, encoding="utf-8")
+            s.directory.rename(shell / str(version))
+            shell.rename(model_dir)
+            return PublishedVersion(s.name, version, model_dir / str(version), profile), None
+        previous = (model_dir / CONFIG_FILENAME).read_text(encoding="utf-8")
+        target = model_dir / str(version)
+        s.directory.rename(target)
+        published = PublishedVersion(s.name, version, target, profile)
+        try:
+            _atomic_write(model_dir / CONFIG_FILENAME, text)
+        except BaseException:
+            _rollback(published, previous)
+            raise
+        return published, previous
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _rollback(published: PublishedVersion, previous_config: str | None) -> None:
+    if previous_config is None:  # the whole model was new
+        shutil.rmtree(published.path.parent, ignore_errors=True)
+        return
+    shutil.rmtree(published.path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        _atomic_write(published.path.parent / CONFIG_FILENAME, previous_config)

@@ -1,0 +1,122 @@
+"""Precision variants of an fp32 ONNX graph: fp16 and int8.
+
+- **fp16**: weights and activations in half precision, inputs and outputs kept in their original types (the
+  wire format does not change), numerically sensitive ops left in fp32 by onnxruntime's converter's block list.
+- **int8, dynamic**: weights quantized per channel ahead of time, activations quantized on the fly
+  (``quantize_dynamic``): no calibration needed; the right default for transformers and MLPs.
+- **int8, static**: weights and activations quantized ahead of time in QDQ form, with activation ranges
+  calibrated on a user's sample set (``quantize_static``); the right choice for CNNs, whose convolutions
+  onnxruntime only accelerates in this form.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    CalibrationMethod,
+    QuantFormat,
+    QuantType,
+    quantize_dynamic,
+    quantize_static,
+)
+from onnxruntime.quantization.shape_inference import quant_pre_process
+from onnxruntime.transformers.float16 import convert_float_to_float16
+
+from octacloud.core.errors import InvalidSpecError
+from octacloud.toolchain.errors import CalibrationError, ConversionError
+from octacloud.toolchain.spec import TensorSpec, check_batch
+
+
+def to_fp16(src: Path, dst: Path) -> None:
+    model = onnx.load(str(src))
+    try:
+        half = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=False)
+    except Exception as e:
+        raise ConversionError(f"fp16 conversion of {src.name} failed: {e}") from None
+    onnx.save(half, str(dst))
+
+
+def to_int8_dynamic(src: Path, dst: Path) -> None:
+    with _quiet_quantizer():
+        try:
+            quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True)
+        except Exception as e:
+            raise ConversionError(f"int8 dynamic quantization of {src.name} failed: {e}") from None
+
+
+class CalibrationSet(CalibrationDataReader):  # type: ignore[misc]  # onnxruntime is untyped
+    """Calibration samples fed one at a time (batch 1) to the calibrator.
+
+    ``arrays`` maps each model input to an array whose first axis indexes samples; it is checked against the
+    model's inputs on construction, so a mismatch is reported before any work is done.
+    """
+
+    def __init__(self, inputs: Sequence[TensorSpec], arrays: Mapping[str, np.ndarray], source: str) -> None:
+        try:
+            self.size = check_batch(inputs, arrays, f"calibration set {source}")
+        except InvalidSpecError as e:
+            raise CalibrationError(str(e)) from None
+        self._arrays = {s.name: np.asarray(arrays[s.name]).astype(s.dtype, copy=False) for s in inputs}
+        self._iter: Iterator[dict[str, np.ndarray]] = self._samples()
+
+    def _samples(self) -> Iterator[dict[str, np.ndarray]]:
+        for i in range(self.size):
+            yield {name: a[i : i + 1] for name, a in self._arrays.items()}
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._iter, None)
+
+    def rewind(self) -> None:
+        self._iter = self._samples()
+
+
+def load_calibration(path: Path, inputs: Sequence[TensorSpec]) -> CalibrationSet:
+    """Read a calibration set from an ``.npz`` file with one array per model input (samples on axis 0)."""
+    if not path.is_file():
+        raise CalibrationError(
+            f"calibration set {path} does not exist (expected an .npz with one array per "
+            f"input: {[s.name for s in inputs]})"
+        )
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+    except Exception as e:
+        raise CalibrationError(f"calibration set {path} is not a readable .npz file: {e}") from None
+    return CalibrationSet(inputs, arrays, str(path))
+
+
+def to_int8_static(src: Path, dst: Path, calibration: CalibrationSet, workdir: Path) -> None:
+    prepared = workdir / f"{src.stem}.preprocessed.onnx"
+    with _quiet_quantizer():
+        try:
+            quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
+            calibration.rewind()
+            quantize_static(
+                str(prepared),
+                str(dst),
+                calibration,
+                quant_format=QuantFormat.QDQ,
+                per_channel=True,
+                activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+                calibrate_method=CalibrationMethod.MinMax,
+            )
+        except Exception as e:
+            raise ConversionError(f"int8 static quantization of {src.name} failed: {e}") from None
+
+
+class _quiet_quantizer:  # a context manager used like a function
+    """The quantizer logs advice ("consider pre-processing") on the root logger; keep the CLI's output clean."""
+
+    def __enter__(self) -> None:
+        self._level = logging.root.level
+        logging.root.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: object) -> None:
+        logging.root.setLevel(self._level)
