@@ -1,1 +1,57 @@
-"""octacloud.serving."""
+"""Protocol-agnostic inference: model runtime, repository, dynamic batching, and the DataPlane that every
+front end calls. Imports no web or gRPC framework."""
+
+from octacloud.serving.dataplane import DataPlane, VersionStats
+from octacloud.serving.errors import (
+    InvalidInputError,
+    ModelConfigError,
+    ModelExecutionError,
+    ModelNotFoundError,
+    ModelNotReadyError,
+    NotAllowedError,
+    QueueFullError,
+    QueueTimeoutError,
+    ServingError,
+)
+from octacloud.serving.model import ModelState, ModelVersion
+from octacloud.serving.repository.repository import ControlMode, ModelRepository, RepositoryEntry
+from octacloud.serving.runtime import ModelRuntime, OnnxRuntime, RuntimeFactory, default_runtimes
+from octacloud.serving.types import (
+    InferenceRequest,
+    InferenceResponse,
+    ModelMetadata,
+    RequestedOutput,
+    ServerMetadata,
+    Tensor,
+    TensorMetadata,
+)
+
+__all__ = [
+    "ControlMode",
+    "DataPlane",
+    "InferenceRequest",
+    "InferenceResponse",
+    "InvalidInputError",
+    "ModelConfigError",
+    "ModelExecutionError",
+    "ModelMetadata",
+    "ModelNotFoundError",
+    "ModelNotReadyError",
+    "ModelRepository",
+    "ModelRuntime",
+    "ModelState",
+    "ModelVersion",
+    "NotAllowedError",
+    "OnnxRuntime",
+    "QueueFullError",
+    "QueueTimeoutError",
+    "RepositoryEntry",
+    "RequestedOutput",
+    "RuntimeFactory",
+    "ServerMetadata",
+    "ServingError",
+    "Tensor",
+    "TensorMetadata",
+    "VersionStats",
+    "default_runtimes",
+]

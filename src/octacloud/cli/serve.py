@@ -1,0 +1,56 @@
+"""``octacloud serve``: one replica server (REST, gRPC, metrics) over a Triton-layout model repository."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+
+
+def serve(
+    repository: Path = typer.Option(..., "--repository", "--model-repository", help="Model repository folder."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (all three endpoints)."),
+    http_port: int = typer.Option(8000, help="REST port (0: pick a free one; -1: off)."),
+    grpc_port: int = typer.Option(8001, help="gRPC port (0: pick a free one; -1: off)."),
+    metrics_port: int = typer.Option(8002, help="Prometheus metrics port (0: pick a free one; -1: off)."),
+    model_control_mode: str = typer.Option("none", help="none | poll | explicit (Triton's model control modes)."),
+    load_model: list[str] = typer.Option([], help="Model to load at start in explicit mode ('*': all)."),
+    threads: int = typer.Option(0, help="CPU threads for inference (0: $OCTACLOUD_THREADS or every core)."),
+    poll_seconds: float = typer.Option(15.0, help="Repository poll interval in poll mode."),
+    max_body_mb: int = typer.Option(64, help="Largest request body (MiB) over REST and gRPC."),
+    log_level: str = typer.Option("info", help="Log level."),
+) -> None:
+    """Serve the models of REPOSITORY over the Open Inference Protocol (REST and gRPC), as Triton does."""
+    from octacloud.protocols.server import ServerSettings, run
+    from octacloud.serving import ControlMode
+
+    try:
+        mode = ControlMode(model_control_mode)
+    except ValueError:
+        raise typer.BadParameter(f"must be none, poll or explicit, got {model_control_mode!r}") from None
+    if not repository.is_dir():
+        raise typer.BadParameter(f"{repository} is not a directory", param_hint="--repository")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def port(p: int) -> int | None:
+        return None if p < 0 else p
+
+    run(
+        ServerSettings(
+            repository=repository,
+            host=host,
+            http_port=port(http_port),
+            grpc_port=port(grpc_port),
+            metrics_port=port(metrics_port),
+            control_mode=mode,
+            load_models=tuple(load_model),
+            threads=threads or None,
+            poll_interval_s=poll_seconds,
+            max_body_bytes=max_body_mb * 2**20,
+        )
+    )

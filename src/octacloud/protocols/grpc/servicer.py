@@ -1,0 +1,247 @@
+"""The Open Inference Protocol over gRPC: Triton's ``GRPCInferenceService`` (generated modules shipped in
+``tritonclient.grpc``) on ``grpc.aio``, translating to and from the DataPlane.
+
+Errors abort the call with INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, FAILED_PRECONDITION, INTERNAL or
+UNIMPLEMENTED (shared memory, tracing and logging are not offered).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, NoReturn, TypeAlias
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from octacloud.protocols.tensors import from_list, from_raw, to_raw
+from octacloud.serving import (
+    DataPlane,
+    InferenceRequest,
+    InferenceResponse,
+    InvalidInputError,
+    ModelConfigError,
+    ModelExecutionError,
+    ModelNotFoundError,
+    ModelNotReadyError,
+    NotAllowedError,
+    QueueFullError,
+    QueueTimeoutError,
+    RequestedOutput,
+    Tensor,
+)
+from octacloud.serving.stats import Duration
+from octacloud.serving.types import numpy_dtype
+
+log = logging.getLogger(__name__)
+Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpc ships no type hints)
+
+_CODE: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (InvalidInputError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (ModelNotReadyError, grpc.StatusCode.UNAVAILABLE),
+    (QueueFullError, grpc.StatusCode.UNAVAILABLE),
+    (QueueTimeoutError, grpc.StatusCode.UNAVAILABLE),
+    (NotAllowedError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ModelConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ModelExecutionError, grpc.StatusCode.INTERNAL),
+)
+
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def code_of(error: Exception) -> grpc.StatusCode:
+    for kind, code in _CODE:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: Context, error: Exception) -> NoReturn:
+    code = code_of(error)
+    if code is grpc.StatusCode.INTERNAL and not isinstance(error, ModelExecutionError):
+        log.exception("internal error", exc_info=error)
+    await context.abort(code, str(error))
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+def _param(p: pb.InferParameter) -> Any:
+    which = p.WhichOneof("parameter_choice")
+    return getattr(p, which) if which else None
+
+
+def decode_infer(r: pb.ModelInferRequest) -> InferenceRequest:
+    raw = r.raw_input_contents
+    if raw and len(raw) != len(r.inputs):
+        raise InvalidInputError(
+            f"raw_input_contents has {len(raw)} entries for {len(r.inputs)} inputs; give one per input"
+        )
+    inputs = []
+    for i, t in enumerate(r.inputs):
+        shape = tuple(t.shape)
+        if raw:
+            data = from_raw(t.name, t.datatype, shape, raw[i])
+        else:
+            field = _CONTENTS.get(t.datatype)
+            if field is None:
+                numpy_dtype(t.datatype)  # unknown datatype: a clear error
+                raise InvalidInputError(f"input {t.name!r}: {t.datatype} must be sent in raw_input_contents")
+            values = list(getattr(t.contents, field))
+            data = from_list(t.name, t.datatype, shape, values)
+        inputs.append(Tensor(t.name, t.datatype, shape, data))
+    params = {k: _param(v) for k, v in r.parameters.items()}
+    outputs = [RequestedOutput(o.name, {k: _param(v) for k, v in o.parameters.items()}) for o in r.outputs]
+    return InferenceRequest(
+        r.model_name,
+        inputs,
+        r.model_version,
+        r.id,
+        outputs,
+        params,
+        priority=int(params.get("priority", 0) or 0),
+        timeout_us=int(params.get("timeout", 0) or 0),
+    )
+
+
+def encode_infer(response: InferenceResponse) -> pb.ModelInferResponse:
+    out = pb.ModelInferResponse(model_name=response.model, model_version=response.version, id=response.id)
+    for t in response.outputs:
+        out.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+        out.raw_output_contents.append(to_raw(t.data))
+    return out
+
+
+def _duration(d: Duration) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    """Triton's gRPC service over one :class:`DataPlane`."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dataplane = dataplane
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=self.dataplane.live())
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.dataplane.server_ready())
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
+        m = self.dataplane.server_metadata()
+        return pb.ServerMetadataResponse(name=m.name, version=m.version, extensions=m.extensions)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
+        try:
+            m = self.dataplane.model_metadata(request.name, request.version)
+        except Exception as e:
+            await _abort(context, e)
+
+        def io(ts: Iterable[Any]) -> list[pb.ModelMetadataResponse.TensorMetadata]:
+            return [
+                pb.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.datatype, shape=t.shape) for t in ts
+            ]
+
+        return pb.ModelMetadataResponse(
+            name=m.name, versions=m.versions, platform=m.platform, inputs=io(m.inputs), outputs=io(m.outputs)
+        )
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
+        try:
+            return pb.ModelConfigResponse(config=self.dataplane.model_config(request.name, request.version))
+        except Exception as e:
+            await _abort(context, e)
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
+        try:
+            stats = self.dataplane.model_statistics(request.name, request.version)
+        except Exception as e:
+            await _abort(context, e)
+        out = pb.ModelStatisticsResponse()
+        for v in stats:
+            s = v.stats
+            m = out.model_stats.add(
+                name=v.name,
+                version=v.version,
+                last_inference=s.last_inference_ms,
+                inference_count=s.inference_count,
+                execution_count=s.execution_count,
+            )
+            i = m.inference_stats
+            for field in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
+                getattr(i, field).CopyFrom(_duration(getattr(s, field)))
+            for size, b in sorted(s.batch_stats.items()):
+                m.batch_stats.add(
+                    batch_size=size,
+                    compute_input=_duration(b.compute_input),
+                    compute_infer=_duration(b.compute_infer),
+                    compute_output=_duration(b.compute_output),
+                )
+        return out
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+        try:
+            response = await self.dataplane.infer(decode_infer(request))
+        except Exception as e:
+            await _abort(context, e)
+        return encode_infer(response)
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        async for request in request_iterator:
+            try:
+                response = await self.dataplane.infer(decode_infer(request))
+                yield pb.ModelStreamInferResponse(infer_response=encode_infer(response))
+            except Exception as e:
+                yield pb.ModelStreamInferResponse(
+                    error_message=str(e), infer_response=pb.ModelInferResponse(id=request.id)
+                )
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
+        out = pb.RepositoryIndexResponse()
+        for e in self.dataplane.repository_index(request.ready):
+            out.models.add(name=e.name, version=e.version, state=e.state, reason=e.reason)
+        return out
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Context
+    ) -> pb.RepositoryModelLoadResponse:
+        try:
+            await self.dataplane.load(request.model_name)
+        except Exception as e:
+            await _abort(context, e)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context
+    ) -> pb.RepositoryModelUnloadResponse:
+        try:
+            await self.dataplane.unload(request.model_name)
+        except Exception as e:
+            await _abort(context, e)
+        return pb.RepositoryModelUnloadResponse()
+
+
+def add_to_server(dataplane: DataPlane, server: grpc.aio.Server) -> None:
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
+
+
+__all__ = ["InferenceServicer", "add_to_server", "code_of", "decode_infer", "encode_infer"]

@@ -1,0 +1,210 @@
+"""The Open Inference Protocol over HTTP: a lean ASGI app (no framework router on the hot path).
+
+Endpoints (``[/versions/<v>]`` optional everywhere a model is named):
+
+| method | path | |
+|---|---|---|
+| GET | /v2/health/live, /v2/health/ready | health |
+| GET | /v2 | server metadata |
+| GET | /v2/models/<m>[/versions/<v>] | model metadata |
+| GET | /v2/models/<m>[/versions/<v>]/ready | model readiness |
+| GET | /v2/models/<m>[/versions/<v>]/config | model configuration extension |
+| GET | /v2/models[/<m>[/versions/<v>]]/stats | statistics extension |
+| POST | /v2/models/<m>[/versions/<v>]/infer | inference (JSON, or Triton's binary tensor data) |
+| POST | /v2/repository/index, /v2/repository/models/<m>/load, .../unload | repository extension |
+
+Errors are ``{"error": "<message>"}`` with 400 (bad request), 404 (unknown model or version or path),
+413 (body over the limit), 503 (not ready, queue full or timed out), 500 (the model failed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from octacloud.protocols.rest import codec
+from octacloud.serving import (
+    DataPlane,
+    InvalidInputError,
+    ModelConfigError,
+    ModelExecutionError,
+    ModelNotFoundError,
+    ModelNotReadyError,
+    NotAllowedError,
+    QueueFullError,
+    QueueTimeoutError,
+)
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+DEFAULT_MAX_BODY_BYTES = 64 * 2**20
+HEADER_LENGTH = b"inference-header-content-length"
+_JSON = (b"content-type", b"application/json")
+_OCTET = (b"content-type", b"application/octet-stream")
+
+_STATUS: tuple[tuple[type[Exception], int], ...] = (
+    (InvalidInputError, 400),
+    (ModelNotFoundError, 404),
+    (ModelNotReadyError, 503),
+    (QueueFullError, 503),
+    (QueueTimeoutError, 503),
+    (NotAllowedError, 403),
+    (ModelConfigError, 400),
+    (ModelExecutionError, 500),
+)
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def status_of(error: Exception) -> int:
+    for kind, status in _STATUS:
+        if isinstance(error, kind):
+            return status
+    return 500
+
+
+class RestApp:
+    """ASGI application over one :class:`DataPlane`."""
+
+    def __init__(self, dataplane: DataPlane, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.dataplane = dataplane
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        try:
+            await self._route(scope, receive, send)
+        except Exception as e:
+            status = e.status if isinstance(e, HttpError) else status_of(e)
+            if status == 500 and not isinstance(e, ModelExecutionError):
+                log.exception("internal error on %s %s", scope["method"], scope["path"])
+            await _reply(send, status, codec.dumps({"error": str(e)}))
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        dp = self.dataplane
+        method = scope["method"]
+        parts = scope["path"].strip("/").split("/")
+        if not parts or parts[0] != "v2":
+            raise HttpError(404, f"no endpoint {scope['path']}; the API is under /v2")
+        n = len(parts)
+        if n >= 3 and parts[1] == "models" and parts[2] != "stats":
+            name = parts[2]
+            version, rest = "", parts[3:]
+            if len(rest) >= 2 and rest[0] == "versions":
+                version, rest = rest[1], rest[2:]
+            action = rest[0] if len(rest) == 1 else ("" if not rest else None)
+            if action == "infer" and method == "POST":
+                await self._infer(scope, receive, send, name, version)
+                return
+            if method == "GET":
+                if action == "":
+                    await _reply(send, 200, codec.dumps(codec.model_metadata(dp.model_metadata(name, version))))
+                    return
+                if action == "ready":
+                    ready = dp.model_ready(name, version)
+                    await _reply(
+                        send,
+                        200 if ready else 400,
+                        b"" if ready else codec.dumps({"error": f"model {name!r} is not ready"}),
+                    )
+                    return
+                if action == "config":
+                    await _reply(send, 200, codec.dumps(codec.message_to_json(dp.model_config(name, version))))
+                    return
+                if action == "stats":
+                    await _reply(send, 200, codec.dumps(codec.statistics(dp.model_statistics(name, version))))
+                    return
+        elif method == "GET" and n == 1:
+            await _reply(send, 200, codec.dumps(codec.server_metadata(dp.server_metadata())))
+            return
+        elif method == "GET" and n == 3 and parts[1] == "health":
+            ok = dp.live() if parts[2] == "live" else dp.server_ready() if parts[2] == "ready" else None
+            if ok is not None:
+                await _reply(send, 200 if ok else 503, b"")
+                return
+        elif method == "GET" and n == 3 and parts[1:] == ["models", "stats"]:
+            await _reply(send, 200, codec.dumps(codec.statistics(dp.model_statistics())))
+            return
+        elif method == "POST" and n >= 3 and parts[1] == "repository":
+            body = await self._body(scope, receive)
+            if parts[2:] == ["index"]:
+                options = codec.loads(body) if body.strip() else {}
+                ready = bool(options.get("ready", False)) if isinstance(options, dict) else False
+                await _reply(send, 200, codec.dumps(codec.repository_index(dp.repository_index(ready))))
+                return
+            if n == 5 and parts[2] == "models" and parts[4] in ("load", "unload"):
+                await (dp.load(parts[3]) if parts[4] == "load" else dp.unload(parts[3]))
+                await _reply(send, 200, b"")
+                return
+        raise HttpError(404 if method in ("GET", "POST") else 405, f"no endpoint {method} {scope['path']}")
+
+    async def _infer(self, scope: Scope, receive: Receive, send: Send, name: str, version: str) -> None:
+        header_length = None
+        for key, value in scope["headers"]:
+            if key == HEADER_LENGTH:
+                try:
+                    header_length = int(value)
+                except ValueError:
+                    raise InvalidInputError(
+                        f"Inference-Header-Content-Length must be an integer, got {value.decode(errors='replace')!r}"
+                    ) from None
+        body = await self._body(scope, receive)
+        request = codec.decode_infer(body, header_length, name, version)
+        response = await self.dataplane.infer(request)
+        out, json_length = codec.encode_infer(response, request)
+        if json_length is None:
+            await _reply(send, 200, out)
+        else:
+            await _reply(send, 200, out, _OCTET, (HEADER_LENGTH, str(json_length).encode()))
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.max_body_bytes
+        for key, value in scope["headers"]:
+            if key == b"content-length" and value.isdigit() and int(value) > limit:
+                raise HttpError(413, f"request body of {int(value)} bytes is over the limit of {limit} bytes")
+        chunks = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise HttpError(400, "the client disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, f"request body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _reply(
+    send: Send, status: int, body: bytes, content_type: tuple[bytes, bytes] = _JSON, *extra: tuple[bytes, bytes]
+) -> None:
+    headers = [content_type, (b"content-length", str(len(body)).encode()), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

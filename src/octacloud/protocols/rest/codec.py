@@ -1,0 +1,238 @@
+"""JSON (and Triton binary tensor data) for the REST front end."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from octacloud.protocols.tensors import from_list, from_raw, to_list, to_raw
+from octacloud.serving import (
+    InferenceRequest,
+    InferenceResponse,
+    InvalidInputError,
+    ModelMetadata,
+    RepositoryEntry,
+    RequestedOutput,
+    ServerMetadata,
+    Tensor,
+    VersionStats,
+)
+from octacloud.serving.stats import Duration
+
+_INT64 = {
+    FieldDescriptor.TYPE_INT64,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64,
+    FieldDescriptor.TYPE_SFIXED64,
+}
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def loads(body: bytes | memoryview, what: str = "request") -> Any:
+    try:
+        return json.loads(bytes(body))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidInputError(f"the {what} body is not valid JSON: {e}") from None
+
+
+def decode_infer(body: bytes, header_length: int | None, model: str, version: str) -> InferenceRequest:
+    """An :class:`InferenceRequest` from a JSON body, or a JSON header followed by binary tensor data."""
+    view = memoryview(body)
+    if header_length is None:
+        header = loads(view)
+        binary = view[len(view) :]
+    else:
+        if header_length > len(view) or header_length < 0:
+            raise InvalidInputError(
+                f"Inference-Header-Content-Length is {header_length} but the body has only {len(view)} bytes"
+            )
+        header = loads(view[:header_length])
+        binary = view[header_length:]
+    if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
+        raise InvalidInputError("the request must be a JSON object with an 'inputs' list")
+    offset = 0
+    inputs = []
+    for i, entry in enumerate(header["inputs"]):
+        if not isinstance(entry, dict):
+            raise InvalidInputError(f"inputs[{i}] must be an object")
+        try:
+            name = entry["name"]
+            datatype = entry["datatype"]
+            shape = tuple(int(d) for d in entry["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidInputError(f"inputs[{i}] needs 'name', 'datatype' and an integer 'shape' ({e})") from None
+        params = entry.get("parameters") or {}
+        size = params.get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or size < 0:
+                raise InvalidInputError(f"input {name!r}: binary_data_size must be a non-negative integer")
+            if offset + size > len(binary):
+                raise InvalidInputError(
+                    f"input {name!r}: binary data is truncated: needs {size} bytes at offset {offset}, "
+                    f"but only {len(binary) - offset} follow the JSON header"
+                )
+            data = from_raw(name, datatype, shape, binary[offset : offset + size])
+            offset += size
+        elif "data" in entry:
+            data = from_list(name, datatype, shape, entry["data"])
+        else:
+            raise InvalidInputError(f"input {name!r} has neither 'data' nor binary_data_size")
+        inputs.append(Tensor(name, datatype, shape, data, params))
+    if offset != len(binary):
+        raise InvalidInputError(
+            f"{len(binary) - offset} bytes of binary data follow the inputs that binary_data_size describes"
+        )
+    outputs = [
+        RequestedOutput(o["name"], o.get("parameters") or {})
+        for o in header.get("outputs") or ()
+        if isinstance(o, dict) and "name" in o
+    ]
+    params = header.get("parameters") or {}
+    return InferenceRequest(
+        model,
+        inputs,
+        version,
+        str(header.get("id", "")),
+        outputs,
+        params,
+        priority=int(params.get("priority", 0) or 0),
+        timeout_us=int(params.get("timeout", 0) or 0),
+    )
+
+
+def encode_infer(response: InferenceResponse, request: InferenceRequest) -> tuple[bytes, int | None]:
+    """The response body and, when some output is binary, the length of its JSON header."""
+    binary_all = bool(request.parameters.get("binary_data_output", False))
+    binary_of = {o.name: bool(o.parameters.get("binary_data", binary_all)) for o in request.outputs}
+    chunks: list[bytes] = []
+    outputs = []
+    for t in response.outputs:
+        entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+        if binary_of.get(t.name, binary_all):
+            raw = to_raw(t.data)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = to_list(t.data)
+        outputs.append(entry)
+    head: dict[str, Any] = {"model_name": response.model, "model_version": response.version}
+    if response.id:
+        head["id"] = response.id
+    head["outputs"] = outputs
+    header = dumps(head)
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)
+
+
+def server_metadata(m: ServerMetadata) -> dict[str, Any]:
+    return {"name": m.name, "version": m.version, "extensions": list(m.extensions)}
+
+
+def model_metadata(m: ModelMetadata) -> dict[str, Any]:
+    def io(ts: Sequence[Any]) -> list[dict[str, Any]]:
+        return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in ts]
+
+    return {
+        "name": m.name,
+        "versions": list(m.versions),
+        "platform": m.platform,
+        "inputs": io(m.inputs),
+        "outputs": io(m.outputs),
+    }
+
+
+def message_to_json(msg: Message) -> dict[str, Any]:
+    """A protobuf message as Triton prints model configs: proto field names, scalar defaults included,
+    64-bit integers as numbers (not strings), enums by name, maps as objects."""
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            vf = field.message_type.fields_by_name["value"]
+            out[field.name] = {str(k): (message_to_json(v) if vf.message_type else v) for k, v in value.items()}
+        elif field.is_repeated:
+            out[field.name] = [_scalar(field, v) for v in value]
+        elif field.message_type is not None:
+            if msg.HasField(field.name):
+                out[field.name] = message_to_json(value)
+        elif field.containing_oneof is not None and not msg.HasField(field.name):
+            continue
+        else:
+            out[field.name] = _scalar(field, value)
+    return out
+
+
+def _scalar(field: Any, value: Any) -> Any:
+    if field.message_type is not None:
+        return message_to_json(value)
+    if field.enum_type is not None:
+        return field.enum_type.values_by_number[value].name
+    if field.type in _INT64:
+        return int(value)
+    return value
+
+
+def _d(d: Duration) -> dict[str, int]:
+    return {"count": d.count, "ns": d.ns}
+
+
+def statistics(stats: Sequence[VersionStats]) -> dict[str, Any]:
+    """Triton's statistics extension JSON."""
+    zero = {"count": 0, "ns": 0}
+    out = []
+    for v in stats:
+        s = v.stats
+        out.append(
+            {
+                "name": v.name,
+                "version": v.version,
+                "last_inference": s.last_inference_ms,
+                "inference_count": s.inference_count,
+                "execution_count": s.execution_count,
+                "inference_stats": {
+                    "success": _d(s.success),
+                    "fail": _d(s.fail),
+                    "queue": _d(s.queue),
+                    "compute_input": _d(s.compute_input),
+                    "compute_infer": _d(s.compute_infer),
+                    "compute_output": _d(s.compute_output),
+                    "cache_hit": zero,
+                    "cache_miss": zero,
+                },
+                "response_stats": {},
+                "batch_stats": [
+                    {
+                        "batch_size": size,
+                        "compute_input": _d(b.compute_input),
+                        "compute_infer": _d(b.compute_infer),
+                        "compute_output": _d(b.compute_output),
+                    }
+                    for size, b in sorted(s.batch_stats.items())
+                ],
+                "memory_usage": [],
+            }
+        )
+    return {"model_stats": out}
+
+
+def repository_index(entries: Sequence[RepositoryEntry]) -> list[dict[str, str]]:
+    out = []
+    for e in entries:
+        item = {"name": e.name}
+        if e.version:
+            item["version"] = e.version
+        if e.state:
+            item["state"] = e.state
+        if e.reason:
+            item["reason"] = e.reason
+        out.append(item)
+    return out

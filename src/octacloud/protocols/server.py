@@ -1,0 +1,216 @@
+"""One replica server: REST (uvicorn), gRPC (grpc.aio) and Prometheus metrics over one DataPlane, in one
+process and one event loop. Binds 127.0.0.1 unless told otherwise; port 0 picks a free port.
+
+In-process (tests, the gateway's replicas)::
+
+    server = ReplicaServer(ServerSettings(repository="models", http_port=0, grpc_port=0, metrics_port=0))
+    await server.start()          # models loaded and warmed up; ports bound
+    ... server.http_port, server.grpc_port, server.metrics_port ...
+    await server.stop()
+
+As a process: ``octacloud serve --repository DIR`` (see ``octacloud.cli.serve``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import uvicorn
+from prometheus_client import start_http_server
+
+from octacloud.observability.serving import serving_registry
+from octacloud.protocols.grpc import add_to_server
+from octacloud.protocols.rest.app import DEFAULT_MAX_BODY_BYTES, RestApp
+from octacloud.serving import ControlMode, DataPlane, ModelRepository, RuntimeFactory, VersionStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """How to start a replica. Ports: 0 picks a free one; ``None`` turns that endpoint off."""
+
+    repository: Path | str
+    host: str = "127.0.0.1"
+    http_port: int | None = 8000
+    grpc_port: int | None = 8001
+    metrics_port: int | None = 8002
+    control_mode: ControlMode = ControlMode.NONE
+    load_models: Sequence[str] = ()
+    threads: int | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    poll_interval_s: float = 15.0
+    grpc_grace_s: float = 5.0
+    runtimes: Mapping[str, RuntimeFactory] | None = field(default=None)
+
+
+class _Uvicorn(uvicorn.Server):  # type: ignore[misc]
+    """uvicorn without its own signal handling: the replica (or its host) owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot bind the HTTP port {host}:{port}: {e.strerror}") from None
+    sock.setblocking(False)
+    return sock
+
+
+class ReplicaServer:
+    """REST + gRPC + metrics for one model repository. ``start``/``stop`` run on the caller's event loop."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.repository = ModelRepository(
+            settings.repository,
+            control_mode=settings.control_mode,
+            runtimes=settings.runtimes,
+            threads=settings.threads,
+            poll_interval_s=settings.poll_interval_s,
+        )
+        self.dataplane = DataPlane(self.repository)
+        self.http_port: int | None = None
+        self.grpc_port: int | None = None
+        self.metrics_port: int | None = None
+        self._uvicorn: _Uvicorn | None = None
+        self._uvicorn_task: asyncio.Task[None] | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._metrics: Any = None
+        self._metrics_thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the REST endpoint."""
+        return f"{self.settings.host}:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.settings.host}:{self.grpc_port}"
+
+    async def start(self) -> None:
+        s = self.settings
+        await self.repository.start(s.load_models)
+        try:
+            if s.http_port is not None:
+                sock = _bind(s.host, s.http_port)
+                self.http_port = sock.getsockname()[1]
+                config = uvicorn.Config(
+                    RestApp(self.dataplane, s.max_body_bytes),
+                    http="httptools",
+                    lifespan="off",
+                    log_level="warning",
+                    access_log=False,
+                    timeout_keep_alive=30,
+                    timeout_graceful_shutdown=5,
+                    h11_max_incomplete_event_size=2**20,
+                )
+                self._uvicorn = _Uvicorn(config)
+                self._uvicorn_task = asyncio.get_running_loop().create_task(self._uvicorn.serve(sockets=[sock]))
+                while not self._uvicorn.started:
+                    if self._uvicorn_task.done():
+                        self._uvicorn_task.result()
+                        raise RuntimeError("the HTTP server stopped while starting")
+                    await asyncio.sleep(0.005)
+            if s.grpc_port is not None:
+                limit = s.max_body_bytes
+                self._grpc = grpc.aio.server(
+                    options=[
+                        ("grpc.max_receive_message_length", limit),
+                        ("grpc.max_send_message_length", 2**31 - 1),
+                        ("grpc.so_reuseport", 0),
+                    ]
+                )
+                add_to_server(self.dataplane, self._grpc)
+                self.grpc_port = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
+                if self.grpc_port == 0:
+                    raise OSError(f"cannot bind the gRPC port {s.host}:{s.grpc_port}")
+                await self._grpc.start()
+            if s.metrics_port is not None:
+                self._metrics, self._metrics_thread = start_http_server(
+                    s.metrics_port, s.host, serving_registry(self._stats)
+                )
+                self.metrics_port = self._metrics.server_port
+        except BaseException:
+            await self.stop()
+            raise
+        self.dataplane.ready = True
+        log.info(
+            "octacloud serving %s: http %s, grpc %s, metrics %s",
+            s.repository,
+            self.http_port,
+            self.grpc_port,
+            self.metrics_port,
+        )
+
+    def _stats(self) -> Iterable[VersionStats]:
+        for _ in range(3):  # the metrics thread reads while the loop may change the set of models
+            try:
+                return self.dataplane.model_statistics()
+            except RuntimeError:
+                continue
+        return []
+
+    async def stop(self) -> None:
+        """Stop taking requests, finish those in flight, unload every model."""
+        self.dataplane.ready = False
+        if self._grpc is not None:
+            await self._grpc.stop(self.settings.grpc_grace_s)
+            self._grpc = None
+        if self._uvicorn is not None and self._uvicorn_task is not None:
+            self._uvicorn.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._uvicorn_task
+            self._uvicorn = self._uvicorn_task = None
+        if self._metrics is not None:
+            self._metrics.shutdown()
+            self._metrics.server_close()
+            if self._metrics_thread is not None:
+                self._metrics_thread.join(timeout=5)
+            self._metrics = self._metrics_thread = None
+        await self.repository.close()
+
+    async def serve_until_signalled(self) -> None:
+        """Start, serve until SIGINT or SIGTERM, then stop cleanly."""
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stopping.set)
+        try:
+            await self.start()
+            await stopping.wait()
+        finally:
+            await self.stop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
+def run(settings: ServerSettings) -> None:
+    """Run a replica in this process (uvloop when available) until SIGINT/SIGTERM."""
+    factory: Callable[[], asyncio.AbstractEventLoop]
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvicorn[standard] brings uvloop
+        factory = asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(ReplicaServer(settings).serve_until_signalled())

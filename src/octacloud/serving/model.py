@@ -1,0 +1,225 @@
+"""One loaded version of a model: runtime + dynamic batcher + statistics, with a ref-count so that it can be
+unloaded or replaced without dropping the requests it is running."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from tritonclient.grpc import model_config_pb2 as mc
+
+from octacloud.core.clock import Clock
+from octacloud.serving.batching.batcher import Arrays, DynamicBatcher
+from octacloud.serving.batching.policy import BatchingSettings
+from octacloud.serving.errors import ModelConfigError, ModelNotReadyError
+from octacloud.serving.memory import MemoryProbe, default_probe, io_bytes_per_sample, resident_bytes
+from octacloud.serving.repository.config import (
+    PARAM_BYTES_PER_SAMPLE,
+    complete_config,
+    datatype_of_enum,
+    int_parameter,
+    io_metadata,
+)
+from octacloud.serving.runtime import ModelRuntime, RuntimeFactory
+from octacloud.serving.stats import ModelStats
+from octacloud.serving.types import numpy_dtype
+
+CAP_REFRESH_S = 1.0
+WARMUP_MEASURE_ROWS = 8
+
+
+class ModelState(enum.Enum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    """An input as the config declares it; ``shape`` includes the batch dim (-1) of a batching model."""
+
+    name: str
+    datatype: str
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    optional: bool
+
+
+class ModelVersion:
+    """A READY version serves requests; :meth:`unload` drains it first. Create with :meth:`load`."""
+
+    def __init__(
+        self,
+        name: str,
+        version: str,
+        config: mc.ModelConfig,
+        runtime: ModelRuntime,
+        threads: int,
+        *,
+        clock: Clock | None = None,
+        probe: MemoryProbe | None = None,
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.config = config
+        self.runtime = runtime
+        self.state = ModelState.LOADING
+        self.stats = ModelStats()
+        self.inputs, self.outputs = io_metadata(config)
+        self.input_specs = {
+            e.name: InputSpec(e.name, t.datatype, numpy_dtype(t.datatype), t.shape, e.optional)
+            for e, t in zip(config.input, self.inputs, strict=True)
+        }
+        self.output_names = tuple(t.name for t in self.outputs)
+        self.max_batch_size = int(config.max_batch_size)
+        instances = sum(g.count for g in config.instance_group) or 1
+        self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix=f"model-{name}")
+        self._probe = probe or default_probe(runtime.device)
+        self.bytes_per_sample = int_parameter(config, PARAM_BYTES_PER_SAMPLE) or 0
+        self._cap_value = max(1, self.max_batch_size)
+        self._cap_at = -math.inf
+        self._clock = clock
+        self.batcher = DynamicBatcher(
+            BatchingSettings.from_config(config),
+            self._run,
+            name=name,
+            instances=instances,
+            cap=self._cap,
+            observer=self.stats,
+            clock=clock,
+        )
+        self._inflight = 0
+        self._drained: asyncio.Event | None = None
+
+    @classmethod
+    async def load(
+        cls,
+        name: str,
+        version: str,
+        version_dir: Path,
+        config: mc.ModelConfig,
+        factory: RuntimeFactory,
+        threads: int,
+        *,
+        clock: Clock | None = None,
+        probe: MemoryProbe | None = None,
+    ) -> ModelVersion:
+        """Load the runtime (in a thread), complete and check the config, warm up; READY on return."""
+        runtime = await asyncio.to_thread(factory, version_dir, config, threads)
+        try:
+            full = complete_config(
+                config, runtime.inputs, runtime.outputs, platform=factory.platform, backend=factory.backend
+            )
+            model = cls(name, version, full, runtime, threads, clock=clock, probe=probe)
+            await asyncio.to_thread(model._warm_up, version_dir.parent)
+        except BaseException:
+            runtime.close()
+            raise
+        model.batcher.start()
+        model.state = ModelState.READY
+        return model
+
+    # ---- serving -------------------------------------------------------------------------------------------
+    def acquire(self) -> None:
+        """Count one request in; raises :class:`ModelNotReadyError` unless READY."""
+        if self.state is not ModelState.READY:
+            raise ModelNotReadyError(f"model {self.name!r} version {self.version} is {self.state.value}; retry")
+        self._inflight += 1
+
+    def release(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0 and self._drained is not None:
+            self._drained.set()
+
+    async def infer(
+        self, inputs: Arrays, rows: int, priority: int = 0, timeout_us: int = 0
+    ) -> dict[str, npt.NDArray[Any]]:
+        return await self.batcher.submit(inputs, rows, priority=priority, timeout_us=timeout_us)
+
+    async def _run(self, inputs: Arrays) -> dict[str, npt.NDArray[Any]]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.runtime.run, inputs, self.output_names)
+
+    def _cap(self) -> int:
+        """min(max_batch_size, floor(free memory / bytes per sample)), refreshed at most once a second."""
+        if not self.bytes_per_sample:
+            return max(1, self.max_batch_size)
+        now = time.monotonic() if self._clock is None else self._clock.monotonic()
+        if now - self._cap_at >= CAP_REFRESH_S:
+            self._cap_at = now
+            self._cap_value = max(1, min(self.max_batch_size, self._probe() // self.bytes_per_sample))
+        return self._cap_value
+
+    # ---- warm-up -------------------------------------------------------------------------------------------
+    def _warm_up(self, model_dir: Path) -> None:
+        """Run the config's ``model_warmup`` samples (or one zero batch), and measure bytes per sample."""
+        batch_dims = 1 if self.max_batch_size > 0 else 0
+        for w in self.config.model_warmup:
+            rows = max(1, w.batch_size) if batch_dims else 1
+            arrays = {}
+            for key, spec in w.inputs.items():
+                arrays[key] = self._warmup_array(model_dir, key, spec, rows if batch_dims else 0)
+            for _ in range(max(1, w.count)):
+                self.runtime.run(arrays, self.output_names)
+        if not self.config.model_warmup:
+            self.runtime.run(self._zeros(1), self.output_names)
+        if batch_dims and not self.bytes_per_sample:
+            rows = min(self.max_batch_size, WARMUP_MEASURE_ROWS)
+            before = resident_bytes()
+            self.runtime.run(self._zeros(rows), self.output_names)
+            grown = max(0, resident_bytes() - before) // rows
+            self.bytes_per_sample = max(grown, io_bytes_per_sample((*self.inputs, *self.outputs), 1))
+
+    def _zeros(self, rows: int) -> dict[str, npt.NDArray[Any]]:
+        out = {}
+        for spec in self.input_specs.values():
+            shape = tuple(rows if i == 0 and self.max_batch_size > 0 else max(1, d) for i, d in enumerate(spec.shape))
+            out[spec.name] = (
+                np.full(shape, b"", dtype=object) if spec.datatype == "BYTES" else np.zeros(shape, spec.dtype)
+            )
+        return out
+
+    def _warmup_array(self, model_dir: Path, key: str, spec: mc.ModelWarmup.Input, rows: int) -> npt.NDArray[Any]:
+        datatype = datatype_of_enum(spec.data_type)
+        shape = ((rows,) if rows else ()) + tuple(int(d) for d in spec.dims)
+        dtype = numpy_dtype(datatype)
+        which = spec.WhichOneof("input_data_type")
+        if datatype == "BYTES":
+            return np.full(shape, b"", dtype=object)
+        if which == "random_data":
+            return np.random.default_rng(0).random(shape).astype(dtype)
+        if which == "input_data_file":
+            path = model_dir / "warmup" / spec.input_data_file
+            try:
+                one = np.fromfile(path, dtype=dtype).reshape(shape[1:] if rows else shape)
+            except (OSError, ValueError) as e:
+                raise ModelConfigError(f"model_warmup input {key!r}: cannot read {path}: {e}") from None
+            return np.broadcast_to(one, shape).copy() if rows else one
+        return np.zeros(shape, dtype)
+
+    # ---- unload --------------------------------------------------------------------------------------------
+    async def unload(self) -> None:
+        """Stop taking requests, let in-flight ones finish, then free the runtime."""
+        if self.state is ModelState.UNAVAILABLE:
+            return
+        self.state = ModelState.UNLOADING
+        if self._inflight:
+            self._drained = asyncio.Event()
+            await self._drained.wait()
+        await self.batcher.close()
+        self._executor.shutdown(wait=True)
+        self.runtime.close()
+        self.state = ModelState.UNAVAILABLE
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
