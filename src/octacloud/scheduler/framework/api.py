@@ -75,6 +75,17 @@ class PreFilterPlugin(Plugin, Protocol):
 
 
 @runtime_checkable
+class RequestRewriter(Plugin, Protocol):
+    """Rewrites a request before its cycle starts (e.g. rounds its GPU share up to the product's unit).
+
+    Must return a valid request with the same name that asks for at least what ``request`` asks for; must not
+    change the state. The runner schedules, and the placement takes, what the last rewriter returned.
+    """
+
+    def rewrite(self, state: ClusterState, request: Request) -> Request: ...
+
+
+@runtime_checkable
 class FilterPlugin(Plugin, Protocol):
     """Keeps the nodes on which the request can run.
 

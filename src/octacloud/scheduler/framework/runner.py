@@ -23,6 +23,7 @@ from octacloud.scheduler.framework.api import (
     CycleContext,
     FilterPlugin,
     PreFilterPlugin,
+    RequestRewriter,
     ReservePlugin,
     ScorePlugin,
 )
@@ -65,6 +66,7 @@ class Profile:
     """A named set of plugins with weights: the policy the runner executes."""
 
     name: str
+    rewriters: list[RequestRewriter] = field(default_factory=list)
     pre_filters: list[PreFilterPlugin] = field(default_factory=list)
     filters: list[FilterPlugin] = field(default_factory=list)
     scorers: list[WeightedScorer] = field(default_factory=list)
@@ -74,6 +76,23 @@ class Profile:
     """Pick uniformly among feasible nodes at every decision (the published Random baseline)."""
     seed: int = 0
     """Seeds the node tie-break order and any random choice."""
+    description: str = ""
+
+    def plugins(self) -> list[object]:
+        """Every plugin instance of the profile, once each, in extension-point order."""
+        seen: dict[int, object] = {}
+        groups: list[list[object]] = [
+            list(self.rewriters),
+            list(self.pre_filters),
+            list(self.filters),
+            [ws.plugin for ws in self.scorers],
+            list(self.card_selectors),
+            list(self.reservers),
+        ]
+        for group in groups:
+            for plugin in group:
+                seen.setdefault(id(plugin), plugin)
+        return list(seen.values())
 
 
 class Scheduler:
@@ -91,7 +110,10 @@ class Scheduler:
         self._all_nodes = list(range(len(state)))
 
     def decide(self, request: Request, nodes: Sequence[int] | None = None) -> Decision:
-        """Choose a placement for ``request`` without committing it."""
+        """Choose a placement for ``request`` without committing it (``decision.request`` is what was scheduled,
+        after the profile's rewriters)."""
+        for rw in self.profile.rewriters:
+            request = rw.rewrite(self.state, request)
         ctx = CycleContext(self.state, request)
         decision = Decision(request, None)
         for pf in self.profile.pre_filters:
@@ -111,6 +133,9 @@ class Scheduler:
             candidates = kept
             if not candidates:
                 return decision
+        if not candidates:
+            decision.reasons["no nodes"] = 1
+            return decision
         best, score = self._pick(ctx, candidates)
         cards = self._select_cards(ctx, best)
         if cards is None:
@@ -125,7 +150,7 @@ class Scheduler:
         """Choose a placement for ``request`` and commit it to the state when there is one."""
         decision = self.decide(request, nodes)
         if decision.placement is not None:
-            self.commit(request, decision.placement)
+            self.commit(decision.request, decision.placement)
         return decision
 
     def commit(self, request: Request, placement: Placement) -> None:
@@ -137,11 +162,10 @@ class Scheduler:
     # ---- mechanism -------------------------------------------------------------------------------------
 
     def _pick(self, ctx: CycleContext, candidates: list[int]) -> tuple[int, float]:
-        if self.profile.random_choice or not self.profile.scorers:
-            if self.profile.random_choice:
-                return candidates[self._rng.randrange(len(candidates))], 0.0
-            return min(candidates, key=self.tie_rank.__getitem__), 0.0
-        total = [0.0] * len(candidates)
+        rank = self.tie_rank
+        if self.profile.random_choice:
+            return candidates[self._rng.randrange(len(candidates))], 0.0
+        total: list[float] | None = None
         for ws in self.profile.scorers:
             plugin = ws.plugin
             if plugin.name in ctx.skipped:
@@ -152,21 +176,22 @@ class Scheduler:
                     f"score plugin {plugin.name!r} returned {len(raw)} scores for {len(candidates)} nodes"
                 )
             normalized = plugin.normalize(ctx, raw)
+            low, high = min(normalized), max(normalized)
+            if not (low >= MIN_NODE_SCORE and high <= MAX_NODE_SCORE) or math.isnan(sum(normalized)):
+                bad = next(k for k, s in enumerate(normalized) if not MIN_NODE_SCORE <= s <= MAX_NODE_SCORE)
+                raise PluginError(
+                    f"score plugin {plugin.name!r} gave node {self.state.nodes[candidates[bad]].name!r} "
+                    f"score {normalized[bad]} after normalisation; scores must lie in 0..100"
+                )
             weight = ws.weight
-            for k, s in enumerate(normalized):
-                if not (MIN_NODE_SCORE <= s <= MAX_NODE_SCORE) or math.isnan(s):
-                    raise PluginError(
-                        f"score plugin {plugin.name!r} gave node {self.state.nodes[candidates[k]].name!r} "
-                        f"score {s} after normalisation; scores must lie in 0..100"
-                    )
-                total[k] += weight * s
+            if total is None:
+                total = [weight * s for s in normalized] if weight != 1 else list(normalized)
+            else:
+                total = [t + weight * s for t, s in zip(total, normalized, strict=True)]
+        if total is None:
+            return min(candidates, key=rank.__getitem__), 0.0
         best_score = max(total)
-        rank = self.tie_rank
-        best = -1
-        best_rank = len(rank)
-        for k, s in enumerate(total):
-            if s == best_score and rank[candidates[k]] < best_rank:
-                best, best_rank = candidates[k], rank[candidates[k]]
+        best = min((candidates[k] for k, s in enumerate(total) if s == best_score), key=rank.__getitem__)
         return best, best_score
 
     def _select_cards(self, ctx: CycleContext, node: int) -> tuple[int, ...] | None:

@@ -1,0 +1,112 @@
+"""FGD: fragmentation gradient descent (Weng et al., ATC'23), as the authors' simulator implements it.
+
+Score: ``int(sigmoid((F_before − F_after) / 1000) × 100)`` where F is the node's fragmentation under the target
+workload (``octacloud.scheduler.fragmentation``), not normalised. For a sharing request each card that fits is
+tried and the best (first on ties) wins, which is also the card FGD places it on; other requests take the first
+fully free cards by index, CPU-only requests change only the node's CPU.
+
+Results are cached per (request shape, node signature): a node is re-scored only after it changed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from octacloud.core.errors import InvalidSpecError
+from octacloud.core.units import MILLI_PER_GPU
+from octacloud.scheduler.fragmentation import FragmentationModel, TargetWorkload, compile_workload
+from octacloud.scheduler.framework.api import CycleContext, identity_normalize
+from octacloud.scheduler.framework.state import NodeSignature
+from octacloud.scheduler.plugins.fit import cards_that_fit
+from octacloud.scheduler.registry import Args, PluginContext
+
+_Shape = tuple[int, int, int]
+_Result = tuple[int, tuple[int, ...]]
+_CACHE_LIMIT = 1 << 17
+
+
+def fgd_score(f_before: float, f_after: float) -> int:
+    """The authors' integer score for a fragmentation change (higher = less fragmentation added)."""
+    return int(1.0 / (1.0 + math.exp(-(f_before - f_after) / 1000.0)) * 100)
+
+
+@dataclass(slots=True)
+class FragmentationGradient:
+    """Score plugin and card selector: place where the workload's expected fragmentation grows least."""
+
+    workload: TargetWorkload
+    name: str = "fgd"
+    model: FragmentationModel = field(init=False)
+    _cache: dict[_Shape, dict[NodeSignature, _Result]] = field(default_factory=dict, init=False)
+    _size: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.model = compile_workload(self.workload)
+
+    def score(self, ctx: CycleContext, nodes: Sequence[int]) -> list[float]:
+        r = ctx.request
+        if r.gpu_memory_mib or r.gpu_models:  # card choice depends on more than the signature
+            return [float(self._evaluate(ctx, i)[0]) for i in nodes]
+        if self._size > _CACHE_LIMIT:
+            self._cache.clear()
+            self._size = 0
+        cache = self._cache.get((r.cpu_milli, r.gpu_milli, r.num_gpu))
+        if cache is None:
+            cache = self._cache[(r.cpu_milli, r.gpu_milli, r.num_gpu)] = {}
+        sigs = ctx.state.signature
+        out: list[float] = []
+        append = out.append
+        for i in nodes:
+            sig = sigs[i]
+            hit = cache.get(sig)
+            if hit is None:
+                hit = cache[sig] = self._evaluate(ctx, i)
+                self._size += 1
+            append(hit[0])
+        return out
+
+    def normalize(self, ctx: CycleContext, scores: list[float]) -> list[float]:
+        return identity_normalize(scores)  # the authors' FGD has no normalisation step
+
+    def select_cards(self, ctx: CycleContext, node: int) -> tuple[int, ...] | None:
+        r = ctx.request
+        if not r.is_sharing:
+            return None  # whole cards: the first fully free ones (the runner's default)
+        if not (r.gpu_memory_mib or r.gpu_models):
+            cache = self._cache.get((r.cpu_milli, r.gpu_milli, r.num_gpu))
+            hit = cache.get(ctx.state.signature[node]) if cache is not None else None
+            if hit is not None:
+                return hit[1] or None
+        return self._evaluate(ctx, node)[1] or None
+
+    def _evaluate(self, ctx: CycleContext, node: int) -> _Result:
+        state, r = ctx.state, ctx.request
+        gpu_model, cpu_left, _memory, free = state.signature[node]
+        frag = self.model.fragmentation
+        before = frag(gpu_model, cpu_left, free)
+        cpu_after = cpu_left - r.cpu_milli
+        if r.is_sharing:
+            best, card = 0, -1
+            for g in cards_that_fit(state, r, node):
+                after = list(free)
+                after[g] -= r.gpu_milli
+                s = fgd_score(before, frag(gpu_model, cpu_after, after))
+                if card < 0 or s > best:
+                    best, card = s, g
+            return (best, (card,)) if card >= 0 else (0, ())
+        after = list(free)
+        if r.num_gpu:
+            whole = [g for g in cards_that_fit(state, r, node) if free[g] == MILLI_PER_GPU][: r.num_gpu]
+            for g in whole:
+                after[g] = 0
+        return fgd_score(before, frag(gpu_model, cpu_after, after)), ()
+
+
+def build(name: str, args: Args, ctx: PluginContext) -> FragmentationGradient:
+    if ctx.workload is None:
+        raise InvalidSpecError(
+            f"{args.where}: plugin 'fgd' needs a target workload (build the profile with workload=...)"
+        )
+    return FragmentationGradient(ctx.workload, name)

@@ -1,0 +1,94 @@
+"""Named scheduling policies: the six published baselines, ``spread``, the product default, and profile files.
+
+``build_profile(name, seed=..., workload=...)`` returns a ready :class:`Profile`. ``name`` is a built-in profile
+(``random``, ``dotprod``, ``clustering``, ``packing``, ``bestfit``, ``fgd``, ``spread``, ``octacloud``,
+``cpu-idle-sketch``, ``multi-objective``) or the path of a YAML/TOML profile file.
+
+The product's rules (octant unit, 80 % card memory, 20 % failover headroom) are switched by ``rules``: ``False``
+removes them from any profile (trace comparability: the published protocol counts raw milli-GPU and has no
+reserve), ``True`` adds those missing. The published profiles are written without them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+from octacloud.scheduler.fragmentation import TargetWorkload
+from octacloud.scheduler.framework.runner import Profile
+from octacloud.scheduler.plugins import REGISTRY, RULE_KINDS
+from octacloud.scheduler.plugins.headroom import FailoverHeadroom
+from octacloud.scheduler.plugins.model_memory import ModelMemoryLimit
+from octacloud.scheduler.plugins.octant import OctantUnit
+from octacloud.scheduler.profiles import builtin_profile_names, builtin_profile_path, load_profile
+from octacloud.scheduler.registry import PluginContext
+from octacloud.scheduler.telemetry import TelemetrySource
+
+POLICY_IDS: Mapping[str, str] = MappingProxyType(
+    {
+        "random": "01-Random",
+        "dotprod": "02-DotProd",
+        "clustering": "03-GpuClustering",
+        "packing": "04-GpuPacking",
+        "bestfit": "05-BestFit",
+        "fgd": "06-FGD",
+    }
+)
+"""CLI name → the policy ID the FGD authors' published results use."""
+
+PRODUCT_DEFAULT = "octacloud"
+"""The profile the product schedules with unless told otherwise."""
+
+
+def policy_names() -> list[str]:
+    """Every built-in profile name (published first)."""
+    return [*POLICY_IDS, *(n for n in builtin_profile_names() if n not in POLICY_IDS)]
+
+
+def build_profile(
+    name: str,
+    *,
+    seed: int,
+    workload: TargetWorkload | None = None,
+    rules: bool = False,
+    telemetry: TelemetrySource | None = None,
+) -> Profile:
+    """The profile called ``name`` (built-in, or a profile file path), seeded with ``seed``."""
+    context = PluginContext(seed=seed, workload=workload, telemetry=telemetry)
+    path = Path(name) if name.endswith((".yaml", ".yml", ".toml")) else builtin_profile_path(name)
+    profile = load_profile(path, context=context, registry=REGISTRY)
+    return with_rules(profile) if rules else without_rules(profile)
+
+
+def without_rules(profile: Profile) -> Profile:
+    """``profile`` without the product's rules (octant unit, 80 % card memory, failover headroom)."""
+    rule_types = (OctantUnit, ModelMemoryLimit, FailoverHeadroom)
+    profile.rewriters = [p for p in profile.rewriters if not isinstance(p, rule_types)]
+    profile.pre_filters = [p for p in profile.pre_filters if not isinstance(p, rule_types)]
+    profile.filters = [p for p in profile.filters if not isinstance(p, rule_types)]
+    return profile
+
+
+def with_rules(profile: Profile) -> Profile:
+    """``profile`` with each of the product's rules it lacks, with default settings."""
+    if not any(isinstance(p, OctantUnit) for p in profile.rewriters):
+        profile.rewriters.insert(0, OctantUnit())
+    if not any(isinstance(p, FailoverHeadroom) for p in profile.pre_filters):
+        profile.pre_filters.insert(0, FailoverHeadroom())
+    if not any(isinstance(p, ModelMemoryLimit) for p in profile.filters):
+        rule = ModelMemoryLimit()
+        profile.pre_filters.append(rule)
+        profile.filters.insert(0, rule)
+    return profile
+
+
+__all__ = [
+    "POLICY_IDS",
+    "PRODUCT_DEFAULT",
+    "RULE_KINDS",
+    "build_profile",
+    "policy_names",
+    "with_rules",
+    "without_rules",
+]
