@@ -41,6 +41,7 @@ def test_simulate_writes_the_published_files_and_figures(tmp_path: Path, small_t
     assert len(summary["runs"]) == 4 and len(summary["aggregate"]) == 2
     assert {p.name for p in out.glob("*.png")} == {"unallocated_small_pods.png", "unallocated_at_100.png"}
     assert "unallocated GPU %" in result.output and "small_pods" in result.output
+    assert "[4/4] small_pods" in result.output  # not a terminal: one progress line per finished run
 
 
 def test_compare_on_our_own_results(tmp_path: Path, small_trace: tuple[Path, Path]) -> None:

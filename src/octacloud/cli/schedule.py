@@ -56,7 +56,8 @@ def schedule(
     table.add_row("p50 / p99 decision ms", f"{stats.p50_ms:.3f} / {stats.p99_ms:.3f}")
     for shape, count in recorder.failed_by_shape.most_common(show_failed):
         table.add_row(f"failed {shape}", str(count))
-    Console().print(table)
+    console = Console()
+    (console if console.is_terminal else Console(width=160)).print(table)
 
 
 def register(app: typer.Typer) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from octacloud.core.errors import InvalidSpecError
@@ -30,6 +30,12 @@ app = typer.Typer(
     help="Fleet-scale simulation: the FGD paper's protocol, churn mode, and comparison with published results.",
     add_completion=False,
 )
+
+
+def _console() -> Console:
+    """Stdout console; wide when not a terminal (a log file), so that tables do not wrap."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -115,6 +121,7 @@ def simulate(
 
 
 def _progress(console: Console) -> Progress:
+    """A live bar on a terminal; elsewhere (a log file) nothing live: :func:`_log_line` prints one line per run."""
     return Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -122,21 +129,30 @@ def _progress(console: Console) -> Progress:
         TimeElapsedColumn(),
         console=console,
         transient=False,
+        disable=not console.is_terminal,
     )
+
+
+def _log_line(console: Console, progress: Progress, task: TaskID, text: str) -> None:
+    progress.update(task, advance=1, description=text)
+    if not console.is_terminal:
+        done = int(progress.tasks[0].completed)
+        console.print(f"[{done}/{progress.tasks[0].total:.0f}] {text}", highlight=False)
 
 
 def _run_protocol(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> None:
     from octacloud.sim.experiment import RunSpec, run_many
     from octacloud.sim.report import curve_rows, write_curves, write_summary
 
-    console = Console()
+    console = _console()
     run_specs = [s for s in specs if isinstance(s, RunSpec)]
     with _progress(console) as progress:
         task = progress.add_task("simulating", total=len(run_specs))
 
         def done(result: RunResult) -> None:
             s = result.spec
-            progress.update(task, advance=1, description=f"{s.workload} {s.policy} seed {s.seed}")
+            text = f"{s.workload} {s.policy} seed {s.seed}: {result.unallocated_at(100)} % unallocated at 100 %"
+            _log_line(console, progress, task, f"{text} ({result.wall_seconds:.1f} s)")
 
         results = run_many(run_specs, jobs=jobs, on_result=done)
     alloc_rows = curve_rows(results, "alloc")
@@ -193,14 +209,15 @@ def _results_table(results: Sequence[RunResult]) -> Table:
 def _run_churn(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> None:
     from octacloud.sim.experiment import ChurnSpec, run_churn, run_parallel
 
-    console = Console()
+    console = _console()
     churn_specs = [s for s in specs if isinstance(s, ChurnSpec)]
     with _progress(console) as progress:
         task = progress.add_task("churn", total=len(churn_specs))
 
         def done(result: ChurnResult) -> None:
             s = result.spec
-            progress.update(task, advance=1, description=f"{s.workload} {s.policy} seed {s.seed}")
+            text = f"{s.workload} {s.policy} seed {s.seed}: {result.report.time_avg_allocated_pct:.2f} % allocated"
+            _log_line(console, progress, task, f"{text} ({result.wall_seconds:.1f} s)")
 
         results = run_parallel(run_churn, churn_specs, jobs=jobs, on_result=done)
     (out / "churn.json").write_text(json.dumps({"runs": [r.summary() for r in results]}, indent=2) + "\n")
@@ -256,7 +273,7 @@ def compare(
     elif output_format == "json":
         typer.echo(json.dumps([row.as_dict() for row in table], indent=2))
     else:
-        Console().print(_comparison_table(table, at, tolerance))
+        _console().print(_comparison_table(table, at, tolerance))
 
 
 def _comparison_table(rows: Sequence[Comparison], at: int, tolerance: float) -> Table:
