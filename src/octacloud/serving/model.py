@@ -114,16 +114,28 @@ class ModelVersion:
         probe: MemoryProbe | None = None,
     ) -> ModelVersion:
         """Load the runtime (in a thread), complete and check the config, warm up; READY on return."""
-        runtime = await asyncio.to_thread(factory, version_dir, config, threads)
+        try:
+            runtime = await asyncio.to_thread(factory, version_dir, config, threads)
+        except ModelConfigError:
+            raise
+        except Exception as e:
+            raise ModelConfigError(f"version {version}: the runtime cannot load it: {type(e).__name__}: {e}") from e
         try:
             full = complete_config(
                 config, runtime.inputs, runtime.outputs, platform=factory.platform, backend=factory.backend
             )
             model = cls(name, version, full, runtime, threads, clock=clock, probe=probe)
-            await asyncio.to_thread(model._warm_up, version_dir.parent)
         except BaseException:
             runtime.close()
             raise
+        try:
+            await asyncio.to_thread(model._warm_up, version_dir.parent)
+        except Exception as e:
+            model._executor.shutdown(wait=False)
+            runtime.close()
+            if isinstance(e, ModelConfigError):
+                raise
+            raise ModelConfigError(f"version {version}: warm-up failed: {type(e).__name__}: {e}") from e
         model.batcher.start()
         model.state = ModelState.READY
         return model

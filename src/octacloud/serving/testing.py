@@ -10,7 +10,7 @@ in ``parameters { key: "behaviour" value { string_value: "sum" } }``; pass :func
 | ``sum`` | ``INPUT0``, ``INPUT1`` FP32 [-1, 4] → ``OUTPUT0`` = sum |
 | ``echo`` | ``INPUT0`` (any datatype of the config) → ``OUTPUT0`` = the input |
 | ``slow`` | like echo, after sleeping ``delay_ms`` (parameter, default 200) |
-| ``error`` | raises on every batch after warm-up |
+| ``error`` | raises on every batch with a nonzero input (warm-up sends zeros, so it loads) |
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class FakeRuntime:
             self.calls += 1
             first = next(iter(inputs.values()))
             self.batches.append(int(first.shape[0]) if first.ndim else 1)
-        if self.behaviour == "error" and self.calls > 1:
+        if self.behaviour == "error" and any(np.any(a) for a in inputs.values()):
             raise RuntimeError("the fake model failed on purpose")
         if self.delay_s:
             time.sleep(self.delay_s)

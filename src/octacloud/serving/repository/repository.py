@@ -192,11 +192,11 @@ class ModelRepository:
                 await self._load_locked(name, slot)
                 slot.error = ""
             except ModelConfigError as e:
-                slot.error = str(e)
+                slot.error = f"model {name!r}: {e}"
                 slot.failed_signature = _stat_signature(self.root / name)
                 if not slot.versions:
                     slot.default = None
-                raise
+                raise ModelConfigError(slot.error) from None
             except ModelNotFoundError:
                 if not slot.versions:
                     self._slots.pop(name, None)
@@ -225,10 +225,10 @@ class ModelRepository:
                 fresh[version] = await ModelVersion.load(
                     name, version, vdir, config, factory, self.threads, clock=self._clock, probe=self._probe
                 )
-        except ModelConfigError as e:
+        except ModelConfigError:
             for m in fresh.values():
                 await m.unload()
-            raise ModelConfigError(f"model {name!r}: {e}") from None
+            raise
         retired = [m for v, m in slot.versions.items() if keep.get(v) is not m]
         slot.versions = {**keep, **fresh}
         slot.default = slot.versions[max(slot.versions, key=int)]
@@ -274,7 +274,10 @@ class ModelRepository:
         for factory in self.runtimes.values():
             if (version_dir / (config.default_model_filename or "model.onnx")).is_file():
                 return factory
-        raise ModelConfigError(f"{version_dir}: no model.onnx and no backend named in the config")
+        raise ModelConfigError(
+            f"{version_dir / (config.default_model_filename or 'model.onnx')} is missing "
+            "(and the config names no backend)"
+        )
 
     # ---- polling -----------------------------------------------------------------------------------------
     async def poll(self) -> None:
