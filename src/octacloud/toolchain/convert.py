@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from octacloud.core.errors import InvalidSpecError
-from octacloud.toolchain.errors import ConversionError
+from octacloud.toolchain.errors import ConversionError, SourceError
 from octacloud.toolchain.onnxgraph import check_model, open_session, optimize_offline, run, signature
 from octacloud.toolchain.parity import DEFAULT_TOLERANCES, PARITY_FILENAME, ParityReport, Tolerance, compare
 from octacloud.toolchain.profile import PRECISIONS, ModelProfile, Precision
@@ -37,7 +37,15 @@ from octacloud.toolchain.repository import (
     variant_name,
 )
 from octacloud.toolchain.sources import SourceModel
-from octacloud.toolchain.variants import CalibrationSet, load_calibration, to_fp16, to_int8_dynamic, to_int8_static
+from octacloud.toolchain.spec import check_batch
+from octacloud.toolchain.variants import (
+    CalibrationSet,
+    load_arrays,
+    load_calibration,
+    to_fp16,
+    to_int8_dynamic,
+    to_int8_static,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +58,8 @@ class ConvertOptions:
     tolerances: Mapping[Precision, Tolerance] = field(default_factory=lambda: dict(DEFAULT_TOLERANCES))
     force: bool = False
     """Publish variants outside tolerance too (their parity report says so)."""
+    samples: Path | Mapping[str, np.ndarray] | None = None
+    """Parity inputs (an ``.npz`` path or arrays by input name); default: ``parity_samples`` seeded samples."""
     parity_samples: int = 8
     seed: int = 0
     profile: ProfileSettings = field(default_factory=ProfileSettings)
@@ -105,6 +115,18 @@ def _calibration(source: SourceModel, options: ConvertOptions) -> CalibrationSet
     return CalibrationSet(source.inputs, cal, "(arrays)")
 
 
+def _parity_inputs(source: SourceModel, options: ConvertOptions) -> dict[str, np.ndarray]:
+    given = options.samples
+    if given is None:
+        return source.sample_inputs(options.parity_samples, np.random.default_rng(options.seed))
+    arrays = load_arrays(given, "sample set") if isinstance(given, Path) else dict(given)
+    try:
+        check_batch(source.inputs, arrays, f"sample set {given if isinstance(given, Path) else '(arrays)'}")
+    except InvalidSpecError as e:
+        raise SourceError(str(e)) from None
+    return {s.name: np.ascontiguousarray(arrays[s.name]).astype(s.dtype, copy=False) for s in source.inputs}
+
+
 def _make_variant(
     precision: Precision, fp32: Path, dst: Path, calibration: CalibrationSet | None, workdir: Path
 ) -> None:
@@ -130,8 +152,7 @@ def convert(
     names = {p: variant_name(options.name, p) for p in options.precisions}
     for n in names.values():
         check_model_name(n)
-    rng = np.random.default_rng(options.seed)
-    samples = source.sample_inputs(options.parity_samples, rng)
+    samples = _parity_inputs(source, options)
     reference = source.reference(samples)
     with repository.staging() as stage:
         work = stage / "work"

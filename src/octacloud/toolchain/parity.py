@@ -100,8 +100,12 @@ class ParityReport:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
 
-def compare_output(name: str, variant: np.ndarray, reference: np.ndarray) -> OutputParity:
-    """Compare one output of a variant with the reference output (same shape, batch axis first)."""
+def compare_output(name: str, variant: np.ndarray, reference: np.ndarray, classifier: bool = False) -> OutputParity:
+    """Compare one output of a variant with the reference output (same shape, batch axis first).
+
+    Top-1 agreement is computed for a ``classifier``'s ``[N, classes]`` outputs only (it is meaningless for an
+    embedding).
+    """
     if variant.shape != reference.shape:
         raise ValueError(
             f"output {name!r}: the variant's shape {list(variant.shape)} differs from the "
@@ -119,7 +123,7 @@ def compare_output(name: str, variant: np.ndarray, reference: np.ndarray) -> Out
         cos = np.where(both_zero, 1.0, (a * b).sum(axis=1) / (na * nb))
     cos = np.nan_to_num(cos, nan=0.0)
     top1: float | None = None
-    if variant.ndim == 2 and variant.shape[1] > 1:
+    if classifier and variant.ndim == 2 and variant.shape[1] > 1:
         top1 = float(np.mean(variant.argmax(axis=1) == reference.argmax(axis=1)))
     return OutputParity(
         name=name,
@@ -166,7 +170,7 @@ def compare(
     missing = sorted(set(reference) - set(variant))
     if missing:
         raise ValueError(f"{model} ({precision}): the variant lacks output(s) {missing}")
-    outputs = tuple(compare_output(name, variant[name], ref) for name, ref in reference.items())
+    outputs = tuple(compare_output(name, variant[name], ref, classifier) for name, ref in reference.items())
     samples = int(next(iter(reference.values())).shape[0]) if reference else 0
     return ParityReport(
         model=model,

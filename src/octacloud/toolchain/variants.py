@@ -76,19 +76,20 @@ class CalibrationSet(CalibrationDataReader):  # type: ignore[misc]  # onnxruntim
         self._iter = self._samples()
 
 
-def load_calibration(path: Path, inputs: Sequence[TensorSpec]) -> CalibrationSet:
-    """Read a calibration set from an ``.npz`` file with one array per model input (samples on axis 0)."""
+def load_arrays(path: Path, what: str) -> dict[str, np.ndarray]:
+    """Arrays by input name from an ``.npz`` file (samples on axis 0); :class:`CalibrationError` if unreadable."""
     if not path.is_file():
-        raise CalibrationError(
-            f"calibration set {path} does not exist (expected an .npz with one array per "
-            f"input: {[s.name for s in inputs]})"
-        )
+        raise CalibrationError(f"{what} {path} does not exist (expected an .npz with one array per model input)")
     try:
         with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
+            return {k: npz[k] for k in npz.files}
     except Exception as e:
-        raise CalibrationError(f"calibration set {path} is not a readable .npz file: {e}") from None
-    return CalibrationSet(inputs, arrays, str(path))
+        raise CalibrationError(f"{what} {path} is not a readable .npz file: {e}") from None
+
+
+def load_calibration(path: Path, inputs: Sequence[TensorSpec]) -> CalibrationSet:
+    """Read a calibration set from an ``.npz`` file with one array per model input (samples on axis 0)."""
+    return CalibrationSet(inputs, load_arrays(path, "calibration set"), str(path))
 
 
 def to_int8_static(src: Path, dst: Path, calibration: CalibrationSet, workdir: Path) -> None:
