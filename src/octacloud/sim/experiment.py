@@ -15,7 +15,7 @@ import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -151,13 +151,12 @@ class RunResult:
         }
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TraceRun:
     """Outcome of placing a sequence of requests on an empty fleet (the ``octacloud schedule`` summary)."""
 
     recorder: RunRecorder
     state: ClusterState
-    decisions: list[Decision] = field(default_factory=list)
 
 
 def place(
@@ -167,14 +166,12 @@ def place(
     policy: str,
     seed: int,
     workload: TargetWorkload,
-    keep_decisions: bool = False,
 ) -> TraceRun:
     """Place ``requests`` in order on an empty fleet with ``policy``, recording metrics after every pod."""
     state = ClusterState(nodes)
     scheduler = Scheduler(state, build_profile(policy, seed=seed, workload=workload))
     tracker = FragmentationTracker(state, workload)
     recorder = RunRecorder(state.total_gpu_milli)
-    outcome = TraceRun(recorder, state)
     index = state.index
 
     def on_pod(_: int, request: Request, decision: Decision, seconds: float) -> None:
@@ -182,11 +179,9 @@ def place(
         if placement is not None:
             tracker.update(index[placement.node])
         recorder.record(request, placement is not None, state.allocated_gpu_milli, tracker.total, seconds)
-        if keep_decisions:
-            outcome.decisions.append(decision)
 
     replay(scheduler, requests, on_pod)
-    return outcome
+    return TraceRun(recorder, state)
 
 
 @functools.lru_cache(maxsize=4)
