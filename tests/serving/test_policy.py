@@ -65,7 +65,6 @@ def test_batch_respects_the_cap_and_the_max_batch_size() -> None:
 
 
 def test_a_full_batch_goes_at_once_even_before_the_delay() -> None:
-    clock = ManualClock()
     policy = BatchPolicy(BatchingSettings(max_batch_size=4, max_queue_delay_us=100_000, merge_after=99))
     q = [Pending(0.0, rows=2), Pending(0.0, rows=2)]
     assert policy.decide(q, 0.0, 4).batch == (0, 1)
