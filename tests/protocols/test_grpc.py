@@ -43,7 +43,8 @@ def test_health_metadata_config(client: grpcclient.InferenceServerClient) -> Non
     assert client.get_server_metadata().name == "octacloud"
     meta = client.get_model_metadata("add")
     assert list(meta.versions) == ["1", "2"]
-    assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs][0] == ("INPUT0", "FP32", [-1, 4])
+    first = meta.inputs[0]
+    assert (first.name, first.datatype, list(first.shape)) == ("INPUT0", "FP32", [-1, 4])
     assert client.get_model_metadata("add", "1").name == "add"
     assert client.is_model_ready("add")
     assert client.is_model_ready("add", "2")
