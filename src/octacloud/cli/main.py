@@ -12,7 +12,7 @@ import typer
 
 from octacloud import __version__
 
-COMMAND_MODULES: tuple[str, ...] = ("schedule", "serve", "simulate")
+COMMAND_MODULES: tuple[str, ...] = ("convert", "models", "schedule", "serve", "simulate")
 """Modules under ``octacloud.cli`` whose ``register(app)`` adds their commands."""
 
 app = typer.Typer(

@@ -1,0 +1,101 @@
+"""``octacloud models``: build the example model repository, and list what a repository holds."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from octacloud.core.errors import OctacloudError
+
+models_app = typer.Typer(help="The example model repository, and what a repository holds.", no_args_is_help=True)
+_err = Console(stderr=True)
+
+
+def _out() -> Console:
+    """stdout; wide enough for the tables when it is not a terminal (logs, CI)."""
+    return Console(width=None if sys.stdout.isatty() else 180)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(models_app, name="models")
+
+
+@models_app.command("build")
+def build(
+    out: Path = typer.Option(Path("models"), "--out", help="Repository folder to build into."),
+    only: list[str] = typer.Option([], "--only", help="Build only these (mlp, resnet50, bert_base, minilm)."),
+    rebuild: bool = typer.Option(False, help="Rebuild even when the recorded fingerprint matches."),
+    threads: int = typer.Option(0, help="onnxruntime threads for parity and profiling (0: up to 2)."),
+) -> None:
+    """Build the example models (seeded ResNet-50 and BERT-base, MiniLM-L6 with trained weights, a tiny MLP)."""
+    from octacloud.cli.convert import result_table
+    from octacloud.toolchain.examples import build_examples
+
+    started = time.monotonic()
+    try:
+        outcomes = build_examples(
+            out,
+            only,
+            rebuild=rebuild,
+            threads=threads or None,
+            progress=lambda m: _err.print(f"[dim]{time.monotonic() - started:6.1f}s {m}[/]"),
+        )
+    except OctacloudError as e:
+        _err.print(f"[red]models build failed:[/] {e}")
+        raise typer.Exit(2) from None
+    console = _out()
+    for o in outcomes:
+        if o.result is not None:
+            console.print(result_table(o.result))
+    built = [o.name for o in outcomes if not o.skipped]
+    skipped = [o.name for o in outcomes if o.skipped]
+    console.print(
+        f"{out}: built {built or 'nothing'}, up to date {skipped or 'nothing'} in {time.monotonic() - started:.1f} s"
+    )
+
+
+@models_app.command("list")
+def list_models(
+    repository: Path = typer.Option(Path("models"), "--repository", "--repo", help="Model repository folder."),
+) -> None:
+    """Models, versions, sizes and measured throughput (from the latest version's profile.json)."""
+    from octacloud.toolchain.profile import read_profile
+    from octacloud.toolchain.repository import ModelRepository
+
+    repo = ModelRepository(repository)
+    table = Table(title=f"models in {repository}")
+    for col in (
+        "model",
+        "versions",
+        "precision",
+        "weights MiB",
+        "bytes/sample",
+        "p50 ms (batch 1)",
+        "peak samples/s (batch)",
+    ):
+        table.add_column(col, justify="left" if col in ("model", "versions", "precision") else "right")
+    for name in repo.models():
+        found = repo.versions(name)
+        row = [name, ",".join(map(str, found)) or "-"]
+        try:
+            p = read_profile(repository / name / str(found[-1])) if found else None
+        except OctacloudError:
+            p = None
+        if p is None:
+            table.add_row(*row, "-", "-", "-", "-", "-")
+            continue
+        first, peak = p.batches[0], p.peak
+        table.add_row(
+            *row,
+            p.precision,
+            f"{p.weights_bytes / 2**20:.1f}",
+            f"{p.bytes_per_sample:,}",
+            f"{first.p50_ms:.2f}" if first.batch_size == 1 else "-",
+            f"{peak.samples_per_s:,.1f} ({peak.batch_size})",
+        )
+    _out().print(table)
