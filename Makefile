@@ -50,7 +50,13 @@ types: dev
 layers: dev
 	$(BIN)/lint-imports
 
-pytest: dev build-tools
+# The example model repository (ResNet-50, BERT-base, MiniLM-L6, a tiny MLP): built once, then skipped while
+# its recipe, libraries and source weights are unchanged. Nothing is downloaded.
+MODELS ?= models
+models: build-tools
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/octacloud models build --out $(MODELS)
+
+pytest: dev build-tools models
 	scripts/netns-run $(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint types layers pytest
