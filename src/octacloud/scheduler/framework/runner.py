@@ -154,10 +154,16 @@ class Scheduler:
         return decision
 
     def commit(self, request: Request, placement: Placement) -> None:
-        allocation = self.state.allocate(request, placement)
+        """Allocate ``placement`` for ``request`` in the state and tell the reserve plugins."""
+        self.state.allocate(request, placement)
+        self.reserve(request, placement)
+
+    def reserve(self, request: Request, placement: Placement) -> None:
+        """Tell the reserve plugins about an allocation already made in the state (e.g. by a transaction)."""
         ctx = CycleContext(self.state, request)
+        node = self.state.node_index(placement.node)
         for r in self.profile.reservers:
-            r.reserve(ctx, allocation.node_index, placement.gpus)
+            r.reserve(ctx, node, placement.gpus)
 
     # ---- mechanism -------------------------------------------------------------------------------------
 

@@ -1,0 +1,1 @@
+"""Scheduler tests: declared topologies, invariants after every action, property-based accounting."""
