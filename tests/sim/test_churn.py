@@ -184,3 +184,24 @@ def test_arrivals_out_of_order_are_rejected() -> None:
     arrivals = [Arrival(5.0, _gpu("a", 100), 1.0), Arrival(2.0, _gpu("b", 100), 1.0)]
     with pytest.raises(ValueError, match="time order"):
         ChurnSimulation(_scheduler(1), arrivals, until=10.0).run()
+
+
+def test_a_hook_may_place_pending_work_itself() -> None:
+    def place_myself(sim: ChurnSimulation) -> None:
+        for item in sim.take_pending():
+            decision = sim.scheduler.decide(item.request)
+            if decision.placement is None:
+                sim.pending.append(item)
+                continue
+            sim.state.allocate(item.request, decision.placement)
+            sim.start_placed(item.request, item.lifetime, since=item.since)
+
+    arrivals = [Arrival(0.0, _gpu("a", 1000), 8.0), Arrival(1.0, _gpu("b", 1000), 4.0)]
+    sim = ChurnSimulation(_scheduler(1), arrivals, until=20.0, queue=True, period=5.0, hooks=[place_myself])
+    report = sim.run()
+    # a runs [0, 8); b waits from 1 to the t=10 tick and runs [10, 14).
+    assert (report.placed, report.completed, report.queued_at_end) == (2, 2, 0)
+    assert report.mean_wait_seconds == pytest.approx(9.0 / 2)
+    assert report.time_avg_allocated_pct == pytest.approx(100 * 12 / 20)
+    with pytest.raises(ValueError, match="not allocated"):
+        sim.start_placed(_gpu("c", 100), 1.0, since=0.0)
