@@ -12,7 +12,7 @@ import typer
 
 from octacloud import __version__
 
-COMMAND_MODULES: tuple[str, ...] = ("convert", "models", "schedule", "serve", "simulate")
+COMMAND_MODULES: tuple[str, ...] = ("cloud", "convert", "models", "schedule", "serve", "simulate")
 """Modules under ``octacloud.cli`` whose ``register(app)`` adds their commands."""
 
 app = typer.Typer(
@@ -32,9 +32,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(
-        False, "--version", callback=_version, is_eager=True, help="Print the version."
-    ),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """octacloud: a GPU inference cloud for bare-metal GPU servers."""
 

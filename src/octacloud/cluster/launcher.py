@@ -14,7 +14,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -103,12 +102,11 @@ class LocalProcessLauncher:
         self.workdir = workdir
         self.host = host
         self.python = python
-        self._children: dict[int, subprocess.Popen[bytes]] = {}
 
     def launch(self, spec: LaunchSpec) -> Launched:
         root = self.workdir / spec.replica_id
         root.mkdir(parents=True, exist_ok=True)
-        repo = model_view(spec, root)
+        repo = model_view(spec, root.resolve())
         ports = [free_port(self.host) for _ in range(3)]
         if len(set(ports)) != 3:
             raise InvalidSpecError("could not find three distinct free ports")
@@ -125,27 +123,31 @@ class LocalProcessLauncher:
         ]  # fmt: skip
         env = {**os.environ, **spec.env, "OCTACLOUD_REPLICA_ID": spec.replica_id, "PYTHONUNBUFFERED": "1"}
         log = root / "replica.log"
-        with log.open("ab") as out:
-            proc = subprocess.Popen(
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            # posix_spawn in a new session: the replica survives a controller restart and is stopped by PID.
+            # No Popen object is kept, so a controller that exits leaves no half-owned child behind.
+            pid = os.posix_spawn(
+                argv[0],
                 argv,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # survives a controller restart; stopped by PID
-                cwd=root,
+                env,
+                file_actions=[
+                    (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                    (os.POSIX_SPAWN_DUP2, fd, 1),
+                    (os.POSIX_SPAWN_DUP2, fd, 2),
+                ],
+                setsid=True,
             )
-        self._children[proc.pid] = proc
-        return Launched(proc.pid, self.host, ports[0], ports[1], ports[2], log)
+        finally:
+            os.close(fd)
+        return Launched(pid, self.host, ports[0], ports[1], ports[2], log)
 
     def alive(self, pid: int) -> bool:
-        child = self._children.get(pid)
-        if child is not None:
-            if child.poll() is None:
-                return True
-            del self._children[pid]
-            return False
-        return _pid_alive(pid)
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)  # reaps our own children once they exit
+        except ChildProcessError:
+            return _pid_alive(pid)  # not our child (adopted after a controller restart)
+        return done == 0
 
     def stop(self, pid: int, grace: float = 5.0) -> None:
         if not self.alive(pid):
@@ -159,9 +161,9 @@ class LocalProcessLauncher:
             time.sleep(0.05)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        child = self._children.pop(pid, None)
-        if child is not None:
-            child.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while self.alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -1,0 +1,165 @@
+"""The one place where everything is wired: fleet → scheduler → controller → gateway (REST, gRPC, admin).
+
+``Cloud`` runs in one asyncio loop: the controller's reconcile loop, the REST gateway (uvicorn) with the admin
+API under ``/admin``, and the gRPC gateway. Replicas run as their own processes (local) or actors (Ray).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import uvicorn
+
+from octacloud.cluster.admin import build_admin_app
+from octacloud.cluster.controller import Controller, ControllerSettings
+from octacloud.cluster.fleet import discover_fleet
+from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
+from octacloud.cluster.gateway.rest import RestGateway
+from octacloud.cluster.gateway.routing import RouteTable
+from octacloud.cluster.health import HttpProber, RepositoryFootprints
+from octacloud.cluster.launcher import LocalProcessLauncher, ReplicaLauncher
+from octacloud.cluster.store import StateStore
+from octacloud.core.clock import Clock, SystemClock
+from octacloud.core.model import Node, Request
+from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
+from octacloud.scheduler.actions.preempt import preempt
+from octacloud.scheduler.fragmentation import TargetWorkload
+from octacloud.scheduler.framework.runner import Scheduler
+from octacloud.scheduler.framework.state import ClusterState
+from octacloud.scheduler.policies import PRODUCT_DEFAULT, build_profile
+
+log = logging.getLogger("octacloud")
+
+
+@dataclass(slots=True)
+class CloudConfig:
+    repository: Path
+    state_dir: Path = Path("var")
+    fleet_file: Path | None = None
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    policy: str = PRODUCT_DEFAULT
+    cpu_cards: int = 1
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
+
+
+class Cloud:
+    """octacloud on one machine (or, with the Ray launcher, many)."""
+
+    def __init__(
+        self,
+        config: CloudConfig,
+        *,
+        nodes: list[Node] | None = None,
+        launcher: ReplicaLauncher | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        self.nodes = nodes if nodes is not None else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards)
+        self.store = StateStore.at(config.state_dir / "octacloud.db")
+        self.state = ClusterState(self.nodes)
+        profile = build_profile(config.policy, seed=0, workload=slice_prior(), rules=True)
+        self.scheduler = Scheduler(self.state, profile)
+        self.routes = RouteTable()
+        self.controller = Controller(
+            store=self.store,
+            nodes=self.nodes,
+            scheduler=self.scheduler,
+            launcher=launcher or LocalProcessLauncher(config.state_dir / "replicas", host=config.host),
+            repository=config.repository.resolve(),
+            routes=self.routes,
+            clock=clock or SystemClock(),
+            prober=HttpProber(),
+            footprint=RepositoryFootprints(config.repository),
+            preemptor=lambda request: _preempt_names(self.scheduler, request),
+            settings=config.controller,
+        )
+        self._started = False
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._grpc: grpc.aio.Server | None = None
+        self._http: uvicorn.Server | None = None
+        self.grpc_gateway = GrpcGateway(self.routes, ready=lambda: self._started)
+        admin = build_admin_app(self.controller)
+        self.rest_gateway = RestGateway(self.routes, admin=admin, ready=lambda: self._started)
+        self.http_port = config.http_port
+        self.grpc_port = config.grpc_port
+
+    async def start(self) -> None:
+        self._grpc = grpc.aio.server(
+            options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        )
+        self._grpc.add_generic_rpc_handlers((self.grpc_gateway.handler(),))
+        self.grpc_port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        await self._grpc.start()
+        uv = uvicorn.Config(
+            self.rest_gateway,
+            host=self.config.host,
+            port=self.config.http_port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            http="httptools",
+        )
+        self._http = uvicorn.Server(uv)
+        self._http.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the CLI owns signals
+        self._tasks.append(asyncio.create_task(self._http.serve()))
+        while not self._http.started:
+            if self._tasks[0].done():
+                self._tasks[0].result()  # raises why the gateway could not start (e.g. port in use)
+            await asyncio.sleep(0.02)
+        self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
+        self._tasks.append(asyncio.create_task(self.controller.run(self._stop)))
+        self._started = True
+        log.info("octacloud gateway on http://%s:%d (gRPC %d)", self.config.host, self.http_port, self.grpc_port)
+
+    async def stop(self, stop_replicas: bool = False) -> None:
+        """Stop the gateway and controller. Replicas keep running unless ``stop_replicas`` (they are adopted
+        by the next start); ``octacloud down`` stops them."""
+        self._started = False
+        self._stop.set()
+        self.controller.poke()
+        if stop_replicas:
+            for r in self.store.replicas():
+                if r.pid is not None:
+                    self.controller.launcher.stop(r.pid, self.config.controller.stop_grace_s)
+        if self._http is not None:
+            self._http.should_exit = True
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+        await self.grpc_gateway.close()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(task, 10)
+        self.store.close()
+
+    async def serve_forever(self) -> None:
+        await self.start()
+        try:
+            await self._stop.wait()
+        finally:
+            await self.stop()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+
+def slice_prior() -> TargetWorkload:
+    """The workload fragmentation-aware placement plans for before it has seen any: every slice size the
+    product sells (1..8 octants of one card, one or two whole cards) equally likely."""
+    sizes = [Request("prior", num_gpu=1, gpu_milli=k * MILLI_PER_OCTANT) for k in range(1, OCTANTS_PER_GPU + 1)]
+    sizes.append(Request("prior", num_gpu=2, gpu_milli=MILLI_PER_GPU))
+    return TargetWorkload.from_requests(sizes, coverage=1.0)
+
+
+def _preempt_names(scheduler: Scheduler, request: Request) -> list[str] | None:
+    """The controller's preemption hook: place ``request`` by evicting lower-priority replicas, or None."""
+    outcome = preempt(scheduler, request)
+    return None if outcome is None else [v.request.name for v in outcome.victims]

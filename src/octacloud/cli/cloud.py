@@ -1,0 +1,212 @@
+"""``octacloud up`` and the operator's commands: deploy, status, scale, undeploy, fleet, events.
+
+``up`` runs the cloud in the foreground; the other commands talk to its admin API (``--url``, default
+``$OCTACLOUD_URL`` or http://127.0.0.1:8000).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+err = Console(stderr=True)
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _url(url: str | None) -> str:
+    return (url or os.environ.get("OCTACLOUD_URL") or DEFAULT_URL).rstrip("/")
+
+
+def _call(method: str, url: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    try:
+        response = httpx.request(method, f"{url}{path}", json=body, timeout=30.0)
+    except httpx.HTTPError as exc:
+        err.print(f"[red]error:[/] cannot reach the octacloud admin API at {url}: {exc} (is `octacloud up` running?)")
+        raise typer.Exit(2) from None
+    try:
+        data: dict[str, Any] = response.json()
+    except ValueError:
+        data = {"error": response.text}
+    if response.status_code >= 400:
+        err.print(f"[red]error:[/] {data.get('error', response.text)}")
+        raise typer.Exit(1)
+    return data
+
+
+def up(
+    repository: Path = typer.Option(Path("models"), "--repository", "-r", help="Model repository (Triton layout)."),
+    fleet: Path | None = typer.Option(None, "--fleet", help="Fleet file (YAML); default: discover this host."),
+    state_dir: Path = typer.Option(Path("var"), "--state-dir", help="Where the state store and replica logs live."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address the gateway binds."),
+    http_port: int = typer.Option(8000, "--http-port"),
+    grpc_port: int = typer.Option(8001, "--grpc-port"),
+    policy: str = typer.Option("octacloud", "--policy", help="Scheduling profile (built-in name or file)."),
+    interval: float = typer.Option(5.0, "--interval", help="Seconds between reconcile passes."),
+    cpu_cards: int = typer.Option(1, "--cpu-cards", help="Without GPUs: how many CPU 'cards' this host offers."),
+    deploy: list[str] = typer.Option([], "--deploy", help="Deploy MODEL (1 octant, 1 replica) once up."),
+) -> None:
+    """Run the cloud on this machine: fleet, controller, replicas on slices, and the OIP gateway."""
+    from octacloud.app import Cloud, CloudConfig
+    from octacloud.cluster.controller import ControllerSettings
+    from octacloud.cluster.deployments import DeploymentSpec
+    from octacloud.core.errors import OctacloudError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not repository.is_dir():
+        err.print(f"[red]error:[/] model repository {repository} does not exist (build the examples: make models)")
+        raise typer.Exit(2)
+    config = CloudConfig(
+        repository=repository,
+        state_dir=state_dir,
+        fleet_file=fleet,
+        host=host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        policy=policy,
+        cpu_cards=cpu_cards,
+        controller=ControllerSettings(interval_s=interval),
+    )
+
+    async def main() -> None:
+        try:
+            cloud = Cloud(config)
+        except OctacloudError as exc:
+            err.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, cloud.request_stop)
+        await cloud.start()
+        for model in deploy:
+            try:
+                cloud.controller.deploy(DeploymentSpec(name=model, model=model))
+            except OctacloudError as exc:
+                err.print(f"[red]cannot deploy {model}:[/] {exc}")
+        _print_fleet_summary(cloud)
+        console.print(
+            f"octacloud is up: OIP REST http://{host}:{cloud.http_port}  gRPC {host}:{cloud.grpc_port}  "
+            f"admin http://{host}:{cloud.http_port}/admin  (Ctrl-C to stop; replicas keep running)"
+        )
+        await cloud.serve_forever()
+
+    asyncio.run(main())
+
+
+def _print_fleet_summary(cloud: Any) -> None:
+    table = Table(title="fleet")
+    for col in ("node", "cards", "model", "memory MiB/card", "CPU cores"):
+        table.add_column(col)
+    for n in cloud.nodes:
+        card_memory = str(n.gpus[0].memory_mib if n.gpus else 0)
+        table.add_row(n.name, str(n.gpu_count), n.gpu_model, card_memory, str(n.cpu_milli // 1000))
+    console.print(table)
+
+
+def deploy(
+    model: str = typer.Argument(..., help="Model name in the repository."),
+    name: str | None = typer.Option(None, "--name", help="Deployment name (default: the model's)."),
+    version: str = typer.Option("", "--version", help="Model version (default: latest)."),
+    octants: str = typer.Option(
+        "1", "--octants", help="Octants per replica (1-8; multiples of 8: whole cards) or auto."
+    ),
+    min_replicas: int = typer.Option(1, "--min-replicas"),
+    max_replicas: int | None = typer.Option(None, "--max-replicas"),
+    target_qps: float | None = typer.Option(None, "--target-qps"),
+    slo_ms: float | None = typer.Option(None, "--slo-ms"),
+    priority: int = typer.Option(0, "--priority"),
+    url: str | None = typer.Option(None, "--url"),
+) -> None:
+    """Deploy (or update) a model."""
+    if octants != "auto" and not octants.isdigit():
+        err.print(f"[red]error:[/] --octants must be a whole number or 'auto', got {octants!r}")
+        raise typer.Exit(2)
+    body = {
+        "name": name or model,
+        "model": model,
+        "version": version,
+        "octants": None if octants == "auto" else int(octants),
+        "min_replicas": min_replicas,
+        "max_replicas": max(min_replicas, 1) if max_replicas is None else max_replicas,
+        "target_qps": target_qps,
+        "slo_ms": slo_ms,
+        "priority": priority,
+    }
+    data = _call("POST", _url(url), "/admin/deployments", body)
+    spec = data["spec"]
+    console.print(f"deployed [bold]{spec['name']}[/]: {data['replicas']} replica(s) × {data['octants']} octant(s)")
+
+
+def status(url: str | None = typer.Option(None, "--url"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Deployments and their replicas: where each runs and in what state."""
+    data = _call("GET", _url(url), "/admin/deployments")
+    if as_json:
+        console.print_json(json.dumps(data))
+        return
+    table = Table(title="deployments")
+    for col in ("deployment", "model", "want", "octants", "replica", "state", "node", "cards", "milli", "message"):
+        table.add_column(col)
+    for d in data["deployments"]:
+        spec = d["spec"]
+        rows = d["instances"] or [{}]
+        for r in rows:
+            table.add_row(
+                spec["name"],
+                spec["model"],
+                str(d["replicas"]),
+                str(d["octants"]),
+                r.get("id", "-"),
+                r.get("state", "-"),
+                r.get("node", "") or "-",
+                ",".join(map(str, r.get("gpus", []))) or "-",
+                str(r.get("milli_per_gpu", "")),
+                r.get("message", ""),
+            )
+    console.print(table)
+
+
+def scale(
+    name: str = typer.Argument(...),
+    replicas: int = typer.Argument(...),
+    url: str | None = typer.Option(None, "--url"),
+) -> None:
+    """Set a deployment's replica count."""
+    data = _call("POST", _url(url), f"/admin/deployments/{name}/scale", {"replicas": replicas})
+    console.print(f"{name}: {data['replicas']} replica(s)")
+
+
+def undeploy(name: str = typer.Argument(...), url: str | None = typer.Option(None, "--url")) -> None:
+    """Remove a deployment and stop its replicas (their slices return to the pool)."""
+    _call("DELETE", _url(url), f"/admin/deployments/{name}")
+    console.print(f"undeployed {name}")
+
+
+def events(url: str | None = typer.Option(None, "--url"), limit: int = typer.Option(30, "--limit")) -> None:
+    """Recent controller events (placements, failures, restarts, preemptions)."""
+    data = _call("GET", _url(url), f"/admin/events?limit={limit}")
+    table = Table(title="events")
+    for col in ("kind", "subject", "message"):
+        table.add_column(col)
+    for e in reversed(data["events"]):
+        table.add_row(e["kind"], e["subject"], e["message"])
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(up)
+    app.command()(deploy)
+    app.command()(status)
+    app.command()(scale)
+    app.command()(undeploy)
+    app.command()(events)
