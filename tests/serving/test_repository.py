@@ -294,3 +294,15 @@ async def test_warmup_and_bytes_per_sample_from_the_config(tmp_path: Path, fakes
         assert model.batcher.cap == 5  # floor(5500 / 1000) < max_batch_size 8
     finally:
         await r.close()
+
+
+async def test_bytes_per_sample_from_the_toolchain_profile(tmp_path: Path, fakes: FakeRuntimeFactory) -> None:
+    folder = write_fake_model(tmp_path, "echo", "echo")
+    (folder / "1" / "profile.json").write_text('{"schema_version": 1, "bytes_per_sample": 2000}')
+    r = ModelRepository(tmp_path, runtimes=runtimes_with_fakes(fakes), threads=1, probe=lambda: 7000)
+    await r.start()
+    try:
+        assert r.get("echo").bytes_per_sample == 2000
+        assert r.get("echo").batcher.cap == 3
+    finally:
+        await r.close()

@@ -8,6 +8,7 @@ copies of the model fit", which is not the question a batcher asks.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -82,3 +83,16 @@ def io_bytes_per_sample(tensors: Sequence[TensorMetadata], batch_dims: int) -> i
             n *= max(1, d)
         total += n * (element_size(t.datatype) or BYTES_ELEMENT_GUESS)
     return total
+
+
+PROFILE_FILE = "profile.json"
+
+
+def profile_bytes_per_sample(version_dir: Path) -> int | None:
+    """``bytes_per_sample`` of the toolchain's ``<version>/profile.json``, if there is a valid one."""
+    path = version_dir / PROFILE_FILE
+    try:
+        value = json.loads(path.read_text()).get("bytes_per_sample")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

@@ -20,7 +20,13 @@ from octacloud.core.clock import Clock
 from octacloud.serving.batching.batcher import Arrays, DynamicBatcher
 from octacloud.serving.batching.policy import BatchingSettings
 from octacloud.serving.errors import ModelConfigError, ModelNotReadyError
-from octacloud.serving.memory import MemoryProbe, default_probe, io_bytes_per_sample, resident_bytes
+from octacloud.serving.memory import (
+    MemoryProbe,
+    default_probe,
+    io_bytes_per_sample,
+    profile_bytes_per_sample,
+    resident_bytes,
+)
 from octacloud.serving.repository.config import (
     PARAM_BYTES_PER_SAMPLE,
     complete_config,
@@ -128,6 +134,8 @@ class ModelVersion:
         except BaseException:
             runtime.close()
             raise
+        if not model.bytes_per_sample:  # the config's parameter wins, then the toolchain's profile
+            model.bytes_per_sample = profile_bytes_per_sample(version_dir) or 0
         try:
             await asyncio.to_thread(model._warm_up, version_dir.parent)
         except Exception as e:
