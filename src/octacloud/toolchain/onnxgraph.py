@@ -74,7 +74,9 @@ def session_options(threads: int, level: ort.GraphOptimizationLevel | None = Non
     return so
 
 
-_NO_KERNEL = re.compile(r"Could not find an implementation for (\S+)")
+_NO_KERNEL = re.compile(
+    r"Could not find an implementation for (\S+)|Fatal error: (\S+) is not a registered function/op"
+)
 _NO_SCHEMA = re.compile(
     r"No (?:Op|opset) registered for (\S+) with domain_version of (\d+)|"
     r"No Op registered for (\S+)"

@@ -7,6 +7,7 @@ the TorchScript exporter with the same dynamic axes. Only this module and :mod:`
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -105,6 +106,8 @@ class TorchSource:
             raise ConversionError(_explain(e, self.description)) from None
 
     def _export_dynamo(self, args: tuple[torch.Tensor, ...], names: list[str], dst: Path) -> None:
+        # The exporter's registry logs one warning per torchvision op when torchvision is absent: noise here.
+        logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
         dims: dict[int, Any] = {}
 
         def dim(axis: int) -> Any:
