@@ -15,19 +15,19 @@ from octacloud.toolchain.profile import BatchMeasurement, ModelProfile, read_pro
 
 
 def profile(**kw: object) -> ModelProfile:
-    base: dict[str, object] = dict(
-        model="m",
-        version=3,
-        precision="int8",
-        weights_bytes=1000,
-        bytes_per_sample=64,
-        max_batch_size=16,
-        threads=2,
-        runtime="onnxruntime 1.32.0",
-        measured_at="2026-01-01T00:00:00+00:00",
-        sample_shapes={"input_ids": (128,)},
-        batches=(BatchMeasurement(1, 1.0, 2.0, 900.0, 10), BatchMeasurement(8, 4.0, 5.0, 2000.0, 10)),
-    )
+    base: dict[str, object] = {
+        "model": "m",
+        "version": 3,
+        "precision": "int8",
+        "weights_bytes": 1000,
+        "bytes_per_sample": 64,
+        "max_batch_size": 16,
+        "threads": 2,
+        "runtime": "onnxruntime 1.32.0",
+        "measured_at": "2026-01-01T00:00:00+00:00",
+        "sample_shapes": {"input_ids": (128,)},
+        "batches": (BatchMeasurement(1, 1.0, 2.0, 900.0, 10), BatchMeasurement(8, 4.0, 5.0, 2000.0, 10)),
+    }
     base.update(kw)
     return ModelProfile(**base)  # type: ignore[arg-type]
 
