@@ -20,7 +20,7 @@ from octacloud.core.errors import OctacloudError
 if TYPE_CHECKING:
     from octacloud.toolchain.convert import ConversionResult
 
-_err = Console(stderr=True)
+_err = Console(stderr=True, soft_wrap=True)  # messages keep whole paths on one line
 
 
 def _out() -> Console:

@@ -13,7 +13,7 @@ from rich.table import Table
 from octacloud.core.errors import OctacloudError
 
 models_app = typer.Typer(help="The example model repository, and what a repository holds.", no_args_is_help=True)
-_err = Console(stderr=True)
+_err = Console(stderr=True, soft_wrap=True)  # messages keep whole paths on one line
 
 
 def _out() -> Console:
