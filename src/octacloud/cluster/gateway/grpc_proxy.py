@@ -3,6 +3,10 @@
 Messages are not decoded except for the model name (field 1 of every per-model request), which is read from
 the first bytes of the message; the rest passes through untouched. Server-level calls (live, ready,
 metadata) are answered by the gateway itself with Triton's generated messages.
+
+With a :class:`Guard`, every call but ServerLive and ServerReady needs ``authorization: Bearer <key>``
+metadata (UNAUTHENTICATED otherwise); a deployment the caller may not see is NOT_FOUND like an unknown one; a
+tenant over its request rate gets RESOURCE_EXHAUSTED with ``retry-after`` trailing metadata.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 from octacloud import __version__
-from octacloud.cluster.gateway.rest import MAX_ATTEMPTS, SERVER_EXTENSIONS
+from octacloud.cluster.auth import AuthError, Guard, Principal, RateLimitedError
+from octacloud.cluster.gateway.rest import ANONYMOUS_ADMIN, MAX_ATTEMPTS, SERVER_EXTENSIONS
 from octacloud.cluster.gateway.routing import Endpoint, RouteTable
 
 SERVICE = "inference.GRPCInferenceService"
@@ -62,7 +67,14 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
 class GrpcGateway:
     """A generic gRPC handler that proxies per-model calls to the right deployment's replicas."""
 
-    def __init__(self, routes: RouteTable, ready: Callable[[], bool] = lambda: True, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        routes: RouteTable,
+        ready: Callable[[], bool] = lambda: True,
+        timeout: float = 60.0,
+        guard: Guard | None = None,
+    ) -> None:
+        self.guard = guard
         self.routes = routes
         self.ready = ready
         self.timeout = timeout
@@ -95,7 +107,22 @@ class GrpcGateway:
     async def _server_ready(self, _req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
         return service_pb2.ServerReadyResponse(ready=self.ready())
 
-    async def _server_metadata(self, _req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> Principal:
+        """The caller; aborts the call with UNAUTHENTICATED or RESOURCE_EXHAUSTED otherwise."""
+        if self.guard is None:
+            return ANONYMOUS_ADMIN
+        try:
+            principal = self.guard.authorize(tuple(context.invocation_metadata() or ()))
+            self.guard.admit(principal)
+        except AuthError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        except RateLimitedError as exc:
+            context.set_trailing_metadata((("retry-after", str(exc.retry_after)),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        return principal
+
+    async def _server_metadata(self, _req: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._authorize(context)
         return service_pb2.ServerMetadataResponse(name="octacloud", version=__version__, extensions=SERVER_EXTENSIONS)
 
     def _channel(self, endpoint: Endpoint) -> grpc.aio.Channel:
@@ -114,13 +141,20 @@ class GrpcGateway:
                 deployment = model_name(request)
             except ValueError:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed request message")
-            counters = self.routes.counter(deployment)
-            if deployment not in self.routes.routes:
+            principal = await self._authorize(context)
+            owner = self.routes.owners.get(deployment)
+            if deployment not in self.routes.routes or (
+                self.guard is not None and (owner is None or not principal.may_see(owner.tenant, owner.published))
+            ):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model or deployment '{deployment}'")
+            counters = self.routes.counter(deployment)
+            usage = self.routes.tenant_traffic(principal.tenant, deployment)
             started = time.perf_counter()
             counters.requests += 1
             counters.bytes_in += len(request)
             counters.outstanding += 1
+            usage.requests += 1
+            usage.bytes_in += len(request)
             tried: list[str] = []
             last = f"deployment '{deployment}' has no ready replica"
             try:
@@ -145,6 +179,7 @@ class GrpcGateway:
                         endpoint.outstanding -= 1
                     endpoint.failures = 0
                     counters.bytes_out += len(response)
+                    usage.bytes_out += len(response)
                     return response
                 counters.failures += 1
                 await context.abort(grpc.StatusCode.UNAVAILABLE, last)

@@ -3,6 +3,11 @@
 Per-model paths (``/v2/models/<name>/...``) go to a ready replica of deployment ``<name>``; the server-level
 paths (health, metadata) are answered by the gateway itself; ``/admin/...`` goes to the admin API. Bodies are
 forwarded untouched, so JSON and Triton's binary tensor extension both work and cost no re-encoding.
+
+With a :class:`Guard`, every path but ``/v2/health/live|ready`` needs ``Authorization: Bearer <key>`` (401
+otherwise); a deployment the caller may not see answers 404 exactly as an unknown one does; a tenant over its
+request rate gets 429 with ``Retry-After``. The verified principal reaches the admin API in
+``scope["state"]["principal"]``; the key itself is never forwarded to a replica.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from octacloud import __version__
+from octacloud.cluster.auth import AuthError, Guard, Principal, RateLimitedError, Role
 from octacloud.cluster.gateway.routing import RouteTable
 from octacloud.cluster.gateway.upstream import UpstreamError, UpstreamPool
 
@@ -26,6 +32,7 @@ MAX_ATTEMPTS = 3
 MAX_BODY_BYTES = 256 * 1024 * 1024
 SERVER_EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "classification"]
 _JSON = [(b"content-type", b"application/json")]
+ANONYMOUS_ADMIN = Principal("admin", Role.ADMIN, "")
 
 
 async def _reply(send: Send, status: int, payload: object, headers: list[tuple[bytes, bytes]] | None = None) -> int:
@@ -61,7 +68,10 @@ class RestGateway:
         admin: ASGIApp | None = None,
         ready: Callable[[], bool] = lambda: True,
         request_timeout: float = 60.0,
+        guard: Guard | None = None,
     ) -> None:
+        self.guard = guard
+        """None only in tests of the proxy itself: then every caller is an anonymous admin."""
         self.routes = routes
         self.pool = pool or UpstreamPool()
         self.admin = admin
@@ -75,19 +85,40 @@ class RestGateway:
         if scope["type"] != "http":
             return
         path: str = scope["path"]
-        if path.startswith("/v2/models/"):
-            await self._proxy(scope, receive, send, path)
-        elif path == "/v2/health/live":
+        if path == "/v2/health/live":
             await _reply(send, 200, {"live": True})
-        elif path == "/v2/health/ready":
+            return
+        if path == "/v2/health/ready":
             ok = self.ready()
             await _reply(send, 200 if ok else 503, {"ready": ok})
+            return
+        principal = await self._authorize(scope, send)
+        if principal is None:
+            return
+        if path.startswith("/v2/models/"):
+            await self._proxy(scope, receive, send, path, principal)
         elif path in ("/v2", "/v2/"):
             await _reply(send, 200, {"name": "octacloud", "version": __version__, "extensions": SERVER_EXTENSIONS})
         elif path.startswith("/admin") and self.admin is not None:
+            scope.setdefault("state", {})["principal"] = principal
             await self.admin(scope, receive, send)
         else:
             await _reply(send, 404, {"error": f"no route for {scope['method']} {path}"})
+
+    async def _authorize(self, scope: Scope, send: Send) -> Principal | None:
+        """The caller, or None after answering 401 or 429."""
+        if self.guard is None:
+            return ANONYMOUS_ADMIN
+        try:
+            principal = self.guard.authorize(scope["headers"])
+            self.guard.admit(principal)
+        except AuthError as exc:
+            await _reply(send, 401, {"error": str(exc)}, [(b"www-authenticate", b'Bearer realm="octacloud"')])
+            return None
+        except RateLimitedError as exc:
+            await _reply(send, 429, {"error": str(exc)}, [(b"retry-after", str(exc.retry_after).encode())])
+            return None
+        return principal
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -99,17 +130,21 @@ class RestGateway:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str, principal: Principal) -> None:
         deployment = path[len("/v2/models/") :].split("/", 1)[0]
         started = time.perf_counter()
+        owner = self.routes.owners.get(deployment)
+        if deployment not in self.routes.routes or (
+            self.guard is not None and (owner is None or not principal.may_see(owner.tenant, owner.published))
+        ):
+            await _reply(send, 404, {"error": f"unknown model or deployment '{deployment}'"})
+            return
         body = await _read_body(receive, MAX_BODY_BYTES)
         if body is None:
             await _reply(send, 413, {"error": f"request body larger than {MAX_BODY_BYTES} bytes or incomplete"})
             return
         counters = self.routes.counter(deployment)
-        if deployment not in self.routes.routes:
-            await _reply(send, 404, {"error": f"unknown model or deployment '{deployment}'"})
-            return
+        usage = self.routes.tenant_traffic(principal.tenant, deployment)
         target = scope["raw_path"] or path.encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
@@ -118,6 +153,9 @@ class RestGateway:
         counters.requests += 1
         counters.bytes_in += len(body)
         counters.outstanding += 1
+        usage.requests += 1
+        usage.bytes_in += len(body)
+        headers_out = [(k, v) for k, v in scope["headers"] if k.lower() != b"authorization"]
         try:
             for _ in range(MAX_ATTEMPTS):
                 endpoint = self.routes.choose(deployment, tried)
@@ -131,7 +169,7 @@ class RestGateway:
                         endpoint.http_port,
                         scope["method"].encode(),
                         target,
-                        scope["headers"],
+                        headers_out,
                         body,
                         self.request_timeout,
                     )
@@ -149,11 +187,14 @@ class RestGateway:
                 await send({"type": "http.response.start", "status": response.status, "headers": headers})
                 await send({"type": "http.response.body", "body": response.body})
                 counters.bytes_out += len(response.body)
+                usage.bytes_out += len(response.body)
                 if response.status >= 400:
                     counters.failures += 1
                 return
             counters.failures += 1
-            counters.bytes_out += await _reply(send, 503, {"error": last_error}, [(b"retry-after", b"1")])
+            sent = await _reply(send, 503, {"error": last_error}, [(b"retry-after", b"1")])
+            counters.bytes_out += sent
+            usage.bytes_out += sent
         finally:
             counters.outstanding -= 1
             counters.latency_us_total += int((time.perf_counter() - started) * 1e6)

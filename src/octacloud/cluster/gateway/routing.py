@@ -38,6 +38,23 @@ class DeploymentCounters:
     outstanding: int = 0
 
 
+@dataclass(slots=True)
+class TenantTraffic:
+    """What the gateway carried for one calling tenant to one deployment (read by the meter)."""
+
+    requests: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who owns a deployment, and whether other tenants may use it."""
+
+    tenant: str
+    published: bool = False
+
+
 MAX_CONSECUTIVE_FAILURES = 3
 
 
@@ -47,6 +64,10 @@ class RouteTable:
 
     routes: dict[str, list[Endpoint]] = field(default_factory=dict)
     counters: dict[str, DeploymentCounters] = field(default_factory=dict)
+    owners: dict[str, Owner] = field(default_factory=dict)
+    """Deployment name → owner, set by the controller; the front ends hide deployments a caller may not see."""
+    traffic: dict[tuple[str, str], TenantTraffic] = field(default_factory=dict)
+    """(calling tenant, deployment) → traffic: usage attributed to whoever sent it."""
     rng: random.Random = field(default_factory=random.Random)
 
     def update(self, deployment: str, endpoints: Iterable[Endpoint]) -> None:
@@ -64,6 +85,7 @@ class RouteTable:
 
     def remove(self, deployment: str) -> None:
         self.routes.pop(deployment, None)
+        self.owners.pop(deployment, None)
 
     def drop_endpoint(self, replica_id: str) -> None:
         """Stop routing to a replica at once (it died or is being stopped)."""
@@ -82,6 +104,12 @@ class RouteTable:
             return healthy[0]
         a, b = self.rng.sample(healthy, 2)
         return a if a.outstanding <= b.outstanding else b
+
+    def tenant_traffic(self, tenant: str, deployment: str) -> TenantTraffic:
+        t = self.traffic.get((tenant, deployment))
+        if t is None:
+            t = self.traffic[(tenant, deployment)] = TenantTraffic()
+        return t
 
     def counter(self, deployment: str) -> DeploymentCounters:
         c = self.counters.get(deployment)

@@ -1,0 +1,41 @@
+"""Tenants, API keys, roles, quotas and rate limits (see docs/tenants.md).
+
+:class:`Guard` is what the front ends call: ``guard.authorize(headers)`` returns the caller's
+:class:`Principal` or raises :class:`AuthError` (its message is safe to show: it never holds key text).
+"""
+
+from __future__ import annotations
+
+from octacloud.cluster.auth.guard import Guard, RateLimitedError
+from octacloud.cluster.auth.keys import (
+    ADMIN_TENANT,
+    AuthError,
+    KeyInfo,
+    KeyStore,
+    Principal,
+    Quota,
+    Role,
+    Tenant,
+    bearer,
+    server_secret,
+)
+from octacloud.cluster.auth.limits import Holding, QuotaExceededError, RateLimiter, check_quota
+
+__all__ = [
+    "ADMIN_TENANT",
+    "AuthError",
+    "Guard",
+    "Holding",
+    "KeyInfo",
+    "KeyStore",
+    "Principal",
+    "Quota",
+    "QuotaExceededError",
+    "RateLimitedError",
+    "RateLimiter",
+    "Role",
+    "Tenant",
+    "bearer",
+    "check_quota",
+    "server_secret",
+]

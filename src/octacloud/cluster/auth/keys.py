@@ -1,0 +1,326 @@
+"""Tenants and API keys: who may call the cloud, with which role, and how a key is checked.
+
+A key looks like ``oc_<id>_<secret>``: ``id`` (12 hex digits) names the row, ``secret`` is 32 random bytes
+(``secrets.token_urlsafe``). Only ``HMAC-SHA256(server secret, secret)`` is stored. A keyed fast hash rather
+than scrypt: the secret has 256 bits of entropy, so a slow hash adds nothing against guessing, while every
+request pays for the check; and the server secret lives in a 0600 file beside the database, not in it, so a
+copy of the database alone cannot verify a guess. Digests are compared with :func:`hmac.compare_digest`.
+
+Verified keys are cached for ``cache_s`` seconds of the injected clock, so the database is read once per key
+per few seconds rather than per request; revoking a key or disabling a tenant through this object drops its
+cache entries at once (another process sharing the database sees the change within ``cache_s``).
+
+Key text is never logged and never part of an error message: errors name the key's id at most.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import Boolean, Float, Integer, String, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from octacloud.core.clock import Clock
+from octacloud.core.errors import InvalidSpecError, NotFoundError, OctacloudError
+
+ADMIN_TENANT = "admin"
+_TENANT_NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,30}[a-z0-9])?$")
+_KEY = re.compile(r"^oc_([0-9a-f]{12})_([A-Za-z0-9_-]{20,128})$")
+
+
+class Role(enum.Enum):
+    ADMIN = "admin"  # the fleet, every deployment, every tenant's usage
+    TENANT = "tenant"  # its own deployments and usage
+
+
+class AuthError(OctacloudError):
+    """A request without a usable key. The message is safe to return to the caller (no key text)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """A tenant's limits. ``None`` means unlimited."""
+
+    octants: int | None = None
+    """Octants all its deployments may hold at their maximum replica count."""
+    deployments: int | None = None
+    requests_per_s: float | None = None
+    """Sustained request rate per tenant (token bucket); bursts up to ``burst`` requests."""
+    burst: int = 50
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    quota: Quota
+    disabled: bool = False
+    created_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    id: str
+    tenant: str
+    role: Role
+    created_at: float
+    revoked: bool = False
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: the verified key's tenant and role."""
+
+    tenant: str
+    role: Role
+    key_id: str
+    quota: Quota = Quota()
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role is Role.ADMIN
+
+    def may_see(self, owner: str, published: bool = False) -> bool:
+        """Whether this caller may use (infer on, read) a deployment owned by ``owner``."""
+        return self.is_admin or owner == self.tenant or published
+
+    def may_manage(self, owner: str) -> bool:
+        """Whether this caller may change (scale, undeploy) or read the usage of ``owner``'s deployment."""
+        return self.is_admin or owner == self.tenant
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class _TenantRow(_Base):
+    __tablename__ = "tenants"
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    quota_octants: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    quota_deployments: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    requests_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    burst: Mapped[int] = mapped_column(Integer, default=50)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class _KeyRow(_Base):
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(12), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(32), index=True)
+    role: Mapped[str] = mapped_column(String(16))
+    digest: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked: Mapped[bool] = mapped_column(Boolean, default=False)
+    note: Mapped[str] = mapped_column(String(200), default="")
+
+
+def server_secret(path: Path) -> bytes:
+    """The HMAC secret, created (mode 0600) on first use."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    data = path.read_bytes()
+    if len(data) < 32:
+        raise InvalidSpecError(f"server secret {path} is shorter than 32 bytes; remove it only if no keys exist")
+    return data
+
+
+@dataclass(slots=True)
+class _Cached:
+    digest: bytes
+    principal: Principal
+    until: float
+
+
+class KeyStore:
+    """Tenants and keys in the state database; verifies keys for the gateway and admin API."""
+
+    def __init__(self, engine: Engine, secret: bytes, clock: Clock, cache_s: float = 5.0) -> None:
+        self.engine = engine
+        self._secret = secret
+        self.clock = clock
+        self.cache_s = cache_s
+        _Base.metadata.create_all(engine)
+        self._sessions = sessionmaker(engine, expire_on_commit=False)
+        self._cache: dict[str, _Cached] = {}
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        with self._sessions.begin() as session:
+            yield session
+
+    def _digest(self, secret: str) -> bytes:
+        return hmac.new(self._secret, secret.encode(), hashlib.sha256).digest()
+
+    # ---- tenants -----------------------------------------------------------------------------------------
+
+    def create_tenant(self, name: str, quota: Quota = Quota()) -> Tenant:
+        if not _TENANT_NAME.match(name):
+            raise InvalidSpecError(
+                f"tenant name {name!r} must be 1-32 lowercase letters, digits, '-' or '_', "
+                "starting and ending with a letter or digit"
+            )
+        _check_quota(quota)
+        with self._tx() as s:
+            if s.get(_TenantRow, name) is not None:
+                raise InvalidSpecError(f"tenant {name!r} already exists")
+            row = _TenantRow(
+                name=name,
+                disabled=False,
+                quota_octants=quota.octants,
+                quota_deployments=quota.deployments,
+                requests_per_s=quota.requests_per_s,
+                burst=quota.burst,
+                created_at=self.clock.time(),
+            )
+            s.add(row)
+            return _tenant(row)
+
+    def tenant(self, name: str) -> Tenant:
+        with self._tx() as s:
+            row = s.get(_TenantRow, name)
+            if row is None:
+                raise NotFoundError(f"no tenant named {name!r}")
+            return _tenant(row)
+
+    def tenants(self) -> list[Tenant]:
+        with self._tx() as s:
+            return [_tenant(r) for r in s.scalars(select(_TenantRow).order_by(_TenantRow.name))]
+
+    def set_disabled(self, name: str, disabled: bool = True) -> Tenant:
+        if name == ADMIN_TENANT and disabled:
+            raise InvalidSpecError("the admin tenant cannot be disabled (revoke its keys instead)")
+        with self._tx() as s:
+            row = s.get(_TenantRow, name)
+            if row is None:
+                raise NotFoundError(f"no tenant named {name!r}")
+            row.disabled = disabled
+            tenant = _tenant(row)
+        self._cache = {k: c for k, c in self._cache.items() if c.principal.tenant != name}
+        return tenant
+
+    # ---- keys --------------------------------------------------------------------------------------------
+
+    def create_key(self, tenant: str, role: Role = Role.TENANT, note: str = "") -> tuple[KeyInfo, str]:
+        """A new key for ``tenant``: its info and the key text, which is shown once and never stored."""
+        if role is Role.ADMIN and tenant != ADMIN_TENANT:
+            raise InvalidSpecError(f"admin keys belong to the {ADMIN_TENANT!r} tenant, not {tenant!r}")
+        secret = secrets.token_urlsafe(32)
+        with self._tx() as s:
+            if s.get(_TenantRow, tenant) is None:
+                raise NotFoundError(f"no tenant named {tenant!r} (create it first: octacloud tenant create)")
+            key_id = secrets.token_hex(6)
+            while s.get(_KeyRow, key_id) is not None:
+                key_id = secrets.token_hex(6)
+            row = _KeyRow(
+                id=key_id,
+                tenant=tenant,
+                role=role.value,
+                digest=self._digest(secret).hex(),
+                created_at=self.clock.time(),
+                revoked=False,
+                note=note[:200],
+            )
+            s.add(row)
+            info = _key(row)
+        return info, f"oc_{key_id}_{secret}"
+
+    def revoke_key(self, key_id: str) -> KeyInfo:
+        with self._tx() as s:
+            row = s.get(_KeyRow, key_id)
+            if row is None:
+                raise NotFoundError(f"no key with id {key_id!r}")
+            row.revoked = True
+            info = _key(row)
+        self._cache.pop(key_id, None)
+        return info
+
+    def keys(self, tenant: str | None = None) -> list[KeyInfo]:
+        with self._tx() as s:
+            q = select(_KeyRow).order_by(_KeyRow.created_at)
+            if tenant is not None:
+                q = q.where(_KeyRow.tenant == tenant)
+            return [_key(r) for r in s.scalars(q)]
+
+    def ensure_admin(self) -> str | None:
+        """Create the admin tenant and, if it has no live key, an admin key: returns the new key text or None."""
+        try:
+            self.tenant(ADMIN_TENANT)
+        except NotFoundError:
+            self.create_tenant(ADMIN_TENANT)
+        if any(not k.revoked and k.role is Role.ADMIN for k in self.keys(ADMIN_TENANT)):
+            return None
+        return self.create_key(ADMIN_TENANT, Role.ADMIN, note="bootstrap")[1]
+
+    # ---- verification ------------------------------------------------------------------------------------
+
+    def authenticate(self, key: str | None) -> Principal:
+        """The principal of a valid key; raises :class:`AuthError` (no key text in it) otherwise."""
+        if not key:
+            raise AuthError("missing API key: send 'Authorization: Bearer <key>' (gRPC: 'authorization' metadata)")
+        m = _KEY.match(key)
+        if m is None:
+            raise AuthError("malformed API key: expected oc_<id>_<secret>")
+        key_id, secret = m.group(1), m.group(2)
+        digest = self._digest(secret)
+        now = self.clock.monotonic()
+        cached = self._cache.get(key_id)
+        if cached is not None and cached.until > now:
+            if hmac.compare_digest(cached.digest, digest):
+                return cached.principal
+            raise AuthError(f"invalid API key (id {key_id})")
+        with self._tx() as s:
+            row = s.get(_KeyRow, key_id)
+            tenant = s.get(_TenantRow, row.tenant) if row is not None else None
+            if row is None or tenant is None or not hmac.compare_digest(bytes.fromhex(row.digest), digest):
+                raise AuthError(f"invalid API key (id {key_id})")
+            if row.revoked:
+                raise AuthError(f"API key {key_id} has been revoked")
+            if tenant.disabled:
+                raise AuthError(f"tenant {tenant.name!r} is disabled")
+            principal = Principal(row.tenant, Role(row.role), key_id, _tenant(tenant).quota)
+        if len(self._cache) > 10_000:
+            self._cache.clear()
+        self._cache[key_id] = _Cached(digest, principal, now + self.cache_s)
+        return principal
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The key in an ``Authorization: Bearer <key>`` header value (None when absent or another scheme)."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.strip().partition(" ")
+    return value.strip() or None if scheme.lower() == "bearer" else None
+
+
+def _check_quota(q: Quota) -> None:
+    for what in ("octants", "deployments"):
+        value = getattr(q, what)
+        if value is not None and value < 0:
+            raise InvalidSpecError(f"quota {what} must be >= 0, got {value}")
+    if q.requests_per_s is not None and q.requests_per_s <= 0:
+        raise InvalidSpecError(f"quota requests_per_s must be > 0, got {q.requests_per_s}")
+    if q.burst < 1:
+        raise InvalidSpecError(f"quota burst must be >= 1, got {q.burst}")
+
+
+def _tenant(row: _TenantRow) -> Tenant:
+    quota = Quota(row.quota_octants, row.quota_deployments, row.requests_per_s, row.burst)
+    return Tenant(row.name, quota, row.disabled, row.created_at)
+
+
+def _key(row: _KeyRow) -> KeyInfo:
+    return KeyInfo(row.id, row.tenant, Role(row.role), row.created_at, row.revoked, row.note)

@@ -1,0 +1,209 @@
+"""The meter: turns what the cloud holds and measures into ledger records, one closed interval at a time.
+
+Intervals are aligned to multiples of ``interval_ms`` on the injected clock's wall time. Between closes the
+meter samples (every ``tick``) the slices each replica holds and integrates milli-GPU × time; at each close it
+reads the cumulative counters (the gateway's traffic per tenant and deployment, each replica's execution
+time and inference count) and records their change since the last close, plus storage × interval length.
+
+Guarantees:
+
+- an interval is written whole or not at all, with the progress mark, in one transaction; a write that fails
+  is retried at the next tick with the same keys, so it is never lost while the process lives and never
+  counted twice;
+- after a restart the meter resumes at the later of now and the last closed interval's end: completed
+  intervals are never rewritten and never double-counted. What the gateway counted in the interval that was
+  open when the process died is lost with the process (its counters lived in memory); time while no meter ran
+  is not billed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from octacloud.core.clock import Clock
+from octacloud.metering.ledger import Ledger, Metric, UsageRecord
+
+log = logging.getLogger("octacloud.metering")
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """A replica's slice right now: ``milli`` is its milli-GPU summed over its cards (8 octants = 1000)."""
+
+    tenant: str
+    deployment: str
+    replica: str
+    gpu_model: str
+    milli: int
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """Cumulative gateway counters of one (calling tenant, deployment) since the gateway started."""
+
+    requests: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """Cumulative counters a replica reports (they restart from 0 when the replica process restarts)."""
+
+    tenant: str
+    deployment: str
+    gpu_model: str
+    exec_us: int
+    inferences: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    tenant: str
+    deployment: str
+    bytes: int
+
+
+class UsageSource(Protocol):
+    """What the meter reads. ``allocations`` and ``storage`` are the state now; ``traffic`` and ``work`` are
+    monotonically non-decreasing counters (``work`` may restart from zero with its replica and may omit a
+    replica it could not reach). None of them may block for longer than a second or raise."""
+
+    def allocations(self) -> list[Allocation]: ...
+
+    def traffic(self) -> Mapping[tuple[str, str], Traffic]: ...
+
+    def work(self) -> Awaitable[Mapping[str, Work]]: ...
+
+    def storage(self) -> list[Stored]: ...
+
+
+class Meter:
+    def __init__(
+        self,
+        ledger: Ledger,
+        source: UsageSource,
+        clock: Clock,
+        interval_s: float = 10.0,
+        name: str = "meter",
+    ) -> None:
+        if interval_s < 0.1:
+            raise ValueError(f"meter interval must be at least 0.1 s, got {interval_s}")
+        self.ledger = ledger
+        self.source = source
+        self.clock = clock
+        self.interval_ms = int(interval_s * 1000)
+        self.name = name
+        now = self._now()
+        closed = ledger.closed_until_ms(name)
+        self.start_ms = now if closed is None else max(now, closed)
+        self._sampled_ms = self.start_ms
+        self._alloc: dict[tuple[str, str, str, str], int] = {}
+        self._traffic: dict[tuple[str, str], Traffic] = dict(source.traffic())
+        self._work: dict[str, Work] = {}  # the replicas' counters at the last close (or at prime())
+        self.closed = 0
+
+    async def prime(self) -> None:
+        """Take the replicas' counters now as the baseline: work they did before this meter started (replicas
+        adopted after a restart) was either recorded by the previous meter or is not billable by this one."""
+        self._work = dict(await self.source.work())
+
+    def _now(self) -> int:
+        return int(self.clock.time() * 1000)
+
+    @property
+    def end_ms(self) -> int:
+        return (self.start_ms // self.interval_ms + 1) * self.interval_ms
+
+    def sample(self) -> None:
+        """Integrate the slices held since the last sample (they are taken to have held since then)."""
+        self._integrate(min(self._now(), self.end_ms))
+
+    def _integrate(self, until_ms: int) -> None:
+        dt = until_ms - self._sampled_ms
+        if dt <= 0:
+            return
+        for a in self.source.allocations():
+            key = (a.tenant, a.deployment, a.replica, a.gpu_model)
+            self._alloc[key] = self._alloc.get(key, 0) + a.milli * dt
+        self._sampled_ms = until_ms
+
+    async def tick(self) -> int:
+        """Sample, and close every interval that has ended. Returns how many intervals were closed."""
+        closed = 0
+        while self._now() >= self.end_ms:
+            if not await self.close(self.end_ms):
+                break
+            closed += 1
+        self.sample()
+        return closed
+
+    async def close(self, end_ms: int) -> bool:
+        """Close the open interval at ``end_ms`` (an aligned end, or now on shutdown). False if the ledger write
+        failed: the interval stays open and is written, with the same keys, by a later call."""
+        self._integrate(end_ms)
+        start, length = self.start_ms, end_ms - self.start_ms
+        if length <= 0:
+            return True
+        traffic = dict(self.source.traffic())
+        work = dict(await self.source.work())
+        records = [
+            UsageRecord(t, d, r, Metric.ALLOC, start, length, q, model) for (t, d, r, model), q in self._alloc.items()
+        ]
+        for (tenant, deployment), now in traffic.items():
+            was = self._traffic.get((tenant, deployment), Traffic())
+            for metric, q in (
+                (Metric.REQUESTS, now.requests - was.requests),
+                (Metric.BYTES_IN, now.bytes_in - was.bytes_in),
+                (Metric.BYTES_OUT, now.bytes_out - was.bytes_out),
+            ):
+                if q > 0:
+                    records.append(UsageRecord(tenant, deployment, "", metric, start, length, q))
+        for replica, w in work.items():
+            base = self._work.get(replica)
+            if base is None or w.exec_us < base.exec_us or w.inferences < base.inferences:
+                exec_us, inferences = w.exec_us, w.inferences  # new since the last close, or restarted
+            else:
+                exec_us, inferences = w.exec_us - base.exec_us, w.inferences - base.inferences
+            for metric, q in ((Metric.EXEC, exec_us), (Metric.INFERENCES, inferences)):
+                if q > 0:
+                    records.append(UsageRecord(w.tenant, w.deployment, replica, metric, start, length, q, w.gpu_model))
+        for s in self.source.storage():
+            if s.bytes > 0:
+                records.append(UsageRecord(s.tenant, s.deployment, "", Metric.STORAGE, start, length, s.bytes * length))
+        try:
+            await asyncio.to_thread(self.ledger.append, records, self.name, end_ms)
+        except Exception:  # the database is down or locked: keep the interval, retry next tick
+            log.exception("usage interval starting at %d ms not written; will retry", start)
+            return False
+        self._traffic = traffic
+        held = {a.replica for a in self.source.allocations()}
+        self._work = {r: w for r, w in {**self._work, **work}.items() if r in held or r in work}
+        self._alloc = {}
+        self.start_ms = self._sampled_ms = end_ms
+        self.closed += 1
+        return True
+
+    async def flush(self) -> bool:
+        """On shutdown: close the open interval at now, so nothing measured so far is lost."""
+        return await self.close(max(self._now(), self.start_ms))
+
+    async def run(self, stop: asyncio.Event, tick_s: float = 1.0, on_tick: Callable[[], None] | None = None) -> None:
+        tick_s = min(tick_s, self.interval_ms / 1000 / 4)
+        await self.prime()
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except Exception:  # a meter bug must not take the cloud down; it is logged and retried
+                log.exception("meter tick failed")
+            if on_tick is not None:
+                on_tick()
+            try:
+                await asyncio.wait_for(stop.wait(), tick_s)
+            except TimeoutError:
+                pass
+        await self.flush()

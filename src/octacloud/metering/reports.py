@@ -1,0 +1,183 @@
+"""Usage reports: ledger records summed by tenant and deployment, day or GPU model, with optional cost.
+
+A price sheet (YAML) prices octant-hours by GPU model, gigabytes transferred (in + out) and gigabyte-months
+stored::
+
+    currency: EUR
+    octant_hour: {default: 0.10, "NVIDIA H100 80GB HBM3": 0.45}
+    gb_transferred: 0.01
+    gb_month_stored: 0.02
+
+Units: 1 octant-hour = 125 milli-GPU × 3 600 000 ms; 1 GB = 10^9 bytes; 1 month = 30 days.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from octacloud.core.errors import InvalidSpecError
+from octacloud.metering.ledger import Metric, UsageRecord
+
+GroupBy = Literal["deployment", "day", "gpu-model", "tenant"]
+GROUPS: tuple[str, ...] = ("deployment", "day", "gpu-model", "tenant")
+MILLI_MS_PER_OCTANT_HOUR = 125 * 3_600_000
+BYTES_PER_GB = 10**9
+MS_PER_MONTH = 30 * 86_400_000
+
+
+@dataclass(frozen=True, slots=True)
+class PriceSheet:
+    currency: str = "USD"
+    octant_hour: dict[str, float] = field(default_factory=dict)
+    """GPU model → price; the key ``default`` prices models not listed."""
+    gb_transferred: float = 0.0
+    gb_month_stored: float = 0.0
+
+    @classmethod
+    def load(cls, path: Path) -> PriceSheet:
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise InvalidSpecError(f"price sheet {path}: {exc}") from None
+        return cls.from_dict(data, str(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "price sheet") -> PriceSheet:
+        if not isinstance(data, dict):
+            raise InvalidSpecError(f"{where}: expected a mapping")
+        unknown = sorted(set(data) - {"currency", "octant_hour", "gb_transferred", "gb_month_stored"})
+        if unknown:
+            raise InvalidSpecError(f"{where}: unknown field(s) {unknown}")
+        hour = data.get("octant_hour", {})
+        if isinstance(hour, int | float):
+            hour = {"default": hour}
+        if not isinstance(hour, dict) or not all(isinstance(v, int | float) and v >= 0 for v in hour.values()):
+            raise InvalidSpecError(f"{where}: octant_hour must be a price or a mapping of GPU model to price >= 0")
+        prices = {}
+        for name in ("gb_transferred", "gb_month_stored"):
+            value = data.get(name, 0.0)
+            if not isinstance(value, int | float) or value < 0:
+                raise InvalidSpecError(f"{where}: {name} must be a number >= 0, got {value!r}")
+            prices[name] = float(value)
+        return cls(str(data.get("currency", "USD")), {str(k): float(v) for k, v in hour.items()}, **prices)
+
+    def octant_hour_price(self, gpu_model: str) -> float:
+        return self.octant_hour.get(gpu_model, self.octant_hour.get("default", 0.0))
+
+
+@dataclass(slots=True)
+class UsageLine:
+    """Usage of one tenant in one group, in integer ledger units (see :class:`Metric`)."""
+
+    tenant: str
+    group: str
+    alloc_milli_ms: int = 0
+    exec_us: int = 0
+    inferences: int = 0
+    requests: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    storage_byte_ms: int = 0
+    cost: float = 0.0
+
+    @property
+    def octant_hours(self) -> float:
+        return self.alloc_milli_ms / MILLI_MS_PER_OCTANT_HOUR
+
+    @property
+    def octant_seconds(self) -> float:
+        return self.alloc_milli_ms / 125_000
+
+    @property
+    def gb_months(self) -> float:
+        return self.storage_byte_ms / BYTES_PER_GB / MS_PER_MONTH
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tenant": self.tenant,
+            "group": self.group,
+            "octant_seconds": round(self.octant_seconds, 3),
+            "exec_seconds": round(self.exec_us / 1e6, 6),
+            "inferences": self.inferences,
+            "requests": self.requests,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "storage_gb_months": round(self.gb_months, 9),
+            "cost": round(self.cost, 6),
+        }
+
+
+_FIELD = {
+    Metric.ALLOC: "alloc_milli_ms",
+    Metric.EXEC: "exec_us",
+    Metric.INFERENCES: "inferences",
+    Metric.REQUESTS: "requests",
+    Metric.BYTES_IN: "bytes_in",
+    Metric.BYTES_OUT: "bytes_out",
+    Metric.STORAGE: "storage_byte_ms",
+}
+
+
+def _group(record: UsageRecord, by: str) -> str:
+    if by == "deployment":
+        return record.deployment
+    if by == "day":
+        return dt.datetime.fromtimestamp(record.interval_start_ms / 1000, dt.UTC).date().isoformat()
+    if by == "gpu-model":
+        return record.gpu_model or "-"
+    if by == "tenant":
+        return ""
+    raise InvalidSpecError(f"cannot group usage by {by!r}; choose one of {', '.join(GROUPS)}")
+
+
+def summarize(
+    records: Iterable[UsageRecord], by: str = "deployment", prices: PriceSheet | None = None
+) -> list[UsageLine]:
+    """One line per (tenant, group), sorted; with ``prices``, each line's cost."""
+    if by not in GROUPS:
+        raise InvalidSpecError(f"cannot group usage by {by!r}; choose one of {', '.join(GROUPS)}")
+    lines: dict[tuple[str, str], UsageLine] = {}
+    cost: dict[tuple[str, str], float] = {}
+    for r in records:
+        key = (r.tenant, _group(r, by))
+        line = lines.get(key)
+        if line is None:
+            line = lines[key] = UsageLine(*key)
+        name = _FIELD[r.metric]
+        setattr(line, name, getattr(line, name) + r.quantity)
+        if prices is not None:
+            cost[key] = cost.get(key, 0.0) + _cost(r, prices)
+    for key, line in lines.items():
+        line.cost = cost.get(key, 0.0)
+    return [lines[k] for k in sorted(lines)]
+
+
+def _cost(r: UsageRecord, prices: PriceSheet) -> float:
+    if r.metric is Metric.ALLOC:
+        return r.quantity / MILLI_MS_PER_OCTANT_HOUR * prices.octant_hour_price(r.gpu_model)
+    if r.metric in (Metric.BYTES_IN, Metric.BYTES_OUT):
+        return r.quantity / BYTES_PER_GB * prices.gb_transferred
+    if r.metric is Metric.STORAGE:
+        return r.quantity / BYTES_PER_GB / MS_PER_MONTH * prices.gb_month_stored
+    return 0.0
+
+
+def report(records: Iterable[UsageRecord], by: str = "deployment", prices: PriceSheet | None = None) -> dict[str, Any]:
+    """The JSON form served by ``GET /admin/usage`` and printed by ``octacloud usage --format json``."""
+    lines = summarize(records, by, prices)
+    total = UsageLine("*", "total")
+    for line in lines:
+        for name in (*_FIELD.values(), "cost"):
+            setattr(total, name, getattr(total, name) + getattr(line, name))
+    return {
+        "by": by,
+        "currency": prices.currency if prices is not None else None,
+        "lines": [line.as_dict() for line in lines],
+        "total": total.as_dict(),
+    }
