@@ -165,7 +165,7 @@ def example_models() -> tuple[ExampleModel, ...]:
             "BERT-base, 2-label head, seeded",
             lambda: _from_config("bert"),
             32,
-            (1, 4, 8),
+            (1, 2, 4),
             profile_shape_hints=_text_hints(128),
         ),
         ExampleModel(
@@ -173,7 +173,7 @@ def example_models() -> tuple[ExampleModel, ...]:
             "all-MiniLM-L6-v2 sentence embeddings, trained weights",
             _minilm,
             64,
-            (1, 2, 4, 8, 16, 32),
+            (1, 2, 4, 8, 16),
             profile_shape_hints=_text_hints(128),
             source_files=(
                 Path("model.safetensors"),
