@@ -104,8 +104,12 @@ async def test_queue_timeout_rejects() -> None:
     b.start()
     first = asyncio.ensure_future(b.submit(rows(0, 1), 1))
     await asyncio.sleep(0.01)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     with pytest.raises(QueueTimeoutError, match="timed out"):
         await b.submit(rows(1, 1), 1)
+    assert loop.time() - start < 0.15  # rejected at its deadline, not when the busy instance frees (0.2 s)
+    assert not first.done()
     await first
     await b.close()
 

@@ -153,3 +153,14 @@ def test_a_model_without_dynamic_batching_runs_requests_alone() -> None:
     s = BatchingSettings.from_config(parse_config("max_batch_size: 8"))
     assert s.max_queue_delay_us == 0
     assert BatchPolicy(s).decide([Pending(0.0)] * 3, 0.0, 8).batch == (0, 1, 2)
+
+
+def test_expire_while_busy_rejects_only_timed_out_reject_requests() -> None:
+    q = [
+        Pending(0.0, deadline=1.0),
+        Pending(0.0, deadline=1.0, reject_on_timeout=False),
+        Pending(0.0, deadline=3.0),
+        Pending(0.0),
+    ]
+    assert BatchPolicy.expire(q, 2.0) == ((0,), 3.0)
+    assert BatchPolicy.expire(q, 0.5) == ((), 1.0)

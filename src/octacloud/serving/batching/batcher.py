@@ -69,6 +69,7 @@ class DynamicBatcher:
         self._wakeup: asyncio.Future[None] | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
+        self._timed = False  # some request ever had a deadline: check timeouts even while busy
 
     @property
     def pending(self) -> int:
@@ -116,6 +117,7 @@ class DynamicBatcher:
         deadline, reject = s.deadline_of(now, level, timeout_us)
         future: asyncio.Future[dict[str, npt.NDArray[Any]]] = asyncio.get_running_loop().create_future()
         self._queue.append(_Item(now, rows, level, deadline, reject, inputs, future, time.perf_counter_ns()))
+        self._timed = self._timed or deadline is not None
         self._counts[level] = self._counts.get(level, 0) + 1
         self._wake()
         return future
@@ -132,23 +134,28 @@ class DynamicBatcher:
                 return
             batch: list[_Item] = []
             wake_at: float | None = None
-            if self._free > 0 and self._queue:
+            if self._queue and (self._free > 0 or self._timed):
                 self._queue = [i for i in self._queue if not self._drop_if_cancelled(i)]
-                decision = self._policy.decide(self._queue, self._clock.monotonic(), self.cap)
-                if decision.expired or decision.batch:
-                    chosen = set(decision.batch) | set(decision.expired)
-                    batch = [self._queue[i] for i in decision.batch]
-                    for i in decision.expired:
+                now = self._clock.monotonic()
+                if self._free > 0:
+                    decision = self._policy.decide(self._queue, now, self.cap)
+                    expired, chosen, wake_at = decision.expired, decision.batch, decision.wake_at
+                else:  # busy: only timeouts can change anything before an instance frees
+                    expired, wake_at = self._policy.expire(self._queue, now)
+                    chosen = ()
+                if expired or chosen:
+                    gone = set(chosen) | set(expired)
+                    batch = [self._queue[i] for i in chosen]
+                    for i in expired:
                         self._fail(
                             self._queue[i],
                             QueueTimeoutError(
                                 f"model {self.name!r}: request timed out in the queue; retry or raise the timeout"
                             ),
                         )
-                    self._queue = [it for n, it in enumerate(self._queue) if n not in chosen]
+                    self._queue = [it for n, it in enumerate(self._queue) if n not in gone]
                     for it in batch:
                         self._counts[it.priority] -= 1
-                wake_at = decision.wake_at
             if batch:
                 self._free -= 1
                 task = loop.create_task(self._execute(batch))

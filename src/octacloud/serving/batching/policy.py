@@ -168,6 +168,20 @@ class BatchPolicy:
             wake_at = min([wake_at, *(d for d in deadlines if d is not None and d > now)])
         return Decision(expired=tuple(expired), wake_at=wake_at)
 
+    @staticmethod
+    def expire(queue: Sequence[Pending], now: float) -> tuple[tuple[int, ...], float | None]:
+        """While every instance is busy: the requests to reject for timeout now, and the next deadline."""
+        expired: list[int] = []
+        upcoming: float | None = None
+        for i, p in enumerate(queue):
+            if p.deadline is None or not p.reject_on_timeout:
+                continue
+            if now >= p.deadline:
+                expired.append(i)
+            elif upcoming is None or p.deadline < upcoming:
+                upcoming = p.deadline
+        return tuple(expired), upcoming
+
     def _preferred_prefix(self, queue: Sequence[Pending], batch: list[int]) -> list[int]:
         """The longest prefix of ``batch`` whose rows are exactly a preferred size (else all of it)."""
         preferred = set(self.settings.preferred_batch_sizes)
