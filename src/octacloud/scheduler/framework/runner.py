@@ -196,8 +196,8 @@ class Scheduler:
                 total = [t + weight * s for t, s in zip(total, normalized, strict=True)]
         if total is None:
             return min(candidates, key=rank.__getitem__), 0.0
-        best_score = max(total)
-        best = min((candidates[k] for k, s in enumerate(total) if s == best_score), key=rank.__getitem__)
+        # Highest score; among equals, the node first in the run's order (C-level tuple comparison).
+        best_score, _neg_rank, best = max(zip(total, [-rank[c] for c in candidates], candidates, strict=True))
         return best, best_score
 
     def _select_cards(self, ctx: CycleContext, node: int) -> tuple[int, ...] | None:

@@ -59,6 +59,8 @@ class ClusterState:
         self.total_gpu_milli: int = sum(n.gpu_milli for n in self.nodes)
         self.allocated_gpu_milli: int = 0
         self._usable: list[bool] = [n.health is Health.HEALTHY for n in self.nodes]
+        self.node_usable: Sequence[bool] = self._usable
+        """Read-only view: ``node_usable[i]`` is :meth:`usable` ``(i)`` (for hot loops)."""
 
     # ---- queries ---------------------------------------------------------------------------------------
 

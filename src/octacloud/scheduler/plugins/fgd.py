@@ -18,12 +18,12 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.core.units import MILLI_PER_GPU
 from octacloud.scheduler.fragmentation import FragmentationModel, TargetWorkload, compile_workload
 from octacloud.scheduler.framework.api import CycleContext, identity_normalize
-from octacloud.scheduler.framework.state import NodeSignature
+from octacloud.scheduler.framework.state import ClusterState, NodeSignature
 from octacloud.scheduler.plugins.fit import cards_that_fit
 from octacloud.scheduler.registry import Args, PluginContext
 
 _Shape = tuple[int, int, int]
-_Result = tuple[int, tuple[int, ...]]
+_Result = tuple[float, tuple[int, ...]]
 _CACHE_LIMIT = 1 << 17
 
 
@@ -40,6 +40,9 @@ class FragmentationGradient:
     name: str = "fgd"
     model: FragmentationModel = field(init=False)
     _cache: dict[_Shape, dict[NodeSignature, _Result]] = field(default_factory=dict, init=False)
+    _by_node: dict[_Shape, tuple[list[int], list[float]]] = field(default_factory=dict, init=False)
+    """Per shape: the node version last scored and its score (skips hashing unchanged nodes' signatures)."""
+    _state: ClusterState | None = field(default=None, init=False)
     _size: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -47,23 +50,35 @@ class FragmentationGradient:
 
     def score(self, ctx: CycleContext, nodes: Sequence[int]) -> list[float]:
         r = ctx.request
+        state = ctx.state
         if r.gpu_memory_mib or r.gpu_models:  # card choice depends on more than the signature
-            return [float(self._evaluate(ctx, i)[0]) for i in nodes]
-        if self._size > _CACHE_LIMIT:
+            return [self._evaluate(ctx, i)[0] for i in nodes]
+        if state is not self._state or self._size > _CACHE_LIMIT:
+            self._state = state
             self._cache.clear()
+            self._by_node.clear()
             self._size = 0
-        cache = self._cache.get((r.cpu_milli, r.gpu_milli, r.num_gpu))
+        shape = (r.cpu_milli, r.gpu_milli, r.num_gpu)
+        cache = self._cache.get(shape)
         if cache is None:
-            cache = self._cache[(r.cpu_milli, r.gpu_milli, r.num_gpu)] = {}
-        sigs = ctx.state.signature
+            cache = self._cache[shape] = {}
+            self._by_node[shape] = ([-1] * len(state), [0.0] * len(state))
+        seen_version, seen_score = self._by_node[shape]
+        versions, sigs = state.version, state.signature
         out: list[float] = []
         append = out.append
         for i in nodes:
+            v = versions[i]
+            if seen_version[i] == v:  # node unchanged since this shape last scored it
+                append(seen_score[i])
+                continue
             sig = sigs[i]
             hit = cache.get(sig)
             if hit is None:
                 hit = cache[sig] = self._evaluate(ctx, i)
                 self._size += 1
+            seen_version[i] = v
+            seen_score[i] = hit[0]
             append(hit[0])
         return out
 
@@ -95,13 +110,13 @@ class FragmentationGradient:
                 s = fgd_score(before, frag(gpu_model, cpu_after, after))
                 if card < 0 or s > best:
                     best, card = s, g
-            return (best, (card,)) if card >= 0 else (0, ())
+            return (float(best), (card,)) if card >= 0 else (0.0, ())
         after = list(free)
         if r.num_gpu:
             whole = [g for g in cards_that_fit(state, r, node) if free[g] == MILLI_PER_GPU][: r.num_gpu]
             for g in whole:
                 after[g] = 0
-        return fgd_score(before, frag(gpu_model, cpu_after, after)), ()
+        return float(fgd_score(before, frag(gpu_model, cpu_after, after))), ()
 
 
 def build(name: str, args: Args, ctx: PluginContext) -> FragmentationGradient:

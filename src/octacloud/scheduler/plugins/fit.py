@@ -52,9 +52,9 @@ class ResourceFit:
         state = ctx.state
         cpu, mem, n, milli = r.cpu_milli, r.memory_mib, r.num_gpu, r.gpu_milli
         sigs = state.signature
-        usable = state.usable
+        usable = state.node_usable
         if n == 0:
-            return [i for i in nodes if sigs[i][1] >= cpu and sigs[i][2] >= mem and usable(i)]
+            return [i for i in nodes if usable[i] and (s := sigs[i])[1] >= cpu and s[2] >= mem]
         if r.gpu_memory_mib or r.gpu_models:
             return [i for i in nodes if node_fits(state, r, i)]
         if milli < MILLI_PER_GPU:
