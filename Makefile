@@ -44,7 +44,7 @@ lint: dev
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 
-types: dev
+types: dev build-tools
 	$(BIN)/mypy
 
 layers: dev
