@@ -199,6 +199,17 @@ def test_truncated_binary_and_bad_headers(server: ThreadedServer, client: httpcl
     status, out, _ = raw(server, "POST", "/v2/models/add/infer", b"{not json")
     assert status == 400
     assert "not valid JSON" in json.loads(out)["error"]
+    bad_priority = {
+        "parameters": {"priority": "high"},
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}],
+    }
+    status, out, _ = raw(server, "POST", "/v2/models/add/infer", json.dumps(bad_priority).encode())
+    assert status == 400
+    assert "'priority' must be a non-negative integer" in json.loads(out)["error"]
+    numbers_as_bytes = {"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [1, 2], "data": [1, 2]}]}
+    status, out, _ = raw(server, "POST", "/v2/models/echo_bytes/infer", json.dumps(numbers_as_bytes).encode())
+    assert status == 400
+    assert "BYTES data in JSON must be strings" in json.loads(out)["error"]
     status, out, _ = raw(server, "GET", "/v3/nothing")
     assert status == 404
     still_serving(client)

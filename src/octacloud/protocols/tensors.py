@@ -79,7 +79,9 @@ def from_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> np
         if datatype == "BYTES":
             flat = np.asarray(data, dtype=object).reshape(-1)
             array = np.empty(flat.size, dtype=object)
-            array[:] = [x.encode() if isinstance(x, str) else bytes(x) for x in flat]
+            if not all(isinstance(x, str) for x in flat):
+                raise InvalidInputError(f"input {name!r}: BYTES data in JSON must be strings")
+            array[:] = [x.encode() for x in flat]
         else:
             array = np.asarray(data, dtype=dtype)
     except (ValueError, TypeError) as e:

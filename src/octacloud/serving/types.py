@@ -114,6 +114,17 @@ class InferenceRequest:
     timeout_us: int = 0
 
 
+def scheduling_parameters(parameters: Parameters) -> tuple[int, int]:
+    """(priority, timeout in µs) from a request's parameters, by Triton's names; 0 when absent."""
+    values = []
+    for key in ("priority", "timeout"):
+        value = parameters.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidInputError(f"parameter {key!r} must be a non-negative integer, got {value!r}")
+        values.append(value)
+    return values[0], values[1]
+
+
 @dataclass(slots=True)
 class InferenceResponse:
     """The result of one request, outputs in the order the model (or the request) names them."""

@@ -32,7 +32,7 @@ from octacloud.serving import (
     Tensor,
 )
 from octacloud.serving.stats import Duration
-from octacloud.serving.types import numpy_dtype
+from octacloud.serving.types import numpy_dtype, scheduling_parameters
 
 log = logging.getLogger(__name__)
 Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpc ships no type hints)
@@ -112,8 +112,7 @@ def decode_infer(r: pb.ModelInferRequest) -> InferenceRequest:
         r.id,
         outputs,
         params,
-        priority=int(params.get("priority", 0) or 0),
-        timeout_us=int(params.get("timeout", 0) or 0),
+        *scheduling_parameters(params),
     )
 
 

@@ -22,6 +22,7 @@ from octacloud.serving import (
     VersionStats,
 )
 from octacloud.serving.stats import Duration
+from octacloud.serving.types import scheduling_parameters
 
 _INT64 = {
     FieldDescriptor.TYPE_INT64,
@@ -103,8 +104,7 @@ def decode_infer(body: bytes, header_length: int | None, model: str, version: st
         str(header.get("id", "")),
         outputs,
         params,
-        priority=int(params.get("priority", 0) or 0),
-        timeout_us=int(params.get("timeout", 0) or 0),
+        *scheduling_parameters(params),
     )
 
 
