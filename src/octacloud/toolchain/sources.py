@@ -98,17 +98,11 @@ class OnnxSource:
         if not self.inputs:
             raise SourceError(f"{path}: the model has no inputs")
         self.description = f"ONNX {path.name} ({', '.join(s.describe() for s in self.inputs)})"
-        last = outputs[0] if outputs else None
-        self.classifier = (
-            bool(options.classifier)
-            if options.classifier is not None
-            else bool(
-                last is not None
-                and len(last.shape) == 2
-                and (last.shape[1] or 0) > 1
-                and options.task in ("auto", "image-classification", "text-classification")
-            )
-        )
+        if not outputs:
+            raise SourceError(f"{path}: the model has no outputs")
+        # An ONNX file does not say whether its output holds class scores: the user (or the task) does.
+        classify = options.task in ("image-classification", "text-classification")
+        self.classifier = options.classifier if options.classifier is not None else classify
         self.shape_hints = {s.name: options.sequence_length for s in self.inputs}
         self._session = open_session(path)
 
