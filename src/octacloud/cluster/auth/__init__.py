@@ -9,6 +9,7 @@ from __future__ import annotations
 from octacloud.cluster.auth.guard import Guard, RateLimitedError
 from octacloud.cluster.auth.keys import (
     ADMIN_TENANT,
+    ANONYMOUS_ADMIN,
     AuthError,
     KeyInfo,
     KeyStore,
@@ -23,6 +24,7 @@ from octacloud.cluster.auth.limits import Holding, QuotaExceededError, RateLimit
 
 __all__ = [
     "ADMIN_TENANT",
+    "ANONYMOUS_ADMIN",
     "AuthError",
     "Guard",
     "Holding",

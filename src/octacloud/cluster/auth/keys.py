@@ -99,6 +99,10 @@ class Principal:
         return self.is_admin or owner == self.tenant
 
 
+ANONYMOUS_ADMIN = Principal(ADMIN_TENANT, Role.ADMIN, "")
+"""The caller of front ends built without a :class:`Guard` (tests of the proxies and controller alone)."""
+
+
 class _Base(DeclarativeBase):
     pass
 
