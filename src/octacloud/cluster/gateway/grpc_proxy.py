@@ -19,8 +19,8 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 from octacloud import __version__
-from octacloud.cluster.auth import AuthError, Guard, Principal, RateLimitedError
-from octacloud.cluster.gateway.rest import ANONYMOUS_ADMIN, MAX_ATTEMPTS, SERVER_EXTENSIONS
+from octacloud.cluster.auth import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
+from octacloud.cluster.gateway.rest import MAX_ATTEMPTS, SERVER_EXTENSIONS
 from octacloud.cluster.gateway.routing import Endpoint, RouteTable
 
 SERVICE = "inference.GRPCInferenceService"

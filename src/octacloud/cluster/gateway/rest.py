@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from octacloud import __version__
-from octacloud.cluster.auth import AuthError, Guard, Principal, RateLimitedError, Role
+from octacloud.cluster.auth import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
 from octacloud.cluster.gateway.routing import RouteTable
 from octacloud.cluster.gateway.upstream import UpstreamError, UpstreamPool
 
@@ -32,7 +32,6 @@ MAX_ATTEMPTS = 3
 MAX_BODY_BYTES = 256 * 1024 * 1024
 SERVER_EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "classification"]
 _JSON = [(b"content-type", b"application/json")]
-ANONYMOUS_ADMIN = Principal("admin", Role.ADMIN, "")
 
 
 async def _reply(send: Send, status: int, payload: object, headers: list[tuple[bytes, bytes]] | None = None) -> int:
