@@ -125,3 +125,15 @@ def test_staging_a_new_repository_leaves_nothing_when_nothing_is_published(tmp_p
     with repo.staging() as area:
         assert area.is_dir()
     assert not (tmp_path / "new").exists()
+
+
+def test_prune_keeps_the_newest_versions(tmp_path: Path) -> None:
+    repo = ModelRepository(tmp_path)
+    for _ in range(3):
+        with repo.staging() as area:
+            repo.publish([stage(repo, area, "m")])
+    assert repo.prune("m", keep=1) == [1, 2]
+    assert repo.versions("m") == [3] and repo.prune("m", keep=1) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    with pytest.raises(InvalidSpecError, match="keep must be >= 1"):
+        repo.prune("m", keep=0)

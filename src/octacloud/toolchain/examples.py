@@ -17,7 +17,8 @@ Each is published in fp32, fp16 and int8 (``<name>``, ``<name>_fp16``, ``<name>_
 statically quantized on a seeded synthetic calibration set (onnxruntime only accelerates convolutions in that
 form), the others are dynamically quantized. Nothing is downloaded. A build is skipped when the recipe,
 the builder version, the library versions and the source files are unchanged (fingerprint in
-``<out>/.octacloud-examples.json``); otherwise the models are published as new versions.
+``<out>/.octacloud-examples.json``); otherwise the models are published as new versions and older
+versions of the examples are removed.
 """
 
 from __future__ import annotations
@@ -285,6 +286,8 @@ def build_examples(
                 f"{example.name}: variant(s) {[v.name for v in result.rejected]} are outside tolerance: "
                 + "; ".join(f for v in result.rejected for f in v.parity.failures)
             )
+        for variant in result.published:  # the examples are a build product: keep only the newest version
+            repo.prune(variant.name, keep=1)
         state[example.name] = print_
         (repo.root / STATE_FILENAME).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         outcomes.append(ExampleOutcome(example.name, skipped=False, result=result))

@@ -159,6 +159,21 @@ class ModelRepository:
     def config(self, name: str) -> mc.ModelConfig:
         return read_config(self.root / name)
 
+    def prune(self, name: str, keep: int) -> list[int]:
+        """Remove all but the newest ``keep`` versions of ``name``; return the versions removed.
+
+        Each version directory is renamed into the staging area before it is deleted, so a polling server
+        sees it disappear at once, never half-deleted.
+        """
+        if keep < 1:
+            raise InvalidSpecError(f"keep must be >= 1, got {keep}")
+        doomed = self.versions(name)[:-keep]
+        if doomed:
+            with self.staging() as area:
+                for v in doomed:
+                    (self.root / name / str(v)).rename(area / f"{name}.{v}")
+        return doomed
+
     @contextlib.contextmanager
     def staging(self) -> Iterator[Path]:
         """A private scratch directory on the repository's file system (so ``rename`` into it is atomic).
