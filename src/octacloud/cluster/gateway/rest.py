@@ -68,7 +68,13 @@ class RestGateway:
         ready: Callable[[], bool] = lambda: True,
         request_timeout: float = 60.0,
         guard: Guard | None = None,
+        dashboard: ASGIApp | None = None,
+        metrics: ASGIApp | None = None,
     ) -> None:
+        self.dashboard = dashboard
+        """``/dashboard...``: public static page; its JSON API checks the admin key itself."""
+        self.metrics = metrics
+        """``/metrics``: the cloud's Prometheus text; checks the admin key itself."""
         self.guard = guard
         """None only in tests of the proxy itself: then every caller is an anonymous admin."""
         self.routes = routes
@@ -90,6 +96,12 @@ class RestGateway:
         if path == "/v2/health/ready":
             ok = self.ready()
             await _reply(send, 200 if ok else 503, {"ready": ok})
+            return
+        if path.startswith("/dashboard") and self.dashboard is not None:
+            await self.dashboard(scope, receive, send)
+            return
+        if path == "/metrics" and self.metrics is not None:
+            await self.metrics(scope, receive, send)
             return
         principal = await self._authorize(scope, send)
         if principal is None:
