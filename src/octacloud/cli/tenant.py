@@ -1,0 +1,138 @@
+"""``octacloud tenant create|list|disable|enable`` and ``octacloud key create|list|revoke`` (admin API)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from octacloud.cli.cloud import CACERT, KEY, _call, _url, console
+
+tenant_app = typer.Typer(help="Tenants: who uses the cloud, with which quotas.", no_args_is_help=True)
+key_app = typer.Typer(help="API keys: shown once when created, stored hashed.", no_args_is_help=True)
+
+
+def _quota(q: dict[str, Any]) -> str:
+    parts = [
+        f"{q['octants']} octants" if q["octants"] is not None else "",
+        f"{q['deployments']} deployments" if q["deployments"] is not None else "",
+        f"{q['requests_per_s']:g} req/s (burst {q['burst']})" if q["requests_per_s"] is not None else "",
+    ]
+    return ", ".join(p for p in parts if p) or "unlimited"
+
+
+@tenant_app.command("create")
+def tenant_create(
+    name: str = typer.Argument(..., help="Tenant name (lowercase letters, digits, '-', '_')."),
+    octants: int | None = typer.Option(None, "--octants", help="Quota: octants its deployments may hold."),
+    deployments: int | None = typer.Option(None, "--deployments", help="Quota: number of deployments."),
+    rate: float | None = typer.Option(None, "--rate", help="Requests per second (token bucket)."),
+    burst: int = typer.Option(50, "--burst", help="Requests allowed in a burst above the rate."),
+    with_key: bool = typer.Option(True, "--key/--no-key", help="Also create a tenant key and show it once."),
+    url: str | None = typer.Option(None, "--url"),
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Create a tenant (admin)."""
+    body = {"name": name, "octants": octants, "deployments": deployments, "requests_per_s": rate, "burst": burst}
+    data = _call("POST", _url(url), "/admin/tenants", body, key, cacert)
+    console.print(f"tenant [bold]{data['name']}[/]: {_quota(data['quota'])}")
+    if with_key:
+        created = _call("POST", _url(url), "/admin/keys", {"tenant": name}, key, cacert)
+        console.print(f"key {created['id']} (shown once, keep it safe):\n  {created['key']}", soft_wrap=True)
+
+
+@tenant_app.command("list")
+def tenant_list(
+    url: str | None = typer.Option(None, "--url"), key: str | None = KEY, cacert: Path | None = CACERT
+) -> None:
+    """Tenants and their quotas (a tenant key sees its own)."""
+    data = _call("GET", _url(url), "/admin/tenants", None, key, cacert)
+    table = Table(title="tenants")
+    for col in ("tenant", "state", "quota"):
+        table.add_column(col)
+    for t in data["tenants"]:
+        table.add_row(t["name"], "disabled" if t["disabled"] else "active", _quota(t["quota"]))
+    console.print(table)
+
+
+def _set(name: str, action: str, url: str | None, key: str | None, cacert: Path | None) -> None:
+    data = _call("POST", _url(url), f"/admin/tenants/{name}/{action}", {}, key, cacert)
+    console.print(f"tenant {data['name']}: {'disabled' if data['disabled'] else 'active'}")
+
+
+@tenant_app.command("disable")
+def tenant_disable(
+    name: str = typer.Argument(...),
+    url: str | None = typer.Option(None, "--url"),
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Disable a tenant: its keys stop working at once (its deployments keep running)."""
+    _set(name, "disable", url, key, cacert)
+
+
+@tenant_app.command("enable")
+def tenant_enable(
+    name: str = typer.Argument(...),
+    url: str | None = typer.Option(None, "--url"),
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Enable a disabled tenant again."""
+    _set(name, "enable", url, key, cacert)
+
+
+@key_app.command("create")
+def key_create(
+    tenant: str | None = typer.Option(None, "--tenant", help="Whose key (default: the caller's tenant)."),
+    admin: bool = typer.Option(False, "--admin", help="An admin key (tenant 'admin')."),
+    note: str = typer.Option("", "--note", help="What the key is for."),
+    url: str | None = typer.Option(None, "--url"),
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Create an API key; it is shown once."""
+    body: dict[str, Any] = {"role": "admin" if admin else "tenant", "note": note}
+    if tenant is not None or admin:
+        body["tenant"] = "admin" if admin else tenant
+    data = _call("POST", _url(url), "/admin/keys", body, key, cacert)
+    console.print(
+        f"key {data['id']} for {data['tenant']} ({data['role']}), shown once:\n  {data['key']}", soft_wrap=True
+    )
+
+
+@key_app.command("list")
+def key_list(
+    tenant: str | None = typer.Option(None, "--tenant"),
+    url: str | None = typer.Option(None, "--url"),
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Key ids (never the keys themselves)."""
+    data = _call("GET", _url(url), "/admin/keys" + (f"?tenant={tenant}" if tenant else ""), None, key, cacert)
+    table = Table(title="keys")
+    for col in ("id", "tenant", "role", "state", "note"):
+        table.add_column(col)
+    for k in data["keys"]:
+        table.add_row(k["id"], k["tenant"], k["role"], "revoked" if k["revoked"] else "active", k["note"])
+    console.print(table)
+
+
+@key_app.command("revoke")
+def key_revoke(
+    key_id: str = typer.Argument(..., help="The key's id (the part after 'oc_')."),
+    url: str | None = typer.Option(None, "--url"),
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Revoke a key: it stops working at once."""
+    data = _call("DELETE", _url(url), f"/admin/keys/{key_id}", None, key, cacert)
+    console.print(f"revoked key {data['id']} of {data['tenant']}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(tenant_app, name="tenant")
+    app.add_typer(key_app, name="key")

@@ -1,0 +1,229 @@
+"""The ledger and the meter on a ManualClock with a scripted usage source: exact totals, idempotency, resume
+after a crash, a failed write retried, reports and prices."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from octacloud.core.clock import ManualClock
+from octacloud.core.errors import InvalidSpecError
+from octacloud.metering import (
+    Allocation,
+    Ledger,
+    Meter,
+    Metric,
+    PriceSheet,
+    Stored,
+    Traffic,
+    UsageRecord,
+    Work,
+    report,
+    summarize,
+)
+
+EPOCH = 1_700_000_000.0  # a multiple of 10 s: intervals line up with the clock's start
+
+
+@dataclass
+class FakeSource:
+    allocs: list[Allocation] = field(default_factory=list)
+    counters: dict[tuple[str, str], Traffic] = field(default_factory=dict)
+    replicas: dict[str, Work] = field(default_factory=dict)
+    stored: list[Stored] = field(default_factory=list)
+
+    def allocations(self) -> list[Allocation]:
+        return list(self.allocs)
+
+    def traffic(self) -> Mapping[tuple[str, str], Traffic]:
+        return dict(self.counters)
+
+    async def work(self) -> Mapping[str, Work]:
+        return dict(self.replicas)
+
+    def storage(self) -> list[Stored]:
+        return list(self.stored)
+
+    def send(self, tenant: str, deployment: str, requests: int, bytes_in: int, bytes_out: int) -> None:
+        t = self.counters.get((tenant, deployment), Traffic())
+        self.counters[(tenant, deployment)] = Traffic(
+            t.requests + requests, t.bytes_in + bytes_in, t.bytes_out + bytes_out
+        )
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Ledger:
+    return Ledger.at(f"sqlite:///{tmp_path / 'ledger.db'}")
+
+
+def total(ledger: Ledger, metric: Metric, **where: str) -> int:
+    return sum(
+        r.quantity for r in ledger.records() if r.metric is metric and all(getattr(r, k) == v for k, v in where.items())
+    )
+
+
+async def run_for(meter: Meter, clock: ManualClock, seconds: float, step: float = 1.0) -> None:
+    elapsed = 0.0
+    while elapsed < seconds - 1e-9:
+        clock.advance(step)
+        elapsed += step
+        await meter.tick()
+
+
+async def test_octant_seconds_equal_allocation_times_time(ledger: Ledger) -> None:
+    clock = ManualClock(epoch=EPOCH)
+    source = FakeSource([Allocation("a", "web", "web-000001", "H100", 250)])
+    meter = Meter(ledger, source, clock, interval_s=10)
+    await run_for(meter, clock, 25)
+    assert meter.closed == 2  # [0,10) and [10,20) closed; [20,25) open
+    assert total(ledger, Metric.ALLOC) == 250 * 20_000
+    await meter.flush()
+    assert total(ledger, Metric.ALLOC) == 250 * 25_000  # 2 octants × 25 s = 50 octant-seconds
+    line = summarize(ledger.records())[0]
+    assert line.octant_seconds == 50.0
+    starts = [r.interval_start_ms for r in ledger.records()]
+    assert starts == [int(EPOCH * 1000), int(EPOCH * 1000) + 10_000, int(EPOCH * 1000) + 20_000]
+    # a slice taken mid-interval counts from the sample that saw it: within one tick of the truth
+    source.allocs.append(Allocation("b", "api", "api-000002", "H100", 1000))
+    await run_for(meter, clock, 7, step=0.5)
+    await meter.flush()
+    assert total(ledger, Metric.ALLOC, tenant="b") == 1000 * 7_000
+
+
+async def test_traffic_totals_equal_what_was_sent(ledger: Ledger) -> None:
+    clock = ManualClock(epoch=EPOCH)
+    source = FakeSource()
+    meter = Meter(ledger, source, clock, interval_s=10)
+    await meter.prime()
+    sent = {"a": [0, 0, 0], "b": [0, 0, 0]}
+    for second in range(37):
+        for tenant, n in (("a", 3), ("b", 1)):
+            source.send(tenant, "web", n, 100 * n, 40 * n + second)
+            sent[tenant] = [sent[tenant][0] + n, sent[tenant][1] + 100 * n, sent[tenant][2] + 40 * n + second]
+        clock.advance(1)
+        await meter.tick()
+    await meter.flush()
+    for tenant in ("a", "b"):
+        got = [total(ledger, m, tenant=tenant) for m in (Metric.REQUESTS, Metric.BYTES_IN, Metric.BYTES_OUT)]
+        assert got == sent[tenant]
+        counted = source.counters[(tenant, "web")]  # what the gateway counted reconciles with the ledger
+        assert got == [counted.requests, counted.bytes_in, counted.bytes_out]
+
+
+async def test_replica_work_is_counted_once_across_replica_restarts(ledger: Ledger) -> None:
+    clock = ManualClock(epoch=EPOCH)
+    source = FakeSource(replicas={"web-1": Work("a", "web", "H100", 5_000, 50)})  # before the meter: not ours
+    meter = Meter(ledger, source, clock, interval_s=10)
+    await meter.prime()
+    source.replicas["web-1"] = Work("a", "web", "H100", 8_000, 80)
+    await run_for(meter, clock, 10)
+    source.replicas["web-1"] = Work("a", "web", "H100", 1_000, 10)  # the replica restarted: counters from 0
+    source.replicas["web-2"] = Work("a", "web", "H100", 2_000, 20)  # a new replica
+    await run_for(meter, clock, 10)
+    assert total(ledger, Metric.EXEC) == 3_000 + 1_000 + 2_000
+    assert total(ledger, Metric.INFERENCES) == 30 + 10 + 20
+
+
+async def test_idempotency_keys_make_a_replayed_interval_count_once(ledger: Ledger) -> None:
+    records = [UsageRecord("a", "web", "", Metric.REQUESTS, 1000, 10_000, 7)]
+    assert ledger.append(records, closed_until_ms=11_000) == 1
+    assert ledger.append(records, closed_until_ms=11_000) == 0
+    assert ledger.append([*records, UsageRecord("a", "web", "", Metric.REQUESTS, 11_000, 10_000, 2)]) == 1
+    assert total(ledger, Metric.REQUESTS) == 9
+    assert ledger.closed_until_ms() == 11_000
+
+
+async def test_a_crash_loses_no_closed_interval_and_a_restart_double_counts_none(ledger: Ledger) -> None:
+    clock = ManualClock(epoch=EPOCH)
+    source = FakeSource([Allocation("a", "web", "web-1", "H100", 125)])
+    first = Meter(ledger, source, clock, interval_s=10)
+    await first.prime()
+    for _ in range(25):
+        source.send("a", "web", 1, 10, 10)
+        clock.advance(1)
+        await first.tick()
+    closed = ledger.closed_until_ms()
+    assert closed == int(EPOCH * 1000) + 20_000
+    before = ledger.records()
+    # kill -9: the open interval [20, 25) dies with the process (5 requests, 5 s of slice)
+    del first
+    clock.advance(3)  # down for 3 s: not billed
+    second = Meter(ledger, FakeSource(list(source.allocs)), clock, interval_s=10)
+    assert second.start_ms == int(EPOCH * 1000) + 28_000
+    await second.prime()
+    await run_for(second, clock, 12)
+    await second.flush()
+    after = ledger.records()
+    assert after[: len(before)] == before  # closed intervals untouched
+    keys = [r.key for r in after]
+    assert len(keys) == len(set(keys))
+    assert total(ledger, Metric.REQUESTS) == 20
+    assert total(ledger, Metric.ALLOC) == 125 * (20_000 + 12_000)
+    spans = sorted({(r.interval_start_ms, r.interval_start_ms + r.interval_ms) for r in after})
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        assert start >= end  # never overlapping
+
+
+async def test_a_failed_write_is_retried_with_the_same_keys(ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = ManualClock(epoch=EPOCH)
+    source = FakeSource([Allocation("a", "web", "web-1", "H100", 125)])
+    meter = Meter(ledger, source, clock, interval_s=10)
+    await meter.prime()
+    real = ledger.append
+    failures = {"left": 2}
+
+    def flaky(*args: object, **kwargs: object) -> int:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError("database is locked")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ledger, "append", flaky)
+    source.send("a", "web", 4, 40, 40)
+    clock.advance(10)
+    assert await meter.tick() == 0
+    clock.advance(1)
+    assert await meter.tick() == 0
+    source.send("a", "web", 1, 10, 10)
+    clock.advance(1)
+    assert await meter.tick() == 1  # the third try wrote [0, 10) with what it held
+    await meter.flush()
+    assert total(ledger, Metric.REQUESTS) == 5
+    assert total(ledger, Metric.ALLOC) == 125 * 12_000
+
+
+async def test_storage_byte_seconds(ledger: Ledger) -> None:
+    clock = ManualClock(epoch=EPOCH)
+    meter = Meter(ledger, FakeSource(stored=[Stored("a", "web", 1_000_000)]), clock, interval_s=10)
+    await run_for(meter, clock, 30)
+    assert total(ledger, Metric.STORAGE) == 1_000_000 * 30_000
+
+
+def test_reports_group_and_price(tmp_path: Path) -> None:
+    day = int(EPOCH * 1000)
+    records = [
+        UsageRecord("a", "web", "web-1", Metric.ALLOC, day, 10_000, 125 * 3_600_000, "H100"),
+        UsageRecord("a", "web", "", Metric.BYTES_IN, day, 10_000, 2 * 10**9),
+        UsageRecord("a", "api", "api-1", Metric.ALLOC, day + 86_400_000, 10_000, 250 * 3_600_000, "L4"),
+        UsageRecord("b", "web", "", Metric.REQUESTS, day, 10_000, 12),
+    ]
+    sheet = tmp_path / "prices.yaml"
+    sheet.write_text("currency: EUR\noctant_hour: {default: 1.0, H100: 4.0}\ngb_transferred: 0.5\n")
+    prices = PriceSheet.load(sheet)
+    by_deployment = {(line.tenant, line.group): line for line in summarize(records, "deployment", prices)}
+    assert by_deployment["a", "web"].octant_hours == 1.0 and by_deployment["a", "web"].cost == 4.0 + 1.0
+    assert by_deployment["a", "api"].cost == 2.0
+    assert [line.group for line in summarize(records, "day")] == ["2023-11-14", "2023-11-15", "2023-11-14"]
+    assert {line.group for line in summarize(records, "gpu-model")} == {"H100", "L4", "-"}
+    body = report(records, "tenant", prices)
+    assert body["total"]["requests"] == 12 and body["total"]["cost"] == 7.0 and body["currency"] == "EUR"
+    with pytest.raises(InvalidSpecError, match="cannot group"):
+        summarize(records, "week")
+    with pytest.raises(InvalidSpecError, match="unknown field"):
+        PriceSheet.from_dict({"octant_hours": 1})
+    with pytest.raises(InvalidSpecError, match="gb_transferred"):
+        PriceSheet.from_dict({"gb_transferred": -1})
