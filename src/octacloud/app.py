@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import grpc
 import uvicorn
 
 from octacloud.cluster.admin import build_admin_app
+from octacloud.cluster.auth import Guard, KeyStore, server_secret
 from octacloud.cluster.controller import Controller, ControllerSettings
 from octacloud.cluster.fleet import discover_fleet
 from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
@@ -24,9 +26,12 @@ from octacloud.cluster.gateway.routing import RouteTable
 from octacloud.cluster.health import HttpProber, RepositoryFootprints
 from octacloud.cluster.launcher import LocalProcessLauncher, ReplicaLauncher
 from octacloud.cluster.store import StateStore
+from octacloud.cluster.tls import TlsConfig, check_exposure
+from octacloud.cluster.usage import ClusterUsage
 from octacloud.core.clock import Clock, SystemClock
 from octacloud.core.model import Node, Request
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
+from octacloud.metering import Ledger, Meter, PriceSheet
 from octacloud.scheduler.actions.preempt import preempt
 from octacloud.scheduler.fragmentation import TargetWorkload
 from octacloud.scheduler.framework.runner import Scheduler
@@ -47,6 +52,12 @@ class CloudConfig:
     policy: str = PRODUCT_DEFAULT
     cpu_cards: int = 1
     controller: ControllerSettings = field(default_factory=ControllerSettings)
+    tls: TlsConfig | None = None
+    allow_insecure: bool = False
+    """Serve plain text on a non-loopback address (API keys then cross the network in clear)."""
+    meter_interval_s: float = 10.0
+    prices: Path | None = None
+    """Price sheet (YAML) for usage reports' cost column."""
 
 
 class Cloud:
@@ -61,7 +72,12 @@ class Cloud:
         clock: Clock | None = None,
     ) -> None:
         self.config = config
+        check_exposure(config.host, config.tls, config.allow_insecure)
+        if config.tls is not None:
+            config.tls.check()
+        prices = PriceSheet.load(config.prices) if config.prices is not None else None
         config.state_dir.mkdir(parents=True, exist_ok=True)
+        clock = clock or SystemClock()
         self.nodes = nodes if nodes is not None else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards)
         self.store = StateStore.at(config.state_dir / "octacloud.db")
         self.state = ClusterState(self.nodes)
@@ -75,7 +91,7 @@ class Cloud:
             launcher=launcher or LocalProcessLauncher(config.state_dir / "replicas", host=config.host),
             repository=config.repository.resolve(),
             routes=self.routes,
-            clock=clock or SystemClock(),
+            clock=clock,
             prober=HttpProber(),
             footprint=RepositoryFootprints(config.repository),
             preemptor=lambda request: _preempt_names(self.scheduler, request),
@@ -86,9 +102,17 @@ class Cloud:
         self._tasks: list[asyncio.Task[None]] = []
         self._grpc: grpc.aio.Server | None = None
         self._http: uvicorn.Server | None = None
-        self.grpc_gateway = GrpcGateway(self.routes, ready=lambda: self._started)
-        admin = build_admin_app(self.controller)
-        self.rest_gateway = RestGateway(self.routes, admin=admin, ready=lambda: self._started)
+        self.keys = KeyStore(self.store.engine, server_secret(config.state_dir / "server.secret"), clock)
+        self.guard = Guard(self.keys)
+        """``guard.authorize(headers)`` → the caller's Principal, or AuthError: for every front end."""
+        self.admin_key = bootstrap_admin_key(self.keys, config.state_dir / "admin.key")
+        """The admin key created by this start (None when one existed): the CLI shows it once."""
+        self.ledger = Ledger(self.store.engine)
+        self.usage = ClusterUsage(self.controller)
+        self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
+        self.grpc_gateway = GrpcGateway(self.routes, ready=lambda: self._started, guard=self.guard)
+        admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
+        self.rest_gateway = RestGateway(self.routes, admin=admin, ready=lambda: self._started, guard=self.guard)
         self.http_port = config.http_port
         self.grpc_port = config.grpc_port
 
@@ -97,7 +121,14 @@ class Cloud:
             options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         )
         self._grpc.add_generic_rpc_handlers((self.grpc_gateway.handler(),))
-        self.grpc_port = self._grpc.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        address = f"{self.config.host}:{self.config.grpc_port}"
+        tls = self.config.tls
+        if tls is None:
+            self.grpc_port = self._grpc.add_insecure_port(address)
+        else:
+            self.grpc_port = self._grpc.add_secure_port(
+                address, grpc.ssl_server_credentials(*tls.grpc_credentials_args())
+            )
         await self._grpc.start()
         uv = uvicorn.Config(
             self.rest_gateway,
@@ -107,6 +138,7 @@ class Cloud:
             access_log=False,
             lifespan="on",
             http="httptools",
+            **(tls.uvicorn_options() if tls is not None else {}),
         )
         self._http = uvicorn.Server(uv)
         self._http.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the CLI owns signals
@@ -117,8 +149,10 @@ class Cloud:
             await asyncio.sleep(0.02)
         self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
         self._tasks.append(asyncio.create_task(self.controller.run(self._stop)))
+        self._tasks.append(asyncio.create_task(self.meter.run(self._stop)))
         self._started = True
-        log.info("octacloud gateway on http://%s:%d (gRPC %d)", self.config.host, self.http_port, self.grpc_port)
+        scheme = "https" if tls is not None else "http"
+        log.info("octacloud gateway on %s://%s:%d (gRPC %d)", scheme, self.config.host, self.http_port, self.grpc_port)
 
     async def stop(self, stop_replicas: bool = False) -> None:
         """Stop the gateway and controller. Replicas keep running unless ``stop_replicas`` (they are adopted
@@ -138,6 +172,7 @@ class Cloud:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(task, 10)
+        await self.usage.close()
         self.store.close()
 
     async def serve_forever(self) -> None:
@@ -149,6 +184,18 @@ class Cloud:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+
+def bootstrap_admin_key(keys: KeyStore, path: Path) -> str | None:
+    """On first start (or when every admin key was revoked): create an admin key and write it to ``path``
+    (mode 0600) for ``make up`` users and tests. Returns the new key, or None when an admin key exists."""
+    key = keys.ensure_admin()
+    if key is not None:
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+    return key
 
 
 def slice_prior() -> TargetWorkload:

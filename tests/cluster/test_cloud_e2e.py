@@ -40,6 +40,8 @@ class CloudThread:
         self.cloud = self._run(self._make(config))
         self._run(self.cloud.start())
         self.url = f"http://127.0.0.1:{self.cloud.http_port}"
+        self.key = (config.state_dir / "admin.key").read_text().strip()  # as `octacloud up` users find it
+        self.auth = {"Authorization": f"Bearer {self.key}"}
 
     async def _make(self, config: CloudConfig) -> Cloud:
         return Cloud(config, nodes=FLEET)
@@ -53,7 +55,7 @@ class CloudThread:
         self.thread.join(timeout=10)
 
     def admin(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
-        return httpx.request(method, f"{self.url}/admin{path}", json=body, timeout=30)
+        return httpx.request(method, f"{self.url}/admin{path}", json=body, headers=self.auth, timeout=30)
 
     def deployment(self, name: str) -> dict[str, Any]:
         response = self.admin("GET", f"/deployments/{name}")
@@ -92,13 +94,13 @@ def cloud(tmp_path: Path, linear_repo: Path) -> Iterator[CloudThread]:
     c.stop(stop_replicas=True)
 
 
-def infer_http(url: str, model: str, x: np.ndarray) -> np.ndarray:
+def infer_http(url: str, model: str, x: np.ndarray, key: str) -> np.ndarray:
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(url.removeprefix("http://"), network_timeout=30)
     inp = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
     inp.set_data_from_numpy(x, binary_data=True)
-    out: np.ndarray = client.infer(model, [inp]).as_numpy("OUTPUT0")
+    out: np.ndarray = client.infer(model, [inp], headers={"Authorization": f"Bearer {key}"}).as_numpy("OUTPUT0")
     client.close()
     return out
 
@@ -136,14 +138,16 @@ def test_deploy_infer_scale_fail_restart_undeploy(tmp_path: Path, linear_repo: P
 
     # inference through the gateway, REST (binary tensors) and gRPC
     x = np.random.default_rng(0).standard_normal((3, IN)).astype(np.float32)
-    np.testing.assert_allclose(infer_http(cloud.url, "linear", x), expected_output(x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(infer_http(cloud.url, "linear", x, cloud.key), expected_output(x), rtol=1e-5, atol=1e-5)
     g = grpcclient.InferenceServerClient(f"127.0.0.1:{cloud.cloud.grpc_port}")
     ginp = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
     ginp.set_data_from_numpy(x)
-    np.testing.assert_allclose(g.infer("linear", [ginp]).as_numpy("OUTPUT0"), expected_output(x), rtol=1e-5, atol=1e-5)
-    assert g.is_model_ready("linear")
+    meta = {"authorization": f"Bearer {cloud.key}"}
+    out = g.infer("linear", [ginp], headers=meta).as_numpy("OUTPUT0")
+    np.testing.assert_allclose(out, expected_output(x), rtol=1e-5, atol=1e-5)
+    assert g.is_model_ready("linear", headers=meta)
     g.close()
-    assert httpx.get(f"{cloud.url}/v2/models/nope/ready").status_code == 404
+    assert httpx.get(f"{cloud.url}/v2/models/nope/ready", headers=cloud.auth).status_code == 404
 
     # kill -9 one replica under load: nothing hangs, failures are clear, and it is replaced
     victim = cloud.deployment("linear")["instances"][0]
@@ -153,7 +157,8 @@ def test_deploy_infer_scale_fail_restart_undeploy(tmp_path: Path, linear_repo: P
     def load() -> None:
         while not stop_load.is_set():
             try:
-                np.testing.assert_allclose(infer_http(cloud.url, "linear", x), expected_output(x), rtol=1e-5, atol=1e-5)
+                out = infer_http(cloud.url, "linear", x, cloud.key)
+                np.testing.assert_allclose(out, expected_output(x), rtol=1e-5, atol=1e-5)
                 outcomes.append("ok")
             except Exception as exc:  # the client surfaces the gateway's error text
                 outcomes.append(f"error: {exc}")
@@ -189,7 +194,9 @@ def test_deploy_infer_scale_fail_restart_undeploy(tmp_path: Path, linear_repo: P
     try:
         wait_until("the adopted replica to serve", lambda: len(ready_ids(again, "linear")) == 1)
         assert again.deployment("linear")["instances"][0]["pid"] == before["pid"]
-        np.testing.assert_allclose(infer_http(again.url, "linear", x), expected_output(x), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            infer_http(again.url, "linear", x, again.key), expected_output(x), rtol=1e-5, atol=1e-5
+        )
         assert again.cloud.state.allocated_gpu_milli == 250
 
         # undeploy: replicas stop and their slices return to the pool
@@ -224,7 +231,7 @@ def test_higher_priority_preempts_and_victim_returns(cloud: CloudThread) -> None
     states = [r["state"] for r in cloud.deployment("low")["instances"]]
     assert states.count("pending") == 1, states
     x = np.ones((1, IN), np.float32)
-    np.testing.assert_allclose(infer_http(cloud.url, "high", x), expected_output(x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(infer_http(cloud.url, "high", x, cloud.key), expected_output(x), rtol=1e-5, atol=1e-5)
 
     # when room returns, the victim is placed again
     assert cloud.admin("DELETE", "/deployments/high").status_code == 200

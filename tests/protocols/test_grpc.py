@@ -158,3 +158,20 @@ def test_truncated_raw_input_and_oversized_message(
         client.infer("add", add_inputs(x, x))
     assert big.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
     still_serving(client)
+
+
+def test_requests_of_one_stream_run_concurrently(client: grpcclient.InferenceServerClient) -> None:
+    import time
+
+    results: list[object] = []
+    client.start_stream(callback=lambda result, error: results.append(error or result))
+    x = np.ones((1, 4), np.float32)
+    start = time.monotonic()
+    for n in range(4):
+        i = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+        i.set_data_from_numpy(x * n)
+        client.async_stream_infer("slow", [i], request_id=str(n))
+    client.stop_stream()  # waits for every response
+    elapsed = time.monotonic() - start
+    assert sorted(r.get_response().id for r in results) == ["0", "1", "2", "3"]  # type: ignore[attr-defined]
+    assert elapsed < 4 * 0.3  # the slow model takes 0.3 s a batch: one after the other would take 1.2 s

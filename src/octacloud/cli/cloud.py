@@ -1,7 +1,9 @@
 """``octacloud up`` and the operator's commands: deploy, status, scale, undeploy, fleet, events.
 
 ``up`` runs the cloud in the foreground; the other commands talk to its admin API (``--url``, default
-``$OCTACLOUD_URL`` or http://127.0.0.1:8000).
+``$OCTACLOUD_URL`` or http://127.0.0.1:8000) with an API key (``--key``, default ``$OCTACLOUD_KEY``; the first
+``up`` writes an admin key to ``<state-dir>/admin.key``) and, for https, the CA to trust (``--cacert``,
+default ``$OCTACLOUD_CACERT``).
 """
 
 from __future__ import annotations
@@ -29,9 +31,22 @@ def _url(url: str | None) -> str:
     return (url or os.environ.get("OCTACLOUD_URL") or DEFAULT_URL).rstrip("/")
 
 
-def _call(method: str, url: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+KEY: Any = typer.Option(None, "--key", envvar="OCTACLOUD_KEY", help="API key (see <state-dir>/admin.key).")
+CACERT: Any = typer.Option(None, "--cacert", envvar="OCTACLOUD_CACERT", help="CA certificate to trust (https).")
+
+
+def _call(
+    method: str,
+    url: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    key: str | None = None,
+    cacert: Path | None = None,
+) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        response = httpx.request(method, f"{url}{path}", json=body, timeout=30.0)
+        verify: str | bool = str(cacert) if cacert is not None else True
+        response = httpx.request(method, f"{url}{path}", json=body, headers=headers, timeout=30.0, verify=verify)
     except httpx.HTTPError as exc:
         err.print(f"[red]error:[/] cannot reach the octacloud admin API at {url}: {exc} (is `octacloud up` running?)")
         raise typer.Exit(2) from None
@@ -56,11 +71,18 @@ def up(
     interval: float = typer.Option(5.0, "--interval", help="Seconds between reconcile passes."),
     cpu_cards: int = typer.Option(1, "--cpu-cards", help="Without GPUs: how many CPU 'cards' this host offers."),
     deploy: list[str] = typer.Option([], "--deploy", help="Deploy MODEL (1 octant, 1 replica) once up."),
+    tls_cert: Path | None = typer.Option(None, "--tls-cert", help="Serve REST and gRPC over TLS with this cert."),
+    tls_key: Path | None = typer.Option(None, "--tls-key", help="The TLS certificate's private key."),
+    tls_client_ca: Path | None = typer.Option(None, "--tls-client-ca", help="Require client certs from this CA."),
+    allow_insecure: bool = typer.Option(False, "--allow-insecure", help="Allow plain text off loopback."),
+    meter_interval: float = typer.Option(10.0, "--meter-interval", help="Seconds per usage-ledger interval."),
+    prices: Path | None = typer.Option(None, "--prices", help="Price sheet (YAML) for usage reports."),
 ) -> None:
     """Run the cloud on this machine: fleet, controller, replicas on slices, and the OIP gateway."""
     from octacloud.app import Cloud, CloudConfig
     from octacloud.cluster.controller import ControllerSettings
     from octacloud.cluster.deployments import DeploymentSpec
+    from octacloud.cluster.tls import TlsConfig
     from octacloud.core.errors import OctacloudError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -77,7 +99,14 @@ def up(
         policy=policy,
         cpu_cards=cpu_cards,
         controller=ControllerSettings(interval_s=interval),
+        tls=TlsConfig(tls_cert, tls_key, tls_client_ca) if tls_cert is not None and tls_key is not None else None,
+        allow_insecure=allow_insecure,
+        meter_interval_s=meter_interval,
+        prices=prices,
     )
+    if (tls_cert is None) != (tls_key is None):
+        err.print("[red]error:[/] --tls-cert and --tls-key go together")
+        raise typer.Exit(2)
 
     async def main() -> None:
         try:
@@ -91,14 +120,20 @@ def up(
         await cloud.start()
         for model in deploy:
             try:
-                cloud.controller.deploy(DeploymentSpec(name=model, model=model))
+                cloud.controller.deploy(DeploymentSpec(name=model, model=model, tenant="admin"))
             except OctacloudError as exc:
                 err.print(f"[red]cannot deploy {model}:[/] {exc}")
         _print_fleet_summary(cloud)
+        scheme = "https" if config.tls is not None else "http"
         console.print(
-            f"octacloud is up: OIP REST http://{host}:{cloud.http_port}  gRPC {host}:{cloud.grpc_port}  "
-            f"admin http://{host}:{cloud.http_port}/admin  (Ctrl-C to stop; replicas keep running)"
+            f"octacloud is up: OIP REST {scheme}://{host}:{cloud.http_port}  gRPC {host}:{cloud.grpc_port}  "
+            f"admin {scheme}://{host}:{cloud.http_port}/admin  (Ctrl-C to stop; replicas keep running)"
         )
+        if cloud.admin_key is not None:
+            console.print(
+                f"admin API key (shown once; also in {state_dir / 'admin.key'}, mode 0600):\n  {cloud.admin_key}",
+                soft_wrap=True,
+            )
         await cloud.serve_forever()
 
     asyncio.run(main())
@@ -126,7 +161,11 @@ def deploy(
     target_qps: float | None = typer.Option(None, "--target-qps"),
     slo_ms: float | None = typer.Option(None, "--slo-ms"),
     priority: int = typer.Option(0, "--priority"),
+    tenant: str | None = typer.Option(None, "--tenant", help="Owner (admin keys only; default: the key's)."),
+    publish: bool = typer.Option(False, "--publish", help="Let every tenant infer on it."),
     url: str | None = typer.Option(None, "--url"),
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
 ) -> None:
     """Deploy (or update) a model."""
     if octants != "auto" and not octants.isdigit():
@@ -142,15 +181,23 @@ def deploy(
         "target_qps": target_qps,
         "slo_ms": slo_ms,
         "priority": priority,
+        "published": publish,
     }
-    data = _call("POST", _url(url), "/admin/deployments", body)
+    if tenant is not None:
+        body["tenant"] = tenant
+    data = _call("POST", _url(url), "/admin/deployments", body, key, cacert)
     spec = data["spec"]
     console.print(f"deployed [bold]{spec['name']}[/]: {data['replicas']} replica(s) × {data['octants']} octant(s)")
 
 
-def status(url: str | None = typer.Option(None, "--url"), as_json: bool = typer.Option(False, "--json")) -> None:
+def status(
+    url: str | None = typer.Option(None, "--url"),
+    as_json: bool = typer.Option(False, "--json"),
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
     """Deployments and their replicas: where each runs and in what state."""
-    data = _call("GET", _url(url), "/admin/deployments")
+    data = _call("GET", _url(url), "/admin/deployments", None, key, cacert)
     if as_json:
         console.print_json(json.dumps(data))
         return
@@ -180,21 +227,33 @@ def scale(
     name: str = typer.Argument(...),
     replicas: int = typer.Argument(...),
     url: str | None = typer.Option(None, "--url"),
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
 ) -> None:
     """Set a deployment's replica count."""
-    data = _call("POST", _url(url), f"/admin/deployments/{name}/scale", {"replicas": replicas})
+    data = _call("POST", _url(url), f"/admin/deployments/{name}/scale", {"replicas": replicas}, key, cacert)
     console.print(f"{name}: {data['replicas']} replica(s)")
 
 
-def undeploy(name: str = typer.Argument(...), url: str | None = typer.Option(None, "--url")) -> None:
+def undeploy(
+    name: str = typer.Argument(...),
+    url: str | None = typer.Option(None, "--url"),
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
     """Remove a deployment and stop its replicas (their slices return to the pool)."""
-    _call("DELETE", _url(url), f"/admin/deployments/{name}")
+    _call("DELETE", _url(url), f"/admin/deployments/{name}", None, key, cacert)
     console.print(f"undeployed {name}")
 
 
-def events(url: str | None = typer.Option(None, "--url"), limit: int = typer.Option(30, "--limit")) -> None:
+def events(
+    url: str | None = typer.Option(None, "--url"),
+    limit: int = typer.Option(30, "--limit"),
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
     """Recent controller events (placements, failures, restarts, preemptions)."""
-    data = _call("GET", _url(url), f"/admin/events?limit={limit}")
+    data = _call("GET", _url(url), f"/admin/events?limit={limit}", None, key, cacert)
     table = Table(title="events")
     for col in ("kind", "subject", "message"):
         table.add_column(col)

@@ -12,7 +12,17 @@ import typer
 
 from octacloud import __version__
 
-COMMAND_MODULES: tuple[str, ...] = ("cloud", "convert", "models", "schedule", "serve", "simulate")
+COMMAND_MODULES: tuple[str, ...] = (
+    "cloud",
+    "convert",
+    "models",
+    "schedule",
+    "serve",
+    "simulate",
+    "tenant",
+    "usage",
+    "certs",
+)
 """Modules under ``octacloud.cli`` whose ``register(app)`` adds their commands."""
 
 app = typer.Typer(

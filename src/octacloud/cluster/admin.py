@@ -1,8 +1,14 @@
-"""The admin REST API: deployments, scaling, fleet and events (what ``octacloud deploy/status/...`` call)."""
+"""The admin REST API: deployments, scaling, fleet and events (what ``octacloud deploy/status/...`` call),
+plus tenants, keys and usage (:mod:`octacloud.cluster.auth.api`).
+
+Every route needs the caller the gateway verified. A tenant sees and changes only its own deployments (others
+answer 404, as a missing one does) and is held to its quota; the fleet is the admin's.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from starlette.applications import Starlette
@@ -10,9 +16,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from octacloud.cluster.auth import ANONYMOUS_ADMIN, Holding, KeyStore, Principal, QuotaExceededError, check_quota
+from octacloud.cluster.auth.api import principal_of, tenant_routes, unauthenticated
 from octacloud.cluster.controller import Controller
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica
 from octacloud.core.errors import InvalidSpecError, NotFoundError
+from octacloud.metering import Ledger, PriceSheet
 
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(DeploymentSpec)}
 
@@ -48,11 +57,42 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def build_admin_app(controller: Controller) -> Starlette:
-    async def list_deployments(_: Request) -> JSONResponse:
-        return JSONResponse({"deployments": [deployment_json(d, rs) for d, rs in controller.status()]})
+def build_admin_app(
+    controller: Controller,
+    keys: KeyStore | None = None,
+    ledger: Ledger | None = None,
+    prices: PriceSheet | None = None,
+) -> Starlette:
+    """The admin app. Without ``keys`` (tests of the controller alone) every caller is an admin."""
+
+    def caller(request: Request) -> Principal | None:
+        return principal_of(request) if keys is not None else ANONYMOUS_ADMIN
+
+    def owned(p: Principal, name: str) -> Deployment:
+        d = controller.store.get_deployment(name)
+        if not p.may_manage(d.spec.tenant):
+            raise NotFoundError(f"no deployment named {name!r}")
+        return d
+
+    def admit(p: Principal, spec: DeploymentSpec, octants: int) -> None:
+        if keys is None:
+            return
+        quota = keys.tenant(spec.tenant).quota
+        held = [Holding(d.spec.name, d.octants, d.spec.max_replicas)
+                for d in controller.store.deployments() if d.spec.tenant == spec.tenant]  # fmt: skip
+        check_quota(spec.tenant, quota, held, Holding(spec.name, octants, spec.max_replicas))
+
+    async def list_deployments(request: Request) -> JSONResponse:
+        p = caller(request)
+        if p is None:
+            return unauthenticated()
+        rows = [deployment_json(d, rs) for d, rs in controller.status() if p.may_manage(d.spec.tenant)]
+        return JSONResponse({"deployments": rows})
 
     async def create_deployment(request: Request) -> JSONResponse:
+        p = caller(request)
+        if p is None:
+            return unauthenticated()
         try:
             body = await request.json()
         except ValueError:
@@ -62,10 +102,25 @@ def build_admin_app(controller: Controller) -> Starlette:
         unknown = sorted(set(body) - _SPEC_FIELDS)
         if unknown:
             return _error(400, f"unknown deployment field(s) {unknown}; allowed: {sorted(_SPEC_FIELDS)}")
+        tenant = body.setdefault("tenant", p.tenant)
+        if not p.is_admin and tenant != p.tenant:
+            return _error(403, "a tenant may only deploy for itself (leave 'tenant' out)")
         try:
-            d = controller.deploy(DeploymentSpec(**body))
+            spec = DeploymentSpec(**body)
+            try:
+                existing = controller.store.get_deployment(spec.name)
+            except NotFoundError:
+                pass
+            else:
+                if existing.spec.tenant != spec.tenant:
+                    return _error(409, f"deployment name {spec.name!r} is taken; choose another")
+            if keys is not None:
+                admit(p, spec, spec.octants if spec.octants is not None else controller.resolve_size(spec)[0])
+            d = controller.deploy(spec)
         except TypeError as exc:
             return _error(400, f"bad deployment: {exc}")
+        except QuotaExceededError as exc:
+            return _error(403, str(exc))
         except InvalidSpecError as exc:
             return _error(400, str(exc))
         except NotFoundError as exc:
@@ -73,15 +128,25 @@ def build_admin_app(controller: Controller) -> Starlette:
         return JSONResponse(deployment_json(d, controller.store.replicas(d.spec.name)), status_code=201)
 
     async def get_deployment(request: Request) -> JSONResponse:
+        p = caller(request)
+        if p is None:
+            return unauthenticated()
         name = request.path_params["name"]
         try:
-            d = controller.store.get_deployment(name)
+            d = owned(p, name)
         except NotFoundError as exc:
             return _error(404, str(exc))
         return JSONResponse(deployment_json(d, controller.store.replicas(name)))
 
     async def scale(request: Request) -> JSONResponse:
+        p = caller(request)
+        if p is None:
+            return unauthenticated()
         name = request.path_params["name"]
+        try:
+            owned(p, name)
+        except NotFoundError as exc:
+            return _error(404, str(exc))
         try:
             body = await request.json()
             replicas = body["replicas"]
@@ -98,14 +163,23 @@ def build_admin_app(controller: Controller) -> Starlette:
         return JSONResponse(deployment_json(d, controller.store.replicas(name)))
 
     async def delete(request: Request) -> JSONResponse:
+        p = caller(request)
+        if p is None:
+            return unauthenticated()
         name = request.path_params["name"]
         try:
+            owned(p, name)
             controller.undeploy(name)
         except NotFoundError as exc:
             return _error(404, str(exc))
         return JSONResponse({"deleted": name})
 
-    async def fleet(_: Request) -> JSONResponse:
+    async def fleet(request: Request) -> JSONResponse:
+        p = caller(request)
+        if p is None:
+            return unauthenticated()
+        if not p.is_admin:
+            return _error(403, "the fleet is visible to admin keys only")
         state = controller.scheduler.state
         nodes = []
         for i, node in enumerate(state.nodes):
@@ -136,8 +210,19 @@ def build_admin_app(controller: Controller) -> Starlette:
         )
 
     async def events(request: Request) -> JSONResponse:
-        limit = int(request.query_params.get("limit", "100"))
-        return JSONResponse({"events": controller.store.events(limit)})
+        p = caller(request)
+        if p is None:
+            return unauthenticated()
+        try:
+            limit = int(request.query_params.get("limit", "100"))
+        except ValueError:
+            return _error(400, "limit must be a whole number")
+        found = controller.store.events(limit if p.is_admin else 10 * limit)
+        if not p.is_admin:
+            mine = [re.escape(d.spec.name) for d in controller.store.deployments() if d.spec.tenant == p.tenant]
+            subject = re.compile(rf"^({'|'.join(mine)})(-[0-9a-f]{{6}})?$") if mine else None
+            found = [e for e in found if subject is not None and subject.match(str(e["subject"]))][:limit]
+        return JSONResponse({"events": found})
 
     return Starlette(
         routes=[
@@ -148,5 +233,6 @@ def build_admin_app(controller: Controller) -> Starlette:
             Route("/admin/deployments/{name}/scale", scale, methods=["POST"]),
             Route("/admin/fleet", fleet, methods=["GET"]),
             Route("/admin/events", events, methods=["GET"]),
+            *(tenant_routes(keys, ledger, prices) if keys is not None else []),
         ]
     )

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
-from octacloud.cluster.gateway.routing import Endpoint, RouteTable
+from octacloud.cluster.gateway.routing import Endpoint, Owner, RouteTable
 from octacloud.cluster.launcher import LaunchSpec, ReplicaLauncher
 from octacloud.cluster.sizing import Autoscaler, LoadSample, ModelFootprint, size_deployment
 from octacloud.cluster.slices import Slice, slice_environment, thread_budget
@@ -119,9 +119,14 @@ class Controller:
                     self._stop_replica(r, "redeployed with a new model, version or size")
                     self.store.delete_replica(r.id)
         self.store.put_deployment(d)
+        self.routes.owners[spec.name] = Owner(spec.tenant, spec.published)
         self.store.add_event("deploy", spec.name, f"{spec.model} × {replicas} on {octants} octant(s)")
         self.poke()
         return d
+
+    def resolve_size(self, spec: DeploymentSpec) -> tuple[int, int]:
+        """Octants per replica and replica count ``spec`` resolves to (auto-sizing done); raises as deploy does."""
+        return self._resolve_size(spec)
 
     def scale(self, name: str, replicas: int) -> Deployment:
         d = self.store.get_deployment(name)
@@ -158,6 +163,8 @@ class Controller:
 
     def adopt(self) -> None:
         """On start: rebuild the scheduler's state from the store, adopting replicas that still run."""
+        for d in self.store.deployments():
+            self.routes.owners[d.spec.name] = Owner(d.spec.tenant, d.spec.published)
         for r in self.store.replicas():
             if not r.placed:
                 continue

@@ -7,6 +7,7 @@ UNIMPLEMENTED (shared memory, tracing and logging are not offered).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, NoReturn, TypeAlias
@@ -205,14 +206,39 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Context
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        async for request in request_iterator:
+        """Requests of one stream run concurrently (so they can share a batch); each response goes out when
+        ready, carrying its request's id, as Triton's decoupled streaming does."""
+        done: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(request: pb.ModelInferRequest) -> None:
             try:
                 response = await self.dataplane.infer(decode_infer(request))
-                yield pb.ModelStreamInferResponse(infer_response=encode_infer(response))
+                done.put_nowait(pb.ModelStreamInferResponse(infer_response=encode_infer(response)))
             except Exception as e:
-                yield pb.ModelStreamInferResponse(
-                    error_message=str(e), infer_response=pb.ModelInferResponse(id=request.id)
+                done.put_nowait(
+                    pb.ModelStreamInferResponse(
+                        error_message=str(e), infer_response=pb.ModelInferResponse(id=request.id)
+                    )
                 )
+
+        async def read() -> None:
+            async for request in request_iterator:
+                task = asyncio.ensure_future(one(request))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if running:
+                await asyncio.gather(*running)
+            done.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (item := await done.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         out = pb.RepositoryIndexResponse()
