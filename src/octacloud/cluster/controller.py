@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Health, Node, Placement, Request
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
+from octacloud.observability.scheduling import Outcome, SchedulingStats
 from octacloud.scheduler.framework.runner import Scheduler
 
 log = logging.getLogger("octacloud.controller")
@@ -94,6 +96,8 @@ class Controller:
     preemptor: Preemptor | None = None
     settings: ControllerSettings = field(default_factory=ControllerSettings)
     autoscaler: Autoscaler = field(default_factory=Autoscaler)
+    scheduling: SchedulingStats = field(default_factory=SchedulingStats)
+    """Decisions, their latency and preemptions, for the cloud's metrics."""
     _runtime: dict[str, _Runtime] = field(default_factory=dict)
     _load: dict[str, _Load] = field(default_factory=dict)
     _wake: asyncio.Event | None = None
@@ -307,13 +311,18 @@ class Controller:
 
     def _place_and_launch(self, r: Replica, d: Deployment) -> None:
         request = self._request(r, d, failover=r.message.startswith("failover:"))
+        started = time.perf_counter()
         decision = self.scheduler.schedule(request)
+        outcome = Outcome.PLACED if decision.placement is not None else Outcome.UNSCHEDULABLE
         if decision.placement is None and self.preemptor is not None:
             victims = self.preemptor(request)
             if victims is not None:
+                outcome = Outcome.PREEMPTED
+                self.scheduling.preempted(len(victims))
                 for victim in victims:
                     self._preempted(victim, r.id)
                 decision.placement = self.scheduler.state.allocations[r.id].placement
+        self.scheduling.decision(outcome, time.perf_counter() - started)
         if decision.placement is None:
             why = decision.explain()
             if r.message != why:
