@@ -19,6 +19,7 @@ import uvicorn
 from octacloud.cluster.admin import build_admin_app
 from octacloud.cluster.auth import Guard, KeyStore, server_secret
 from octacloud.cluster.controller import Controller, ControllerSettings
+from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer
 from octacloud.cluster.fleet import discover_fleet
 from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
 from octacloud.cluster.gateway.rest import RestGateway
@@ -52,6 +53,8 @@ class CloudConfig:
     policy: str = PRODUCT_DEFAULT
     cpu_cards: int = 1
     controller: ControllerSettings = field(default_factory=ControllerSettings)
+    telemetry_interval_s: float = 1.0
+    """How often GPU/replica telemetry is sampled (the scheduler and the dashboard read the latest)."""
     tls: TlsConfig | None = None
     allow_insecure: bool = False
     """Serve plain text on a non-loopback address (API keys then cross the network in clear)."""
@@ -81,7 +84,13 @@ class Cloud:
         self.nodes = nodes if nodes is not None else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards)
         self.store = StateStore.at(config.state_dir / "octacloud.db")
         self.state = ClusterState(self.nodes)
-        profile = build_profile(config.policy, seed=0, workload=slice_prior(), rules=True)
+        self.monitoring = CloudMonitoring(
+            lambda: self.controller, self.nodes, slice_prior(), clock, interval_s=config.telemetry_interval_s
+        )
+        """Telemetry (the scheduler's telemetry source), the cloud's ``/metrics`` and the dashboard."""
+        profile = build_profile(
+            config.policy, seed=0, workload=slice_prior(), rules=True, telemetry=self.monitoring.sampler
+        )
         self.scheduler = Scheduler(self.state, profile)
         self.routes = RouteTable()
         self.controller = Controller(
@@ -112,7 +121,15 @@ class Cloud:
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
         self.grpc_gateway = GrpcGateway(self.routes, ready=lambda: self._started, guard=self.guard)
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
-        self.rest_gateway = RestGateway(self.routes, admin=admin, ready=lambda: self._started, guard=self.guard)
+        dashboard, metrics = self.monitoring.apps(admin_authorizer(self.guard))
+        self.rest_gateway = RestGateway(
+            self.routes,
+            admin=admin,
+            ready=lambda: self._started,
+            guard=self.guard,
+            dashboard=dashboard,
+            metrics=metrics,
+        )
         self.http_port = config.http_port
         self.grpc_port = config.grpc_port
 
@@ -149,6 +166,7 @@ class Cloud:
             await asyncio.sleep(0.02)
         self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
         self._tasks.append(asyncio.create_task(self.controller.run(self._stop)))
+        self._tasks.append(asyncio.create_task(self.monitoring.run(self._stop)))
         self._tasks.append(asyncio.create_task(self.meter.run(self._stop)))
         self._started = True
         scheme = "https" if tls is not None else "http"
@@ -173,6 +191,7 @@ class Cloud:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(task, 10)
         await self.usage.close()
+        await self.monitoring.close()
         self.store.close()
 
     async def serve_forever(self) -> None:

@@ -1,0 +1,223 @@
+// octacloud dashboard: polls /dashboard/api/state once a second and redraws. No framework, no build step.
+// The admin key (when the cloud has auth on) lives in sessionStorage and travels only in the Authorization header.
+"use strict";
+
+const POLL_MS = 1000;
+const HISTORY_S = 900;
+const KEY_ITEM = "octacloud.adminKey";
+const $ = (id) => document.getElementById(id);
+
+const history = { allocation: [], fragmentation: [], qps: {}, latency: {} };
+let since = 0;
+let last = null;
+let timer = null;
+
+function esc(value) {
+  return String(value ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+}
+
+// A stable colour per name (deployment or tenant): a hash picks the hue.
+function colour(name) {
+  let h = 2166136261;
+  for (const ch of String(name)) { h ^= ch.codePointAt(0); h = Math.imul(h, 16777619); }
+  return `hsl(${(h >>> 0) % 360}, 58%, 46%)`;
+}
+
+const pct = (x) => (x == null ? "–" : `${(100 * x).toFixed(x < 0.1 ? 1 : 0)} %`);
+const mib = (bytes) => (bytes == null ? "–" : `${(bytes / 1048576).toFixed(0)} MiB`);
+
+function append(store, points) {
+  for (const p of points) store.push(p);
+  const cutoff = (store.length ? store[store.length - 1][0] : 0) - HISTORY_S;
+  while (store.length && store[0][0] < cutoff) store.shift();
+}
+
+// ---- key handling ---------------------------------------------------------------------------------------
+
+function headers() {
+  const key = sessionStorage.getItem(KEY_ITEM);
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
+function askForKey(message) {
+  $("login").hidden = false;
+  $("login-error").textContent = message || "";
+  $("login-key").focus();
+}
+
+$("login-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  sessionStorage.setItem(KEY_ITEM, $("login-key").value.trim());
+  $("login-key").value = "";
+  $("login").hidden = true;
+  poll();
+});
+
+$("logout").addEventListener("click", () => {
+  sessionStorage.removeItem(KEY_ITEM);
+  askForKey("");
+});
+
+$("colour-by").addEventListener("change", () => last && render(last));
+
+// ---- polling --------------------------------------------------------------------------------------------
+
+async function poll() {
+  clearTimeout(timer);
+  try {
+    const response = await fetch(`/dashboard/api/state?since=${since}`, { headers: headers(), cache: "no-store" });
+    if (response.status === 401) {
+      const hadKey = !!sessionStorage.getItem(KEY_ITEM);
+      sessionStorage.removeItem(KEY_ITEM);
+      askForKey(hadKey ? "That key was refused (it must be an admin key)." : "");
+      setStatus("needs the admin key", true);
+      return;
+    }
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    const data = await response.json();
+    append(history.allocation, data.allocation);
+    append(history.fragmentation, data.fragmentation);
+    for (const d of data.deployments) {
+      append((history.qps[d.name] ||= []), d.qps);
+      append((history.latency[d.name] ||= []), d.latency_ms);
+    }
+    since = Math.max(since, ...data.allocation.map((p) => p[0]), since);
+    last = data;
+    $("logout").hidden = !sessionStorage.getItem(KEY_ITEM);
+    render(data);
+    setStatus(`updated ${new Date(data.at * 1000).toLocaleTimeString()}`, false);
+  } catch (error) {
+    setStatus(`cannot reach the cloud (${error.message})`, true);
+  }
+  timer = setTimeout(poll, POLL_MS);
+}
+
+function setStatus(text, bad) {
+  $("status").textContent = text;
+  $("status").classList.toggle("stale", bad);
+}
+
+// ---- drawing --------------------------------------------------------------------------------------------
+
+function render(data) {
+  const by = $("colour-by").value;
+  const fleet = data.fleet;
+  $("kpi-alloc").textContent = pct(fleet.allocation);
+  $("kpi-frag").textContent = pct(fleet.fragmentation);
+  const ready = data.replicas.filter((r) => r.state === "ready").length;
+  $("kpi-ready").textContent = `${ready}/${data.replicas.length}`;
+  $("kpi-pending").textContent = data.scheduler.pending;
+  const ms = data.scheduler.mean_decision_ms;
+  $("kpi-decision").textContent = ms == null ? "–" : `${ms.toFixed(2)} ms`;
+  renderFleet(fleet, by);
+  renderChart($("chart-cluster"), [
+    { name: "allocated", points: history.allocation, colour: "#4a7fd4" },
+    { name: "fragmented (of idle)", points: history.fragmentation, colour: "#d4804a" },
+  ]);
+  renderDeployments(data.deployments);
+  renderReplicas(data.replicas);
+  renderTenants(data.tenants);
+  renderEvents(data.events);
+}
+
+function renderFleet(fleet, by) {
+  const seen = new Map();
+  const nodes = fleet.nodes.map((node) => {
+    const cards = node.cards.map((card) => {
+      let previous = null;
+      const cells = card.octants.map((o, k) => {
+        if (!o) { previous = null; return `<div class="octant free" data-node="${esc(node.name)}" data-gpu="${card.index}" data-octant="${k}"></div>`; }
+        const name = by === "tenant" ? o.tenant : o.deployment;
+        seen.set(name, colour(name));
+        const first = previous !== o.replica;
+        previous = o.replica;
+        return `<div class="octant ${esc(o.state)}${first ? " first" : ""}" style="background-color:${colour(name)}"
+          data-node="${esc(node.name)}" data-gpu="${card.index}" data-octant="${k}" data-replica="${esc(o.replica)}"
+          data-deployment="${esc(o.deployment)}" data-tenant="${esc(o.tenant)}" data-label="${esc(first ? o.deployment : "")}"
+          title="${esc(o.replica)} · ${esc(o.deployment)} · tenant ${esc(o.tenant)} · ${esc(o.state)}"></div>`;
+      }).join("");
+      const t = card.telemetry || {};
+      const util = t.utilisation;
+      const label = t.source === "nvml" ? "GPU util" : "busy (replica-measured)";
+      const memory = t.memory_used_mib == null ? "" : `${t.memory_used_mib.toFixed(0)} MiB used`;
+      return `<div class="card${card.usable ? "" : " unusable"}" data-node="${esc(node.name)}" data-gpu="${card.index}">
+        <div class="title"><span>card ${card.index} · ${esc(card.model)}</span><span>${(1000 - card.free_milli) / 125}/8</span></div>
+        <div class="octants">${cells}</div>
+        <div class="meter"><span>${label}</span><span>${pct(util)}</span></div>
+        <div class="bar"><i style="width:${Math.min(100, 100 * (util || 0))}%"></i></div>
+        <div class="meter"><span>${memory}</span><span>${t.power_w == null ? "" : `${t.power_w.toFixed(0)} W`}</span></div>
+      </div>`;
+    }).join("");
+    return `<div class="node ${esc(node.health)}" data-node="${esc(node.name)}"><h3>${esc(node.name)} <span>${esc(node.health)}</span></h3><div class="cards">${cards}</div></div>`;
+  }).join("");
+  $("fleet").innerHTML = nodes;
+  $("legend").innerHTML = [...seen].map(([name, c]) => `<span><i style="background:${c}"></i>${esc(name)}</span>`).join("")
+    + `<span><i style="background:var(--free)"></i>free octant</span>`;
+}
+
+function renderChart(el, lines) {
+  const w = 900, h = 150, pad = 28;
+  const all = lines.flatMap((l) => l.points);
+  if (!all.length) { el.innerHTML = `<svg viewBox="0 0 ${w} ${h}"><text x="${pad}" y="${h / 2}">waiting for samples…</text></svg>`; return; }
+  const t1 = Math.max(...all.map((p) => p[0])), t0 = Math.min(t1 - 60, ...all.map((p) => p[0]));
+  const x = (t) => pad + ((t - t0) / Math.max(1, t1 - t0)) * (w - pad - 8);
+  const y = (v) => h - 18 - Math.min(1, Math.max(0, v)) * (h - 30);
+  const grid = [0, 0.5, 1].map((v) => `<line class="axis" x1="${pad}" x2="${w - 8}" y1="${y(v)}" y2="${y(v)}"/><text x="0" y="${y(v) + 3}">${v * 100}%</text>`).join("");
+  const paths = lines.map((l) => `<polyline fill="none" stroke="${l.colour}" stroke-width="2" points="${l.points.map((p) => `${x(p[0]).toFixed(1)},${y(p[1]).toFixed(1)}`).join(" ")}"/>`).join("");
+  const legend = lines.map((l, i) => `<text x="${pad + 8 + i * 170}" y="${h - 2}" style="fill:${l.colour}">■ ${esc(l.name)}: ${pct(l.points.length ? l.points[l.points.length - 1][1] : null)}</text>`).join("");
+  el.innerHTML = `<svg viewBox="0 0 ${w} ${h}" preserveAspectRatio="none">${grid}${paths}${legend}</svg>`;
+}
+
+function spark(points, colourName) {
+  if (!points || points.length < 2) return `<svg class="spark"></svg>`;
+  const tail = points.slice(-120);
+  const max = Math.max(1e-9, ...tail.map((p) => p[1]));
+  const coords = tail.map((p, i) => `${((i / (tail.length - 1)) * 118 + 1).toFixed(1)},${(25 - (p[1] / max) * 23).toFixed(1)}`).join(" ");
+  return `<svg class="spark" viewBox="0 0 120 26"><polyline fill="none" stroke="${colour(colourName)}" stroke-width="1.5" points="${coords}"/></svg>`;
+}
+
+function histogram(sizes) {
+  const entries = Object.entries(sizes);
+  if (!entries.length) return `<span class="muted">–</span>`;
+  const max = Math.max(...entries.map(([, n]) => n));
+  return `<span class="hist" title="${esc(entries.map(([s, n]) => `batch ${s}: ${n}`).join(", "))}">${entries.map(([s, n]) => `<span data-size="${esc(s)}" style="height:${Math.max(4, (28 * n) / max)}px"></span>`).join("")}</span>`;
+}
+
+function lastValue(points) {
+  return points && points.length ? points[points.length - 1][1] : null;
+}
+
+function renderDeployments(deployments) {
+  $("deployments").tBodies[0].innerHTML = deployments.map((d) => {
+    const qps = lastValue(history.qps[d.name]);
+    const latency = lastValue(history.latency[d.name]);
+    return `<tr data-deployment="${esc(d.name)}">
+      <td><i style="display:inline-block;width:10px;height:10px;background:${colour(d.name)};margin-right:6px"></i>${esc(d.name)}</td>
+      <td>${esc(d.model)}</td><td>${esc(d.tenant)}</td><td class="num">${d.octants}</td><td class="num">${d.ready}/${d.desired}</td>
+      <td class="num">${qps == null ? "–" : qps.toFixed(1)} ${spark(history.qps[d.name], d.name)}</td>
+      <td class="num">${latency == null ? "–" : `${latency.toFixed(1)} ms`} ${spark(history.latency[d.name], d.name)}</td>
+      <td>${histogram(d.batch_sizes)}</td></tr>`;
+  }).join("");
+}
+
+function renderReplicas(replicas) {
+  $("replicas").tBodies[0].innerHTML = replicas.map((r) => `<tr data-replica="${esc(r.id)}" title="${esc(r.message)}">
+    <td>${esc(r.id)}</td><td class="state-${esc(r.state)}">${esc(r.state)}</td>
+    <td>${r.node ? `${esc(r.node)} [${r.gpus.join(",")}] × ${r.milli_per_gpu / 125} oct` : esc(r.message || "–")}</td>
+    <td class="num">${pct(r.busy)}</td><td class="num">${r.cpu_cores == null ? "–" : r.cpu_cores.toFixed(2)}</td>
+    <td class="num">${mib(r.rss_bytes)}</td><td class="num">${r.restarts}</td></tr>`).join("");
+}
+
+function renderTenants(tenants) {
+  $("tenants").tBodies[0].innerHTML = tenants.map((t) => `<tr data-tenant="${esc(t.tenant)}">
+    <td><i style="display:inline-block;width:10px;height:10px;background:${colour(t.tenant)};margin-right:6px"></i>${esc(t.tenant)}</td>
+    <td class="num">${t.deployments}</td><td class="num">${t.replicas}</td><td class="num">${t.octants}</td>
+    <td>${t.usage ? esc(Object.entries(t.usage).map(([k, v]) => `${k}: ${v}`).join(", ")) : "–"}</td></tr>`).join("");
+}
+
+function renderEvents(events) {
+  $("events").innerHTML = events.map((e) => `<li><time>${new Date(e.at * 1000).toLocaleTimeString()}</time>
+    <span class="kind">${esc(e.kind)}</span> ${esc(e.subject)} — ${esc(e.message)}</li>`).join("");
+}
+
+poll();
