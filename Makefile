@@ -12,7 +12,7 @@ DEVSTAMP := $(VENV)/.octacloud-dev-installed
 BUILDSTAMP := $(VENV)/.octacloud-build-installed
 PYTEST_ARGS ?=
 
-.PHONY: up install dev build-tools test lint types layers pytest models clean
+.PHONY: up install dev build-tools browser test lint types layers pytest models clean
 
 up: install
 	$(BIN)/octacloud up
@@ -56,7 +56,14 @@ MODELS ?= models
 models: build-tools
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/octacloud models build --out $(MODELS)
 
-pytest: dev build-tools models
+# The dashboard's browser test drives Debian's Chromium (Playwright with executable_path; no browser download).
+# Installed once as root (CI runs as root on a clean clone); skipped when both binaries are present.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	else DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; fi
+
+pytest: dev build-tools models browser
 	scripts/netns-run $(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint types layers pytest
