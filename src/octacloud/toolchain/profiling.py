@@ -67,7 +67,8 @@ def _peak_live_bytes(model: onnx.ModelProto, sizes: Mapping[str, int]) -> int:
     return peak
 
 
-def _tensor_sizes(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray], threads: int) -> dict[str, int]:
+def _probe(model: onnx.ModelProto, threads: int) -> ort.InferenceSession:
+    """A session of ``model`` that returns every intermediate tensor (unoptimised: each node's own output)."""
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     existing = {o.name for o in probe.graph.output}
@@ -76,22 +77,22 @@ def _tensor_sizes(model: onnx.ModelProto, inputs: Mapping[str, np.ndarray], thre
             if out and out not in existing:
                 probe.graph.output.append(onnx.ValueInfoProto(name=out))
                 existing.add(out)
-    sess = ort.InferenceSession(
+    return ort.InferenceSession(
         probe.SerializeToString(),
         session_options(threads, ort.GraphOptimizationLevel.ORT_DISABLE_ALL),
         providers=["CPUExecutionProvider"],
     )
-    sizes = {name: int(np.asarray(a).nbytes) for name, a in inputs.items()}
-    sizes.update({k: int(v.nbytes) for k, v in run(sess, inputs).items()})
-    return sizes
 
 
 def measure_bytes_per_sample(model: onnx.ModelProto, specs: Sequence[TensorSpec], settings: ProfileSettings) -> int:
+    session = _probe(model, settings.threads)
     rng = np.random.default_rng(settings.seed)
     peaks = []
     for batch in (1, 2):
         inputs = make_samples(specs, batch, rng, settings.shape_hints)
-        peaks.append(_peak_live_bytes(model, _tensor_sizes(model, inputs, settings.threads)))
+        sizes = {name: int(a.nbytes) for name, a in inputs.items()}
+        sizes.update({k: int(v.nbytes) for k, v in run(session, inputs).items()})
+        peaks.append(_peak_live_bytes(model, sizes))
     slope = peaks[1] - peaks[0]
     return slope if slope > 0 else peaks[0]
 
