@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import uvicorn
 
 from octacloud.cluster.admin import build_admin_app
 from octacloud.cluster.auth import Guard, KeyStore, server_secret
-from octacloud.cluster.controller import Controller, ControllerSettings
+from octacloud.cluster.controller import Controller, ControllerSettings, NodeChange
 from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer
 from octacloud.cluster.fleet import discover_fleet
 from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
@@ -40,6 +41,9 @@ from octacloud.scheduler.framework.state import ClusterState
 from octacloud.scheduler.policies import PRODUCT_DEFAULT, build_profile
 
 log = logging.getLogger("octacloud")
+
+FleetWatcher = Callable[[], list[NodeChange]]
+"""Reports what changed in the fleet since it was last called (may block briefly; runs in a thread)."""
 
 
 @dataclass(slots=True)
@@ -73,8 +77,10 @@ class Cloud:
         nodes: list[Node] | None = None,
         launcher: ReplicaLauncher | None = None,
         clock: Clock | None = None,
+        watcher: FleetWatcher | None = None,
     ) -> None:
         self.config = config
+        self.watcher = watcher
         check_exposure(config.host, config.tls, config.allow_insecure)
         if config.tls is not None:
             config.tls.check()
@@ -83,7 +89,6 @@ class Cloud:
         clock = clock or SystemClock()
         self.nodes = nodes if nodes is not None else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards)
         self.store = StateStore.at(config.state_dir / "octacloud.db")
-        self.state = ClusterState(self.nodes)
         self.monitoring = CloudMonitoring(
             lambda: self.controller, self.nodes, slice_prior(), clock, interval_s=config.telemetry_interval_s
         )
@@ -91,12 +96,12 @@ class Cloud:
         profile = build_profile(
             config.policy, seed=0, workload=slice_prior(), rules=True, telemetry=self.monitoring.sampler
         )
-        self.scheduler = Scheduler(self.state, profile)
+        scheduler = Scheduler(ClusterState(self.nodes), profile)
         self.routes = RouteTable()
         self.controller = Controller(
             store=self.store,
             nodes=self.nodes,
-            scheduler=self.scheduler,
+            scheduler=scheduler,
             launcher=launcher or LocalProcessLauncher(config.state_dir / "replicas", host=config.host),
             repository=config.repository.resolve(),
             routes=self.routes,
@@ -167,6 +172,8 @@ class Cloud:
         self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
         self._tasks.append(asyncio.create_task(self.controller.run(self._stop)))
         self._tasks.append(asyncio.create_task(self.monitoring.run(self._stop)))
+        if self.watcher is not None:
+            self._tasks.append(asyncio.create_task(self._watch_fleet(self.watcher)))
         self._tasks.append(asyncio.create_task(self.meter.run(self._stop)))
         self._started = True
         scheme = "https" if tls is not None else "http"
@@ -180,8 +187,8 @@ class Cloud:
         self.controller.poke()
         if stop_replicas:
             for r in self.store.replicas():
-                if r.pid is not None:
-                    self.controller.launcher.stop(r.pid, self.config.controller.stop_grace_s)
+                if r.handle:
+                    self.controller.launcher.stop(r.handle, self.config.controller.stop_grace_s)
         if self._http is not None:
             self._http.should_exit = True
         if self._grpc is not None:
@@ -203,6 +210,30 @@ class Cloud:
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The controller's scheduler (replaced when a node joins the fleet)."""
+        return self.controller.scheduler
+
+    @property
+    def state(self) -> ClusterState:
+        return self.controller.scheduler.state
+
+    async def _watch_fleet(self, watcher: FleetWatcher) -> None:
+        """Apply what the fleet watcher sees (nodes joining, lost, back) until the cloud stops."""
+        interval = self.config.controller.health_interval_s
+        while not self._stop.is_set():
+            try:
+                changes = await asyncio.to_thread(watcher)
+            except Exception:  # a watcher that fails once must not stop the cloud; it is asked again
+                log.exception("fleet watcher failed")
+                changes = []
+            for change in changes:
+                log.info("fleet: node %s is %s", change.node.name, change.health.value)
+                self.controller.node_changed(change)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), interval)
 
 
 def bootstrap_admin_key(keys: KeyStore, path: Path) -> str | None:

@@ -17,6 +17,7 @@ comes from the injected clock, so the loop is testable without processes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -28,7 +29,7 @@ from typing import Protocol
 
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.cluster.gateway.routing import Endpoint, Owner, RouteTable
-from octacloud.cluster.launcher import LaunchSpec, ReplicaLauncher
+from octacloud.cluster.launcher import LaunchFailedError, LaunchSpec, ReplicaAddress, ReplicaLauncher
 from octacloud.cluster.sizing import Autoscaler, LoadSample, ModelFootprint, size_deployment
 from octacloud.cluster.slices import Slice, slice_environment, thread_budget
 from octacloud.cluster.store import StateStore
@@ -38,6 +39,7 @@ from octacloud.core.model import Health, Node, Placement, Request
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
 from octacloud.observability.scheduling import Outcome, SchedulingStats
 from octacloud.scheduler.framework.runner import Scheduler
+from octacloud.scheduler.framework.state import ClusterState
 
 log = logging.getLogger("octacloud.controller")
 
@@ -47,6 +49,14 @@ or return None (and change nothing) when no set of victims makes it fit."""
 
 FootprintSource = Callable[[str], ModelFootprint]
 """Model name → its footprint (from the repository's config parameters and profile)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeChange:
+    """What a fleet watcher saw: a node joined or came back (HEALTHY), or was lost (FAILED)."""
+
+    node: Node
+    health: Health
 
 
 class Prober(Protocol):
@@ -178,8 +188,11 @@ class Controller:
                 log.warning("replica %s: cannot re-account its slice (%s); re-placing it", r.id, exc)
                 self._to_pending(r, f"slice lost across restart: {exc}")
                 continue
-            if r.pid is None or not self.launcher.alive(r.pid):
-                r.state, r.pid, r.message = ReplicaState.FAILED, None, "not running after controller restart"
+            if not r.handle and r.pid is not None:  # stored before launchers had handles: a local PID
+                r.handle = str(r.pid)
+            if not r.handle or not self.launcher.alive(r.handle):
+                r.state, r.handle, r.pid = ReplicaState.FAILED, "", None
+                r.message = "not running after controller restart"
                 self.store.put_replica(r)
             elif r.state is ReplicaState.READY:
                 self._route(r.deployment)
@@ -233,12 +246,25 @@ class Controller:
     async def check_health(self) -> None:
         now = self.clock.monotonic()
         for r in self.store.replicas():
-            if r.state not in (ReplicaState.STARTING, ReplicaState.READY) or r.pid is None:
+            if r.state not in (ReplicaState.STARTING, ReplicaState.READY) or not r.handle:
                 continue
             rt = self._runtime.setdefault(r.id, _Runtime())
-            if not self.launcher.alive(r.pid):
+            if not self.launcher.alive(r.handle):
                 self._failed(r, "process exited")
                 continue
+            if not r.http_port:  # a remote replica reports where it serves once it has started
+                try:
+                    address = self.launcher.address(r.handle)
+                except LaunchFailedError as exc:
+                    self.launcher.stop(r.handle, 0.0)
+                    self._failed(r, f"start failed: {exc}")
+                    continue
+                if address is None:
+                    if now - r.started_at > self.settings.startup_timeout_s:
+                        self.launcher.stop(r.handle, 0.0)
+                        self._failed(r, f"not started after {self.settings.startup_timeout_s:g} s")
+                    continue
+                self._addressed(r, address)
             ok = await self.prober.ready(r, r.deployment, self.settings.probe_timeout_s)
             if ok:
                 rt.probe_failures = 0
@@ -249,12 +275,12 @@ class Controller:
                     self._route(r.deployment)
             elif r.state is ReplicaState.STARTING:
                 if now - r.started_at > self.settings.startup_timeout_s:
-                    self.launcher.stop(r.pid, 0.0)
+                    self.launcher.stop(r.handle, 0.0)
                     self._failed(r, f"not ready after {self.settings.startup_timeout_s:g} s")
             else:
                 rt.probe_failures += 1
                 if rt.probe_failures >= self.settings.probe_failures_to_fail:
-                    self.launcher.stop(r.pid, self.settings.stop_grace_s)
+                    self.launcher.stop(r.handle, self.settings.stop_grace_s)
                     self._failed(r, f"{rt.probe_failures} readiness probes failed")
 
     def mark_node(self, name: str, health: Health) -> None:
@@ -264,12 +290,46 @@ class Controller:
         if health is Health.FAILED:
             for r in self.store.replicas():
                 if r.node == name:
-                    if r.pid is not None:
-                        self.launcher.stop(r.pid, 0.0)
-                    self.routes.drop_endpoint(r.id)
+                    self.routes.drop_endpoint(r.id)  # first: the gateway stops routing to it at once
+                    if r.handle:
+                        self.launcher.stop(r.handle, 0.0)
                     self._release(r)
                     self._to_pending(r, f"node {name} failed", failover=True)
         self.poke()
+
+    def node_changed(self, change: NodeChange) -> None:
+        """Apply what a fleet watcher saw: a new node joins the fleet (the scheduler may use it at once), a known
+        node that was lost comes back, or a node is lost (its replicas are re-placed on the others)."""
+        name = change.node.name
+        state = self.scheduler.state
+        if change.health is Health.FAILED:
+            if name in state.index and state.nodes[state.index[name]].health is not Health.FAILED:
+                self.mark_node(name, Health.FAILED)
+            return
+        if name not in state.index:
+            self._grow_fleet(change.node)
+            cards = f"{change.node.gpu_count} × {change.node.gpu_model or 'no card'}"
+            self.store.add_event("node", name, f"joined: {cards}")
+            self.poke()
+        elif state.nodes[state.index[name]].health is not Health.HEALTHY:
+            self.mark_node(name, Health.HEALTHY)
+
+    def _grow_fleet(self, node: Node) -> None:
+        """Rebuild the scheduler's state with ``node`` added, carrying over every allocation and health."""
+        old = self.scheduler.state
+        healthy = [_all_healthy(n) for n in old.nodes]
+        fresh = ClusterState([*healthy, _all_healthy(node)])
+        scheduler = Scheduler(fresh, self.scheduler.profile)
+        for a in old:
+            scheduler.commit(a.request, a.placement)
+        for n in [*old.nodes, node]:
+            for g in n.gpus:
+                if g.health is not Health.HEALTHY:
+                    fresh.set_card_health(n.name, g.index, g.health)
+            if n.health is not Health.HEALTHY:
+                fresh.set_node_health(n.name, n.health)
+        self.scheduler = scheduler
+        self.nodes.append(node)
 
     # ---- mechanism ---------------------------------------------------------------------------------------
 
@@ -340,7 +400,7 @@ class Controller:
         s = Slice(r.node, r.gpus, r.milli_per_gpu)
         env = slice_environment(node, s)
         spec = LaunchSpec(
-            r.id, d.spec.name, self.repository / d.spec.model, d.spec.version, env, thread_budget(node, s)
+            r.id, d.spec.name, self.repository / d.spec.model, d.spec.version, env, thread_budget(node, s), s
         )
         try:
             launched = self.launcher.launch(spec)
@@ -348,15 +408,20 @@ class Controller:
             log.exception("replica %s: launch failed", r.id)
             self._failed(r, f"launch failed: {exc}")
             return
-        r.pid, r.http_port, r.grpc_port, r.metrics_port = (
-            launched.pid,
-            launched.http_port,
-            launched.grpc_port,
-            launched.metrics_port,
-        )
+        r.handle, r.pid, r.host, r.http_port, r.grpc_port, r.metrics_port = launched.handle, None, "", None, None, None
         r.env, r.state, r.started_at = env, ReplicaState.STARTING, self.clock.monotonic()
-        self.store.put_replica(r)
+        if launched.address is not None:
+            self._addressed(r, launched.address)
+        else:
+            self.store.put_replica(r)
         self._runtime[r.id] = _Runtime()
+
+    def _addressed(self, r: Replica, address: ReplicaAddress) -> None:
+        r.host, r.http_port, r.grpc_port = address.host, address.http_port, address.grpc_port
+        r.metrics_port, r.pid = address.metrics_port, address.pid
+        self.store.put_replica(r)
+        if address.note:
+            self.store.add_event("started", r.id, address.note)
 
     def _restart(self, r: Replica, d: Deployment) -> None:
         rt = self._runtime.setdefault(r.id, _Runtime())
@@ -381,7 +446,7 @@ class Controller:
         rt = self._runtime.setdefault(r.id, _Runtime())
         delay = min(self.settings.backoff_max_s, self.settings.backoff_base_s * 2 ** min(r.restarts, 16))
         rt.next_restart_at = self.clock.monotonic() + delay
-        r.state, r.pid, r.message = ReplicaState.FAILED, None, why
+        r.state, r.handle, r.pid, r.message = ReplicaState.FAILED, "", None, why
         self.store.put_replica(r)
         self.store.add_event("failed", r.id, why)
         self.poke()
@@ -389,14 +454,14 @@ class Controller:
     def _preempted(self, victim: str, by: str) -> None:
         for r in self.store.replicas():
             if r.id == victim:
-                if r.pid is not None:
-                    self.launcher.stop(r.pid, self.settings.stop_grace_s)
                 self.routes.drop_endpoint(r.id)
+                if r.handle:
+                    self.launcher.stop(r.handle, self.settings.stop_grace_s)
                 self._to_pending(r, f"preempted by {by}")
                 self.store.add_event("preempted", r.id, f"by {by}")
 
     def _to_pending(self, r: Replica, why: str, failover: bool = False) -> None:
-        r.node, r.gpus, r.milli_per_gpu, r.pid = "", (), 0, None
+        r.node, r.gpus, r.milli_per_gpu, r.handle, r.pid = "", (), 0, "", None
         r.state, r.message = ReplicaState.PENDING, ("failover: " if failover else "") + why
         self.store.put_replica(r)
 
@@ -406,16 +471,16 @@ class Controller:
 
     def _stop_replica(self, r: Replica, why: str) -> None:
         self.routes.drop_endpoint(r.id)
-        if r.pid is not None:
-            self.launcher.stop(r.pid, self.settings.stop_grace_s)
+        if r.handle:
+            self.launcher.stop(r.handle, self.settings.stop_grace_s)
         self._release(r)
         self._runtime.pop(r.id, None)
         self.store.add_event("stopped", r.id, why)
-        r.state, r.pid = ReplicaState.STOPPING, None
+        r.state, r.handle, r.pid = ReplicaState.STOPPING, "", None
 
     def _route(self, deployment: str) -> None:
         ready = [
-            Endpoint(r.id, "127.0.0.1", r.http_port or 0, r.grpc_port or 0)
+            Endpoint(r.id, r.host or "127.0.0.1", r.http_port or 0, r.grpc_port or 0)
             for r in self.store.replicas(deployment)
             if r.state is ReplicaState.READY and r.http_port
         ]
@@ -459,3 +524,8 @@ class Controller:
                 self.store.add_event("autoscale", name, f"{d.replicas} → {wanted} at {sample.qps:.1f} req/s")
                 d.replicas = wanted
                 self.store.put_deployment(d)
+
+
+def _all_healthy(node: Node) -> Node:
+    gpus = tuple(dataclasses.replace(g, health=Health.HEALTHY) for g in node.gpus)
+    return dataclasses.replace(node, gpus=gpus, health=Health.HEALTHY)

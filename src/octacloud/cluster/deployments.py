@@ -98,7 +98,12 @@ class Replica:
     gpus: tuple[int, ...] = ()
     milli_per_gpu: int = 0
     state: ReplicaState = ReplicaState.PENDING
+    handle: str = ""
+    """The launcher's name for the running replica ('' when none runs): a PID locally, an actor on Ray."""
     pid: int | None = None
+    """The replica's process id on its node, once known (for operators; the handle is what counts)."""
+    host: str = ""
+    """The address its endpoints listen on, once known."""
     http_port: int | None = None
     grpc_port: int | None = None
     metrics_port: int | None = None

@@ -24,9 +24,9 @@ class HttpProber:
         if not replica.http_port:
             return False
         try:
-            response = await self.pool.request(
-                "127.0.0.1", replica.http_port, b"GET", f"/v2/models/{model}/ready".encode(), [], b"", timeout
-            )
+            path = f"/v2/models/{model}/ready".encode()
+            host = replica.host or "127.0.0.1"
+            response = await self.pool.request(host, replica.http_port, b"GET", path, [], b"", timeout)
         except (UpstreamError, TimeoutError, OSError):
             return False
         return response.status == 200

@@ -1,9 +1,10 @@
-"""Replica launch: a replica is an ``octacloud serve`` process bound to its slice.
+"""Replica launch: a replica is an OIP server bound to its slice.
 
 :class:`ReplicaLauncher` is the small interface the controller uses; :class:`LocalProcessLauncher` runs
-replicas as local processes (one machine), and the Ray backend (``cluster/ray*``) runs them as Ray actors on
-other machines. Replicas run in their own session, so a controller that restarts finds them still serving and
-adopts them.
+replicas as local ``octacloud serve`` processes (one machine), and the Ray backend (``cluster/ray_backend``)
+runs them as Ray actors on other machines. A launcher names each replica it started by an opaque *handle*
+(a PID here, an actor name on Ray). Replicas outlive the controller, so a controller that restarts finds them
+still serving and adopts them by handle.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from octacloud.cluster.slices import Slice
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 
 
@@ -33,31 +35,54 @@ class LaunchSpec:
     version: str
     env: dict[str, str]
     threads: int
+    slice: Slice | None = None
+    """Where the scheduler placed it (node, cards, milli per card): remote launchers pin the replica there."""
 
 
 @dataclass(frozen=True, slots=True)
-class Launched:
-    pid: int
+class ReplicaAddress:
+    """Where a replica serves: its host and ports, and (for operators) its process id on that host."""
+
     host: str
     http_port: int
     grpc_port: int
     metrics_port: int
-    log: Path
+    pid: int | None = None
+    note: str = ""
+    """What the launcher wants recorded about the start (e.g. a model-cache hit or miss); may be empty."""
+
+
+@dataclass(frozen=True, slots=True)
+class Launched:
+    handle: str
+    """The launcher's name for the replica: what ``alive``, ``address`` and ``stop`` take."""
+    address: ReplicaAddress | None
+    """Known at once for local processes; None while a remote replica is still starting (ask ``address``)."""
+    log: Path | None = None
+
+
+class LaunchFailedError(RuntimeError):
+    """A launched replica could not start (its model would not load, its node refused it, ...)."""
 
 
 class ReplicaLauncher(Protocol):
-    """Starts and stops replica processes.
+    """Starts and stops replicas.
 
-    ``launch`` returns once the process exists (not once it is ready: the controller probes readiness);
-    ``alive`` is cheap and never blocks; ``stop`` sends a graceful stop, waits up to ``grace`` seconds, then
-    kills, and is a no-op for a replica that is already gone.
+    ``launch`` returns once the replica exists (not once it is ready: the controller probes readiness) and
+    never waits for a remote machine. ``address`` returns where a launched replica serves once that is known,
+    None while it is still starting, and raises :class:`LaunchFailedError` when its start failed; it never
+    blocks. ``alive`` is cheap and never blocks. ``stop`` sends a graceful stop, waits up to ``grace``
+    seconds, then kills, and is a no-op for a replica that is already gone. Handles are strings the store
+    keeps, so that a restarted controller can ask about replicas an earlier one launched.
     """
 
     def launch(self, spec: LaunchSpec) -> Launched: ...
 
-    def alive(self, pid: int) -> bool: ...
+    def address(self, handle: str) -> ReplicaAddress | None: ...
 
-    def stop(self, pid: int, grace: float = 5.0) -> None: ...
+    def alive(self, handle: str) -> bool: ...
+
+    def stop(self, handle: str, grace: float = 5.0) -> None: ...
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -102,6 +127,7 @@ class LocalProcessLauncher:
         self.workdir = workdir
         self.host = host
         self.python = python
+        self._addresses: dict[str, ReplicaAddress] = {}
 
     def launch(self, spec: LaunchSpec) -> Launched:
         root = self.workdir / spec.replica_id
@@ -140,30 +166,44 @@ class LocalProcessLauncher:
             )
         finally:
             os.close(fd)
-        return Launched(pid, self.host, ports[0], ports[1], ports[2], log)
+        self._addresses[str(pid)] = ReplicaAddress(self.host, ports[0], ports[1], ports[2], pid)
+        return Launched(str(pid), self._addresses[str(pid)], log)
 
-    def alive(self, pid: int) -> bool:
+    def address(self, handle: str) -> ReplicaAddress | None:
+        """Known from launch; an adopted replica's address is in the store, so None here means "ask the store"."""
+        return self._addresses.get(handle)
+
+    def alive(self, handle: str) -> bool:
+        pid = _pid(handle)
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)  # reaps our own children once they exit
         except ChildProcessError:
             return _pid_alive(pid)  # not our child (adopted after a controller restart)
         return done == 0
 
-    def stop(self, pid: int, grace: float = 5.0) -> None:
-        if not self.alive(pid):
+    def stop(self, handle: str, grace: float = 5.0) -> None:
+        self._addresses.pop(handle, None)
+        if not self.alive(handle):
             return
+        pid = _pid(handle)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            if not self.alive(pid):
+            if not self.alive(handle):
                 return
             time.sleep(0.05)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 5
-        while self.alive(pid) and time.monotonic() < deadline:
+        while self.alive(handle) and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+def _pid(handle: str) -> int:
+    if not handle.isdigit():
+        raise InvalidSpecError(f"{handle!r} is not a local replica handle (a PID); was it launched on Ray?")
+    return int(handle)
 
 
 def _pid_alive(pid: int) -> bool:
