@@ -84,7 +84,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         proc.wait()
 
 
-def test_serves_on_loopback_and_stops_cleanly_on_sigterm(served: Served) -> None:
+def test_serves_rest_grpc_and_metrics_on_loopback_only(served: Served) -> None:
     c = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc}")
     assert c.is_model_ready("mlp")
     c.close()
@@ -128,6 +128,6 @@ def test_perf_analyzer_runs_unmodified(served: Served, protocol: str) -> None:
     assert "Throughput:" in run.stdout
 
 
-def test_zz_sigint_stops_the_server(served: Served) -> None:
+def test_zz_sigterm_stops_the_server_cleanly(served: Served) -> None:
     served.proc.send_signal(signal.SIGTERM)
     assert served.proc.wait(timeout=30) == 0
