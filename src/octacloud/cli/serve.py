@@ -40,17 +40,20 @@ def serve(
     def port(p: int) -> int | None:
         return None if p < 0 else p
 
-    run(
-        ServerSettings(
-            repository=repository,
-            host=host,
-            http_port=port(http_port),
-            grpc_port=port(grpc_port),
-            metrics_port=port(metrics_port),
-            control_mode=mode,
-            load_models=tuple(load_model),
-            threads=threads or None,
-            poll_interval_s=poll_seconds,
-            max_body_bytes=max_body_mb * 2**20,
-        )
+    settings = ServerSettings(
+        repository=repository,
+        host=host,
+        http_port=port(http_port),
+        grpc_port=port(grpc_port),
+        metrics_port=port(metrics_port),
+        control_mode=mode,
+        load_models=tuple(load_model),
+        threads=threads or None,
+        poll_interval_s=poll_seconds,
+        max_body_bytes=max_body_mb * 2**20,
     )
+    try:
+        run(settings)
+    except OSError as e:  # a port in use, an address that is not ours: say so, no traceback
+        typer.echo(f"octacloud serve: {e}", err=True)
+        raise typer.Exit(1) from None

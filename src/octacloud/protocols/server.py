@@ -141,14 +141,18 @@ class ReplicaServer:
                     ]
                 )
                 add_to_server(self.dataplane, self._grpc)
-                self.grpc_port = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
-                if self.grpc_port == 0:
-                    raise OSError(f"cannot bind the gRPC port {s.host}:{s.grpc_port}")
+                try:
+                    self.grpc_port = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
+                except RuntimeError:  # grpc says only that it failed
+                    raise OSError(f"cannot bind the gRPC port {s.host}:{s.grpc_port} (in use?)") from None
                 await self._grpc.start()
             if s.metrics_port is not None:
-                self._metrics, self._metrics_thread = start_http_server(
-                    s.metrics_port, s.host, serving_registry(self._stats)
-                )
+                try:
+                    self._metrics, self._metrics_thread = start_http_server(
+                        s.metrics_port, s.host, serving_registry(self._stats)
+                    )
+                except OSError as e:
+                    raise OSError(f"cannot bind the metrics port {s.host}:{s.metrics_port}: {e.strerror}") from None
                 self.metrics_port = self._metrics.server_port
         except BaseException:
             await self.stop()
