@@ -63,3 +63,36 @@ def test_convert_failures_exit_2_with_the_reason_and_publish_nothing(mlp_file: P
     )
     assert bad_spec.exit_code == 2 and "must be -1" in bad_spec.output
     assert snapshot(repo) == before
+
+
+def test_convert_exits_1_naming_the_variants_outside_a_stricter_tolerance(mlp_file: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    result = runner.invoke(
+        app,
+        [
+            "convert",
+            str(mlp_file),
+            "--name",
+            "strict",
+            "--repo",
+            str(repo),
+            "--input",
+            "input:float32:-1,16",
+            "--precision",
+            "fp32",
+            "--precision",
+            "int8",
+            "--tolerance",
+            "int8:min_cosine=1.0,max_rel_error=1e-9",
+            "--batch-sizes",
+            "1",
+            "--profile-seconds",
+            "0.01",
+            "--threads",
+            "1",
+        ],
+    )
+    assert result.exit_code == 1, result.output
+    assert "not published (outside parity tolerance): strict_int8" in result.output
+    assert "rejected" in result.stdout
+    assert sorted(p.name for p in repo.iterdir()) == ["strict"]

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from octacloud.toolchain.parity import DEFAULT_TOLERANCES, Tolerance, compare, compare_output
+from octacloud.core.errors import InvalidSpecError
+from octacloud.toolchain.parity import DEFAULT_TOLERANCES, Tolerance, compare, compare_output, parse_tolerance
 
 
 def test_identical_outputs_are_perfect() -> None:
@@ -59,3 +60,25 @@ def test_the_gate_names_every_failure_and_force_publishes_anyway() -> None:
 def test_defaults_get_looser_with_lower_precision() -> None:
     fp32, fp16, int8 = (DEFAULT_TOLERANCES[p] for p in ("fp32", "fp16", "int8"))
     assert fp32.min_cosine > fp16.min_cosine > int8.min_cosine
+
+
+def test_tolerances_can_be_overridden_from_text() -> None:
+    precision, tol = parse_tolerance("int8:min_cosine=0.995,min_top1_agreement=none")
+    assert precision == "int8"
+    assert tol == Tolerance(min_cosine=0.995, max_rel_error=None, min_top1_agreement=None)
+    assert parse_tolerance("fp16:max_rel_error=0.5")[1].min_cosine == DEFAULT_TOLERANCES["fp16"].min_cosine
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("int4:min_cosine=1", "PRECISION one of"),
+        ("int8", "PRECISION:FIELD=VALUE"),
+        ("int8:cosine=0.9", "'cosine' is not one of"),
+        ("int8:min_cosine=high", "must be a number"),
+        ("int8:min_cosine=none", "must be a number"),
+    ],
+)
+def test_bad_tolerance_text_says_what_is_expected(text: str, message: str) -> None:
+    with pytest.raises(InvalidSpecError, match=message):
+        parse_tolerance(text)

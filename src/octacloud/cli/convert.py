@@ -71,10 +71,17 @@ def convert_command(
     threads: int = typer.Option(0, help="onnxruntime threads for parity and profiling (0: up to 2)."),
     batch_sizes: str = typer.Option("1,2,4,8,16,32", help="Batch sizes to profile (up to --max-batch-size)."),
     profile_seconds: float = typer.Option(1.0, help="Time spent profiling each batch size."),
+    tolerance: list[str] = typer.Option(
+        [],
+        help="Override a parity tolerance: PRECISION:FIELD=VALUE[,...], e.g. "
+        "int8:min_cosine=0.99 (fields: min_cosine, max_rel_error, "
+        "min_top1_agreement; 'none' turns a check off).",
+    ),
     force: bool = typer.Option(False, "--force", help="Publish variants outside parity tolerance too."),
 ) -> None:
     """Convert SOURCE to ONNX (fp32, fp16, int8), check parity, profile, and publish into the repository."""
     from octacloud.toolchain.convert import ConvertOptions, convert
+    from octacloud.toolchain.parity import DEFAULT_TOLERANCES, parse_tolerance
     from octacloud.toolchain.profiling import ProfileSettings
     from octacloud.toolchain.repository import ModelRepository
     from octacloud.toolchain.sources import SourceOptions, load_source
@@ -104,6 +111,7 @@ def convert_command(
             calibration=calibration,
             samples=samples,
             force=force,
+            tolerances={**DEFAULT_TOLERANCES, **dict(parse_tolerance(t) for t in tolerance)},
             seed=seed,
             profile=ProfileSettings(
                 threads=threads or min(2, os.cpu_count() or 1),

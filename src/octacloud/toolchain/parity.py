@@ -14,6 +14,7 @@ the model as ``parity.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -21,7 +22,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from octacloud.toolchain.profile import Precision
+from octacloud.core.errors import InvalidSpecError
+from octacloud.toolchain.profile import PRECISIONS, Precision
 
 PARITY_FILENAME: Final = "parity.json"
 
@@ -183,3 +185,28 @@ def compare(
         failures=judge(outputs, tol, classifier),
         forced=forced,
     )
+
+
+def parse_tolerance(text: str, base: Mapping[Precision, Tolerance] = DEFAULT_TOLERANCES) -> tuple[Precision, Tolerance]:
+    """Parse ``PRECISION:FIELD=VALUE[,FIELD=VALUE...]`` (e.g. ``int8:min_cosine=0.99,min_top1_agreement=none``)
+    into that precision's tolerance, starting from ``base``. ``none`` turns an optional check off."""
+    precision, sep, rest = text.partition(":")
+    if precision not in PRECISIONS or not sep or not rest:
+        raise InvalidSpecError(
+            f"tolerance {text!r} is not PRECISION:FIELD=VALUE[,...] with PRECISION one of "
+            f"{list(PRECISIONS)}, e.g. int8:min_cosine=0.99"
+        )
+    fields = {f.name for f in dataclasses.fields(Tolerance)}
+    changes: dict[str, float | None] = {}
+    for item in rest.split(","):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if key not in fields or not eq:
+            raise InvalidSpecError(f"tolerance {text!r}: {key!r} is not one of {sorted(fields)} (FIELD=VALUE)")
+        if value.lower() == "none" and key != "min_cosine":
+            changes[key] = None
+            continue
+        try:
+            changes[key] = float(value)
+        except ValueError:
+            raise InvalidSpecError(f"tolerance {text!r}: {key} must be a number, got {value!r}") from None
+    return precision, dataclasses.replace(base[precision], **changes)  # type: ignore[arg-type,return-value]
