@@ -1,0 +1,143 @@
+"""A replica as a Ray actor: the model's OIP server (REST, gRPC, metrics) runs inside the actor's process.
+
+The actor is only a vessel. :meth:`ReplicaActor.start` fetches the model into the node's cache, starts a
+:class:`~octacloud.protocols.server.ReplicaServer` on its own event loop in a thread of the actor, and
+returns where it listens; the gateway then calls that server directly over HTTP or gRPC (faster than a call
+through an actor handle). The actor's environment — ``CUDA_VISIBLE_DEVICES``, the MPS limits, the thread
+budget — comes from Ray's ``runtime_env`` and is the same slice environment a local replica gets.
+
+Liveness: :meth:`ReplicaActor.watch` blocks until the replica stops, so the owner learns of the actor's death
+(its process killed, its node lost) from the call failing, without polling. The actor is threaded
+(``max_concurrency``) so that ``watch`` never blocks ``stop`` or ``environment``.
+
+The launcher wraps :class:`ReplicaActor` with ``ray.remote``; only :meth:`ReplicaActor.placement` imports
+Ray, inside the actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from octacloud.cluster.launcher import LaunchSpec, model_view
+from octacloud.cluster.storage import FetchResult, ModelCache
+
+
+@dataclass(frozen=True, slots=True)
+class ActorLaunch:
+    """What the launcher sends a replica actor to start."""
+
+    spec: LaunchSpec
+    node: str
+    """The octacloud node the actor runs on (names its model cache)."""
+    storage: str
+    """The model repository on shared storage: a path every node mounts, or an fsspec URL."""
+    cache_root: Path
+    """Where nodes keep their model caches (``<cache_root>/<node>``) and replicas their scratch folders."""
+    host: str
+    """The address the replica's endpoints bind (the node's address in the Ray cluster)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ActorStarted:
+    host: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    pid: int
+    cache: FetchResult
+
+
+class ReplicaActor:
+    """One replica: started once by :meth:`start`, serving until :meth:`stop` or the process dies."""
+
+    def __init__(self) -> None:
+        self._stopped = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_serving: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, launch: ActorLaunch) -> ActorStarted:
+        """Fetch the model, start the server, return once it serves (model loaded and warmed up)."""
+        from octacloud.protocols.server import ReplicaServer, ServerSettings
+        from octacloud.serving import ControlMode
+
+        spec = launch.spec
+        cache = ModelCache(launch.cache_root / launch.node).fetch(launch.storage, spec.model_dir.name)
+        scratch = launch.cache_root / launch.node / ".replicas" / spec.replica_id
+        scratch.mkdir(parents=True, exist_ok=True)
+        local = LaunchSpec(spec.replica_id, spec.serve_as, cache.path, spec.version, spec.env, spec.threads)
+        repository = model_view(local, scratch)
+        settings = ServerSettings(
+            repository=repository,
+            host=launch.host,
+            http_port=0,
+            grpc_port=0,
+            metrics_port=0,
+            control_mode=ControlMode.EXPLICIT,
+            load_models=(spec.serve_as,),
+            threads=spec.threads,
+        )
+        server = ReplicaServer(settings)
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def serve() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            self._stop_serving = asyncio.Event()
+            try:
+                try:
+                    loop.run_until_complete(server.start())
+                except BaseException as exc:
+                    failure.append(exc)
+                    return
+                finally:
+                    started.set()
+                loop.run_until_complete(self._stop_serving.wait())
+                loop.run_until_complete(server.stop())
+            finally:
+                loop.close()
+                self._stopped.set()
+
+        self._thread = threading.Thread(target=serve, name=f"replica-{spec.replica_id}", daemon=True)
+        self._thread.start()
+        started.wait()
+        if failure:
+            raise failure[0]
+        gc.collect()
+        gc.freeze()  # as `octacloud serve` does: keep the start-up heap out of the collector (latency tail)
+        assert server.http_port is not None and server.grpc_port is not None and server.metrics_port is not None
+        return ActorStarted(launch.host, server.http_port, server.grpc_port, server.metrics_port, os.getpid(), cache)
+
+    def placement(self) -> dict[str, Any]:
+        """Where this actor runs, as Ray sees it from inside: node id, the resources it holds, its environment."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "resources": dict(context.get_assigned_resources()),  # type: ignore[no-untyped-call]
+            "env": dict(os.environ),
+            "pid": os.getpid(),
+        }
+
+    def watch(self) -> None:
+        """Return when the replica has stopped; fail (in the caller) when the actor dies first."""
+        self._stopped.wait()
+
+    def stop(self, grace: float) -> None:
+        """Stop serving: finish requests in flight for up to ``grace`` seconds, unload the model."""
+        loop, event, thread = self._loop, self._stop_serving, self._thread
+        if loop is None or event is None or thread is None:
+            self._stopped.set()
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: already stopped
+            loop.call_soon_threadsafe(event.set)
+        thread.join(timeout=max(grace, 0.0) + 5.0)
