@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ def _call(
 ) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        verify: str | bool = str(cacert) if cacert is not None else True
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(cacert)) if cacert is not None else True
         response = httpx.request(method, f"{url}{path}", json=body, headers=headers, timeout=30.0, verify=verify)
     except httpx.HTTPError as exc:
         err.print(f"[red]error:[/] cannot reach the octacloud admin API at {url}: {exc} (is `octacloud up` running?)")
