@@ -195,3 +195,18 @@ def test_an_architecture_built_from_its_config_with_seeded_weights(tmp_path: Pat
     again = load_source(tmp_path / "cfg" / "config.json", SourceOptions(seed=3))
     x = {"pixel_values": np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)}
     np.testing.assert_array_equal(source.reference(x)["logits"], again.reference(x)["logits"])  # deterministic
+
+
+def test_a_plain_encoder_exports_its_hidden_states_and_a_head_can_be_asked_for(tmp_path: Path) -> None:
+    directory = _tiny_bert_dir(tmp_path / "bert", sentence_transformers=False)
+    features = load_source(directory)
+    assert not features.classifier
+    result = convert(features, ModelRepository(tmp_path / "repo"), fast_options("feat", precisions=("fp32",)))
+    assert result.variants[0].parity.passed
+    config = text_format.Parse((tmp_path / "repo" / "feat" / "config.pbtxt").read_text(), mc.ModelConfig())
+    assert [(o.name, list(o.dims)) for o in config.output] == [("last_hidden_state", [-1, 32])]
+    classify = SourceOptions(task="text-classification", seed=1)
+    head, again = load_source(directory, classify), load_source(directory, classify)
+    assert head.classifier
+    x = head.sample_inputs(2, np.random.default_rng(0))
+    np.testing.assert_array_equal(head.reference(x)["logits"], again.reference(x)["logits"])  # seeded head

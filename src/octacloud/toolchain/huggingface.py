@@ -136,8 +136,8 @@ def _build(config: Any, path: Path, task: Task, random_init: bool, seed: int) ->
     else:
         auto = transformers.AutoModel
     try:
+        torch.manual_seed(seed)  # random init, or a head the checkpoint lacks: seeded either way
         if random_init:
-            torch.manual_seed(seed)
             return auto.from_config(config)  # type: ignore[no-any-return]
         return auto.from_pretrained(str(path), config=config, local_files_only=True)  # type: ignore[no-any-return]
     except (OSError, ValueError, KeyError) as e:
