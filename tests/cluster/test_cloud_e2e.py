@@ -1,6 +1,8 @@
-"""End to end: the cloud on one machine with real replica processes, driven as a user would (admin API and
-tritonclient through the gateway): deploy, infer, scale, kill -9 under load, controller restart,
-preemption, undeploy."""
+"""End to end: the cloud with real replicas, driven as a user would (admin API and tritonclient through the
+gateway): deploy, infer, scale, kill -9 under load, controller restart, preemption, undeploy.
+
+Every test runs on both placement backends: ``local`` (replicas are processes of this machine) and ``ray``
+(the same fleet as one Ray node, replicas are actors pinned to it; see tests/ray for several nodes)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from octacloud.cluster.controller import ControllerSettings
 from octacloud.cluster.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
 
+from ..ray.harness import ray_cloud
 from .conftest import IN, expected_output
 
 pytestmark = pytest.mark.slow
@@ -33,7 +36,8 @@ FLEET = [Node("node-a", 8000, 65536, tuple(Gpu(i, CPU_CARD_MODEL, 4096) for i in
 class CloudThread:
     """A Cloud on its own event loop in a background thread, so tests can use blocking clients."""
 
-    def __init__(self, config: CloudConfig) -> None:
+    def __init__(self, config: CloudConfig, backend: str = "local") -> None:
+        self.backend = backend
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -44,6 +48,8 @@ class CloudThread:
         self.auth = {"Authorization": f"Bearer {self.key}"}
 
     async def _make(self, config: CloudConfig) -> Cloud:
+        if self.backend == "ray":
+            return ray_cloud(config, cache_root=config.state_dir / "node-cache")
         return Cloud(config, nodes=FLEET)
 
     def _run(self, coro: Any) -> Any:
@@ -87,9 +93,25 @@ def config(tmp_path: Path, repo: Path) -> CloudConfig:
     )
 
 
+@pytest.fixture(scope="module")
+def ray_fleet() -> Iterator[None]:
+    """FLEET as a one-node Ray cluster (started once per module, only when a test runs on Ray)."""
+    from octacloud.cluster.ray_local import LocalRayCluster
+
+    with LocalRayCluster(FLEET, temp_dir=Path(f"/tmp/octacloud-ray-{os.getpid()}")):
+        yield
+
+
+@pytest.fixture(params=["local", "ray"])
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "ray":
+        request.getfixturevalue("ray_fleet")
+    return str(request.param)
+
+
 @pytest.fixture
-def cloud(tmp_path: Path, linear_repo: Path) -> Iterator[CloudThread]:
-    c = CloudThread(config(tmp_path, linear_repo))
+def cloud(tmp_path: Path, linear_repo: Path, backend: str) -> Iterator[CloudThread]:
+    c = CloudThread(config(tmp_path, linear_repo), backend)
     yield c
     c.stop(stop_replicas=True)
 
@@ -190,7 +212,7 @@ def test_deploy_infer_scale_fail_restart_undeploy(tmp_path: Path, linear_repo: P
     # restart the controller: the deployment comes back and the running replica is adopted, not relaunched
     before = cloud.deployment("linear")["instances"][0]
     cloud.stop(stop_replicas=False)
-    again = CloudThread(config(tmp_path, linear_repo))
+    again = CloudThread(config(tmp_path, linear_repo), cloud.backend)
     try:
         wait_until("the adopted replica to serve", lambda: len(ready_ids(again, "linear")) == 1)
         assert again.deployment("linear")["instances"][0]["pid"] == before["pid"]
