@@ -132,16 +132,19 @@ class NvmlCards:
         self.cards = [self._identity(i, h) for i, h in enumerate(self.handles)]
         self._nvlink_last: dict[tuple[int, str], tuple[float, float]] = {}
         self._xid: dict[int, int] = {}
+        """Card index → last XID, for the cards whose XID events NVML delivers (others report no XID field)."""
         self._events: Any = None
         try:
             self._events = nvml.nvmlEventSetCreate()
-            for h in self.handles:
-                self._supported(
-                    partial(nvml.nvmlDeviceRegisterEvents, h, nvml.nvmlEventTypeXidCriticalError, self._events)
-                )
         except nvml.NVMLError as exc:
             log.info("NVML events unavailable (%s): XID errors will not be reported", exc)
-            self._events = None
+        if self._events is not None:
+            for card, h in zip(self.cards, self.handles, strict=True):
+                try:
+                    nvml.nvmlDeviceRegisterEvents(h, nvml.nvmlEventTypeXidCriticalError, self._events)
+                except nvml.NVMLError:
+                    continue
+                self._xid[card.index] = 0
 
     def _identity(self, index: int, h: Any) -> CardIdentity:
         nvml = self.nvml
@@ -211,8 +214,8 @@ class NvmlCards:
             value = get(call)
             if value is not None:
                 values[name] = float(value) * scale
-        if self._events is not None:
-            values[XID] = float(self._xid.get(card.index, 0))
+        if self._events is not None and card.index in self._xid:
+            values[XID] = float(self._xid[card.index])
         return CardReading(card, values)
 
     def _nvlink(self, index: int, h: Any, now: float, values: dict[str, float]) -> None:
@@ -247,7 +250,7 @@ class NvmlCards:
                 self._events = None
                 return
             index = self._supported(partial(nvml.nvmlDeviceGetIndex, event.device))
-            if index is not None:
+            if index is not None and int(index) in self._xid:
                 self._xid[int(index)] = int(event.eventData)
 
     def close(self) -> None:

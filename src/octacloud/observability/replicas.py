@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from prometheus_client.metrics_core import Metric
@@ -109,6 +109,15 @@ def parse_statistics(payload: Any) -> ReplicaServing:
             out.batch_executions[size] = out.batch_executions.get(size, 0) + executions
             out.execution_ns += sum(int(batch[k]["ns"]) for k in ("compute_input", "compute_infer", "compute_output"))
     return out
+
+
+class Scraper(Protocol):
+    """Fetches what ready replicas measured. ``scrape`` returns within its timeout and never raises: a replica
+    that does not answer is missing from the result."""
+
+    async def scrape(self, replicas: Sequence[ReplicaInfo]) -> dict[str, ReplicaServing]: ...
+
+    async def close(self) -> None: ...
 
 
 class ReplicaScraper:

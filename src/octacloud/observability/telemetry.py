@@ -27,9 +27,9 @@ from octacloud.observability.dcgm import CardIdentity, NvmlCards
 from octacloud.observability.replicas import (
     ProcessReader,
     ReplicaInfo,
-    ReplicaScraper,
     ReplicaServing,
     ReplicaSource,
+    Scraper,
     read_process,
 )
 from octacloud.scheduler.telemetry import NodeTelemetry
@@ -127,7 +127,7 @@ class TelemetrySampler:
         nvml: NvmlCards | None = None,
         nvml_node: str | None = None,
         cpu_card_model: str = "cpu",
-        scraper: ReplicaScraper | None = None,
+        scraper: Scraper | None = None,
         processes: ProcessReader = read_process,
         interval_s: float = 1.0,
         max_age_s: float | None = None,

@@ -16,12 +16,14 @@ from starlette.applications import Starlette
 from octacloud.cluster.auth import AuthError, Guard
 from octacloud.cluster.controller import Controller
 from octacloud.cluster.dashboard.app import Authorize, allow_all, build_dashboard_app, build_metrics_app
-from octacloud.cluster.dashboard.state import UsageSource, dashboard_state
+from octacloud.cluster.dashboard.metering import LedgerTotals
+from octacloud.cluster.dashboard.state import dashboard_state
 from octacloud.cluster.fleet import CPU_CARD_MODEL
 from octacloud.core.clock import Clock
 from octacloud.core.model import Node
+from octacloud.metering import Ledger
 from octacloud.observability.dcgm import NvmlCards, open_nvml
-from octacloud.observability.exporter import CloudCollector, MeteringSource, cloud_registry
+from octacloud.observability.exporter import CloudCollector, cloud_registry
 from octacloud.observability.monitor import CloudMonitor
 from octacloud.observability.replicas import ReplicaInfo, ReplicaScraper
 from octacloud.observability.telemetry import TelemetrySampler
@@ -90,8 +92,6 @@ class CloudMonitoring:
         *,
         interval_s: float = 1.0,
         history_points: int = 900,
-        usage: UsageSource | None = None,
-        metering: MeteringSource | None = None,
     ) -> None:
         self._controller = controller
         nvml_node = local_nvml_node(nodes)
@@ -115,22 +115,24 @@ class CloudMonitoring:
             interval_s=interval_s,
             history_points=history_points,
         )
-        self.usage = usage
-        self.metering = metering
 
     def _state(self) -> ClusterState:
         return self._controller().scheduler.state
 
-    def collector(self) -> CloudCollector:
-        return CloudCollector(self.monitor, self._controller().scheduling, self.metering)
-
-    def apps(self, authorize: Authorize = allow_all) -> tuple[Starlette, Starlette]:
-        """``(dashboard, metrics)`` ASGI apps for the gateway's ``/dashboard`` and ``/metrics``."""
-        registry = cloud_registry(self.collector())
-        dashboard = build_dashboard_app(
-            lambda since: dashboard_state(self._controller(), self.monitor, since=since, usage=self.usage), authorize
+    def apps(self, authorize: Authorize = allow_all, ledger: Ledger | None = None) -> tuple[Starlette, Starlette]:
+        """``(dashboard, metrics)`` ASGI apps for the gateway's ``/dashboard`` and ``/metrics``; with the usage
+        ledger, both show metering totals per tenant."""
+        totals = LedgerTotals(ledger) if ledger is not None else None
+        collector = CloudCollector(
+            self.monitor, self._controller().scheduling, totals.metrics if totals is not None else None
         )
-        return dashboard, build_metrics_app(registry, authorize)
+        dashboard = build_dashboard_app(
+            lambda since: dashboard_state(
+                self._controller(), self.monitor, since=since, usage=totals.usage if totals is not None else None
+            ),
+            authorize,
+        )
+        return dashboard, build_metrics_app(cloud_registry(collector), authorize)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.monitor.run(stop)
