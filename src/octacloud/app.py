@@ -126,7 +126,7 @@ class Cloud:
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
         self.grpc_gateway = GrpcGateway(self.routes, ready=lambda: self._started, guard=self.guard)
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
-        dashboard, metrics = self.monitoring.apps(admin_authorizer(self.guard))
+        dashboard, metrics = self.monitoring.apps(admin_authorizer(self.guard), ledger=self.ledger)
         self.rest_gateway = RestGateway(
             self.routes,
             admin=admin,
