@@ -202,7 +202,9 @@ class Cloud:
         self.store.close()
 
     async def serve_forever(self) -> None:
-        await self.start()
+        """Start (unless :meth:`start` already ran) and serve until :meth:`request_stop`; then stop."""
+        if not self._started:
+            await self.start()
         try:
             await self._stop.wait()
         finally:
