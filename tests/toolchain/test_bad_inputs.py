@@ -11,7 +11,7 @@ import onnx.helper as oh
 import pytest
 import torch
 
-from octacloud.core.errors import OctacloudError
+from octacloud.core.errors import InvalidSpecError, OctacloudError
 from octacloud.toolchain.convert import ConvertOptions, convert
 from octacloud.toolchain.errors import CalibrationError, ConversionError, SourceError
 from octacloud.toolchain.repository import ModelRepository
@@ -174,6 +174,29 @@ def test_parity_samples_that_do_not_match_the_model(populated: Path, mlp_file: P
     )
 
 
+def test_a_different_signature_under_an_existing_name_fails_before_the_variants_are_built(
+    populated: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    wider = torch.nn.Sequential(torch.nn.Linear(16, 5)).eval()  # 5 outputs where "tiny" has 4
+    torch.save(wider, tmp_path / "wider.pt")
+    messages: list[str] = []
+    attempt(
+        populated,
+        lambda: convert(
+            load_source(tmp_path / "wider.pt", MLP_SOURCE),
+            ModelRepository(populated),
+            fast_options("tiny"),
+            progress=messages.append,
+        ),
+        InvalidSpecError,
+        "already exists .* with different inputs, outputs or max_batch_size",
+    )
+    assert not any("building" in m for m in messages)
+
+
 def test_bad_options_are_refused_before_any_work() -> None:
     with pytest.raises(OctacloudError, match="unknown precision"):
         ConvertOptions(name="m", precisions=("int4",))  # type: ignore[arg-type]
@@ -181,3 +204,5 @@ def test_bad_options_are_refused_before_any_work() -> None:
         ConvertOptions(name="../escape")
     with pytest.raises(OctacloudError, match="max_batch_size must be >= 1"):
         ConvertOptions(name="m", max_batch_size=0)
+    with pytest.raises(OctacloudError, match="precisions repeat"):
+        ConvertOptions(name="m", precisions=("int8", "int8"))

@@ -72,6 +72,8 @@ class ConvertOptions:
         bad = [p for p in self.precisions if p not in PRECISIONS]
         if bad:
             raise InvalidSpecError(f"unknown precision(s) {bad}; choose from {list(PRECISIONS)}")
+        if len(set(self.precisions)) != len(self.precisions):
+            raise InvalidSpecError(f"precisions repeat: {list(self.precisions)}")
         if self.max_batch_size < 1:
             raise InvalidSpecError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.parity_samples < 1:
@@ -169,6 +171,17 @@ def convert(
             raise ConversionError(
                 f"the exported graph's inputs {[s.name for s in inputs]} differ from the source's {expected}"
             )
+        for name in names.values():  # refuse a signature clash now, not after the variants are built
+            placeholder = build_config(
+                name,
+                inputs,
+                outputs,
+                max_batch_size=options.max_batch_size,
+                weights_bytes=0,
+                bytes_per_sample=0,
+                precision="fp32",
+            )
+            repository.check_compatible(name, placeholder)
         results: list[VariantResult] = []
         staged: list[StagedModel] = []
         for precision in options.precisions:

@@ -194,17 +194,17 @@ class ModelRepository:
                 if created_root:
                     self.root.rmdir()  # only succeeds when nothing was published
 
-    def check_compatible(self, staged: StagedModel) -> None:
+    def check_compatible(self, name: str, config: mc.ModelConfig) -> None:
         """Refuse a new version whose inputs, outputs or max batch size differ from the model's current config.
 
         All versions of a Triton model share one ``config.pbtxt``: a different signature needs a new name.
         """
-        model_dir = self.root / staged.name
+        model_dir = self.root / name
         if not (model_dir / CONFIG_FILENAME).is_file():
             return
-        if _signature(read_config(model_dir)) != _signature(staged.config):
+        if _signature(read_config(model_dir)) != _signature(config):
             raise InvalidSpecError(
-                f"model {staged.name!r} already exists in {self.root} with different inputs, outputs or "
+                f"model {name!r} already exists in {self.root} with different inputs, outputs or "
                 "max_batch_size; all versions of a model share one config.pbtxt, so publish under a new --name"
             )
 
@@ -215,7 +215,7 @@ class ModelRepository:
         """
         for s in staged:
             check_model_name(s.name)
-            self.check_compatible(s)
+            self.check_compatible(s.name, s.config)
         done: list[tuple[PublishedVersion, str | None]] = []  # (published, previous config text or None)
         try:
             for s in staged:
