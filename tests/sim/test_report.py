@@ -47,6 +47,7 @@ def _result(policy: str, seed: int, at_100: float, failed: int = 3) -> RunResult
         p50_decision_ms=0.5,
         p99_decision_ms=2.0,
         wall_seconds=9.0,
+        cpu_seconds=8.5,
     )
 
 
@@ -112,7 +113,7 @@ def test_summary_json_has_every_run_and_the_aggregates(tmp_path: Path) -> None:
     (agg,) = doc["aggregate"]
     assert agg["sc_policy"] == "06-FGD" and agg["seeds"] == [42, 43]
     assert agg["unallocated_gpu_pct_at_100"] == {"mean": 5.5, "sd": pytest.approx(0.71, abs=0.01)}
-    assert agg["failed_pods_mean"] == 4.0
+    assert agg["failed_pods_mean"] == 4.0 and agg["cpu_seconds_mean"] == 8.5
 
 
 def _rows(workload: str, policy: str, at_100: list[float | None]) -> list[CurveRow]:

@@ -182,6 +182,7 @@ def _results_table(results: Sequence[RunResult]) -> Table:
         ("decisions/s", "right"),
         ("p99 ms", "right"),
         ("s/run", "right"),
+        ("cpu s/run", "right"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     groups: dict[tuple[str, str], list[RunResult]] = {}
@@ -202,6 +203,7 @@ def _results_table(results: Sequence[RunResult]) -> Table:
             f"{sum(r.decisions_per_second for r in runs) / n:,.0f}",
             f"{max(r.p99_decision_ms for r in runs):.2f}",
             f"{sum(r.wall_seconds for r in runs) / n:.1f}",
+            f"{sum(r.cpu_seconds for r in runs) / n:.1f}",
         )
     return table
 

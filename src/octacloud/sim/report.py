@@ -130,6 +130,7 @@ def write_summary(path: Path, results: Sequence[RunResult]) -> None:
         entry["decisions_per_second_mean"] = round(statistics.fmean(r.decisions_per_second for r in runs), 1)
         entry["p99_decision_ms_max"] = round(max(r.p99_decision_ms for r in runs), 3)
         entry["wall_seconds_mean"] = round(statistics.fmean(r.wall_seconds for r in runs), 2)
+        entry["cpu_seconds_mean"] = round(statistics.fmean(r.cpu_seconds for r in runs), 2)
         aggregate.append(entry)
     document = {"runs": [r.summary() for r in results], "aggregate": aggregate}
     path.write_text(json.dumps(document, indent=2) + "\n")
