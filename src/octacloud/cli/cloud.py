@@ -78,15 +78,24 @@ def up(
     allow_insecure: bool = typer.Option(False, "--allow-insecure", help="Allow plain text off loopback."),
     meter_interval: float = typer.Option(10.0, "--meter-interval", help="Seconds per usage-ledger interval."),
     prices: Path | None = typer.Option(None, "--prices", help="Price sheet (YAML) for usage reports."),
+    backend: str = typer.Option("local", "--backend", help="Where replicas run: local (this machine) or ray."),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", "--ray", help="The Ray cluster (HOST:PORT; default: auto). Implies --backend ray."
+    ),
+    model_storage: str | None = typer.Option(
+        None, "--model-storage", help="On Ray: the repository as nodes reach it (shared path or fsspec URL)."
+    ),
+    model_cache: Path | None = typer.Option(None, "--model-cache", help="On Ray: each node's model cache folder."),
 ) -> None:
-    """Run the cloud on this machine: fleet, controller, replicas on slices, and the OIP gateway."""
-    from octacloud.app import Cloud, CloudConfig
+    """Run the cloud: fleet, controller, replicas on slices, and the OIP gateway (on this machine, or on Ray)."""
+    from octacloud.app import Cloud, CloudConfig, ray_cloud
     from octacloud.cluster.controller import ControllerSettings
     from octacloud.cluster.deployments import DeploymentSpec
     from octacloud.cluster.tls import TlsConfig
     from octacloud.core.errors import OctacloudError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per metrics scrape and probe
     if not repository.is_dir():
         err.print(f"[red]error:[/] model repository {repository} does not exist (build the examples: make models)")
         raise typer.Exit(2)
@@ -104,14 +113,21 @@ def up(
         allow_insecure=allow_insecure,
         meter_interval_s=meter_interval,
         prices=prices,
+        ray_address=ray_address,
+        model_storage=model_storage,
+        model_cache=model_cache,
     )
+    if backend not in ("local", "ray"):
+        err.print(f"[red]error:[/] --backend must be local or ray, got {backend!r}")
+        raise typer.Exit(2)
+    on_ray = backend == "ray" or ray_address is not None
     if (tls_cert is None) != (tls_key is None):
         err.print("[red]error:[/] --tls-cert and --tls-key go together")
         raise typer.Exit(2)
 
     async def main() -> None:
         try:
-            cloud = Cloud(config)
+            cloud = ray_cloud(config) if on_ray else Cloud(config)
         except OctacloudError as exc:
             err.print(f"[red]error:[/] {exc}")
             raise typer.Exit(2) from None
