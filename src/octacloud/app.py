@@ -31,6 +31,7 @@ from octacloud.cluster.store import StateStore
 from octacloud.cluster.tls import TlsConfig, check_exposure
 from octacloud.cluster.usage import ClusterUsage
 from octacloud.core.clock import Clock, SystemClock
+from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node, Request
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
 from octacloud.metering import Ledger, Meter, PriceSheet
@@ -57,6 +58,12 @@ class CloudConfig:
     policy: str = PRODUCT_DEFAULT
     cpu_cards: int = 1
     controller: ControllerSettings = field(default_factory=ControllerSettings)
+    ray_address: str | None = None
+    """Run on the Ray cluster at this address ("auto": the one this machine belongs to) instead of locally."""
+    model_storage: str | None = None
+    """On Ray: the repository as every node reaches it (a shared path or an fsspec URL); default: ``repository``."""
+    model_cache: Path | None = None
+    """On Ray: where each node caches models (``<model_cache>/<node>``); default: ``<state_dir>/model-cache``."""
     telemetry_interval_s: float = 1.0
     """How often GPU/replica telemetry is sampled (the scheduler and the dashboard read the latest)."""
     tls: TlsConfig | None = None
@@ -248,6 +255,25 @@ def bootstrap_admin_key(keys: KeyStore, path: Path) -> str | None:
         with os.fdopen(fd, "w") as f:
             f.write(key + "\n")
     return key
+
+
+def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
+    """The cloud on the Ray cluster at ``config.ray_address``: its fleet is Ray's node table (nodes started with
+    ``octacloud node start``), its replicas Ray actors, and nodes that join or die are seen while it runs."""
+    from octacloud.cluster.ray_backend import RayFleet, RayLauncher, connect
+
+    connect(config.ray_address)
+    fleet = RayFleet()
+    nodes = fleet.discover()
+    if not nodes:
+        raise InvalidSpecError(
+            f"the Ray cluster at {config.ray_address or 'auto'} has no octacloud nodes: start each server's node "
+            "with `octacloud node start`"
+        )
+    storage = config.model_storage or str(config.repository.resolve())
+    cache = config.model_cache or config.state_dir.resolve() / "model-cache"
+    launcher = RayLauncher(fleet, storage, cache)
+    return Cloud(config, nodes=nodes, launcher=launcher, clock=clock, watcher=fleet.poll)
 
 
 def slice_prior() -> TargetWorkload:

@@ -12,16 +12,16 @@ from typing import Any
 import httpx
 import numpy as np
 
+from octacloud import app
 from octacloud.app import Cloud, CloudConfig
 from octacloud.cluster.controller import ControllerSettings
-from octacloud.cluster.ray_backend import RayFleet, RayLauncher
 
 
 def ray_cloud(config: CloudConfig, cache_root: Path, storage: str | None = None) -> Cloud:
-    """A Cloud whose fleet, replicas and membership are the connected Ray cluster's (as `octacloud up --ray`)."""
-    fleet = RayFleet()
-    launcher = RayLauncher(fleet, storage or str(config.repository.resolve()), cache_root)
-    return Cloud(config, nodes=fleet.discover(), launcher=launcher, watcher=fleet.poll)
+    """A Cloud on the connected Ray cluster, as ``octacloud up --backend ray`` builds it."""
+    config.model_cache = cache_root
+    config.model_storage = storage
+    return app.ray_cloud(config)
 
 
 def fast_config(state_dir: Path, repository: Path, policy: str = "octacloud") -> CloudConfig:
