@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "serve",
     "simulate",
     "tenant",
+    "top",
     "usage",
     "certs",
 )

@@ -1,0 +1,205 @@
+"""``octacloud top``: the dashboard in a terminal (rich), for a server without a browser.
+
+It polls the same JSON as the web dashboard (``/dashboard/api/state``, admin key) and draws the card map (one
+cell per octant, coloured by deployment), allocation and fragmentation, per-deployment load and batch sizes,
+replicas and the last events.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import httpx
+import typer
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+PALETTE = (
+    "dodger_blue2", "dark_orange", "green3", "magenta", "gold3", "turquoise2",
+    "orchid", "chartreuse3", "salmon1", "steel_blue1", "yellow3", "medium_purple1",
+)  # fmt: skip
+SPARK = "▁▂▃▄▅▆▇█"
+OCTANT, FREE = "■", "·"
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def colour(name: str) -> str:
+    """A stable colour per deployment or tenant name."""
+    return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.0f} %"
+
+
+def sparkline(points: list[list[float]], width: int = 20) -> str:
+    values = [p[1] for p in points[-width:]]
+    if not values:
+        return ""
+    top = max(values) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1)))] for v in values)
+
+
+class History:
+    """Series the terminal keeps between polls (the API sends only points newer than ``since``)."""
+
+    def __init__(self, keep: int = 900) -> None:
+        self.keep = keep
+        self.since = 0.0
+        self.series: dict[str, list[list[float]]] = {}
+
+    def add(self, state: dict[str, Any]) -> None:
+        self._extend("allocation", state["allocation"])
+        self._extend("fragmentation", state["fragmentation"])
+        for d in state["deployments"]:
+            self._extend(f"qps:{d['name']}", d["qps"])
+            self._extend(f"latency:{d['name']}", d["latency_ms"])
+        self.since = max([self.since, *(p[0] for p in state["allocation"])])
+
+    def _extend(self, key: str, points: list[list[float]]) -> None:
+        series = self.series.setdefault(key, [])
+        series.extend(points)
+        del series[: max(0, len(series) - self.keep)]
+
+    def get(self, key: str) -> list[list[float]]:
+        return self.series.get(key, [])
+
+
+def render(state: dict[str, Any], history: History) -> RenderableType:
+    """One frame: a pure function of the dashboard document and the history kept so far."""
+    fleet = state["fleet"]
+    replicas = state["replicas"]
+    ready = sum(1 for r in replicas if r["state"] == "ready")
+    sched = state["scheduler"]
+    ms = sched["mean_decision_ms"]
+    header = Text.assemble(
+        ("octacloud  ", "bold"),
+        (f"allocated {_pct(fleet['allocation'])}", "bold cyan"),
+        f" {sparkline(history.get('allocation'), 30)}   ",
+        (f"fragmented {_pct(fleet['fragmentation'])}", "bold yellow"),
+        f" {sparkline(history.get('fragmentation'), 30)}   ",
+        f"replicas {ready}/{len(replicas)} ready, {sched['pending']} pending   ",
+        f"decision {'–' if ms is None else f'{ms:.2f} ms'}   preemptions {sched['preemptions']}",
+    )
+
+    nodes = []
+    for node in fleet["nodes"]:
+        lines = Text()
+        for card in node["cards"]:
+            lines.append(f"card {card['index']:>2} {card['model'][:10]:<10} ")
+            for cell in card["octants"]:
+                if cell is None:
+                    lines.append(FREE, style="grey50")
+                else:
+                    style = colour(cell["deployment"]) + ("" if cell["state"] == "ready" else " dim")
+                    lines.append(OCTANT, style=style)
+            t = card.get("telemetry") or {}
+            label = "util" if t.get("source") == "nvml" else "busy"
+            memory = t.get("memory_used_mib")
+            lines.append(f"  {(1000 - card['free_milli']) // 125}/8  {label} {_pct(t.get('utilisation')):>5}")
+            lines.append("" if memory is None else f"  {memory:,.0f} MiB")
+            if not card["usable"]:
+                lines.append("  unusable", style="red")
+            lines.append("\n")
+        lines.rstrip()
+        nodes.append(Panel(lines, title=f"{node['name']} ({node['health']})", expand=False))
+
+    deployments = Table(title="deployments", expand=True, title_justify="left")
+    for column in ("deployment", "tenant", "oct", "ready", "req/s", "", "latency", "batch sizes"):
+        deployments.add_column(column, justify="right" if column in ("oct", "ready", "req/s", "latency") else "left")
+    for d in state["deployments"]:
+        qps, latency = history.get(f"qps:{d['name']}"), history.get(f"latency:{d['name']}")
+        deployments.add_row(
+            Text(d["name"], style=colour(d["name"])),
+            d["tenant"],
+            str(d["octants"]),
+            f"{d['ready']}/{d['desired']}",
+            f"{qps[-1][1]:.1f}" if qps else "–",
+            sparkline(qps),
+            f"{latency[-1][1]:.1f} ms" if latency else "–",
+            " ".join(f"{size}:{n}" for size, n in d["batch_sizes"].items()) or "–",
+        )
+
+    table = Table(title="replicas", expand=True, title_justify="left")
+    for column in ("replica", "state", "slice", "busy", "cpu", "restarts", "message"):
+        table.add_column(column)
+    for r in replicas:
+        where = f"{r['node']} {r['gpus']} × {r['milli_per_gpu'] // 125}" if r["node"] else "–"
+        cpu = r["cpu_cores"]
+        table.add_row(
+            r["id"], r["state"], where, _pct(r["busy"]), "–" if cpu is None else f"{cpu:.2f}", str(r["restarts"]),
+            r["message"][:60],
+        )  # fmt: skip
+
+    events = Text()
+    for e in state["events"][:8]:
+        events.append(time.strftime("%H:%M:%S ", time.localtime(e["at"])), style="grey50")
+        events.append(f"{e['kind']:<14}", style="bold")
+        events.append(f"{e['subject']} — {e['message']}\n")
+    events.rstrip()
+    return Group(header, *nodes, deployments, table, Panel(events, title="events", expand=True))
+
+
+def _key(key: str | None, state_dir: Path) -> str | None:
+    if key:
+        return key
+    path = state_dir / "admin.key"
+    return path.read_text().strip() if path.is_file() else None
+
+
+def top(
+    url: str | None = typer.Option(None, "--url", envvar="OCTACLOUD_URL", help=f"The gateway (default {DEFAULT_URL})."),
+    key: str | None = typer.Option(None, "--key", envvar="OCTACLOUD_KEY", help="Admin API key."),
+    state_dir: Path = typer.Option(Path("var"), "--state-dir", help="Where admin.key is (without --key)."),
+    cacert: str | None = typer.Option(None, "--cacert", envvar="OCTACLOUD_CACERT", help="CA certificate (https)."),
+    interval: float = typer.Option(1.0, "--interval", min=0.2, help="Seconds between redraws."),
+    once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
+) -> None:
+    """The fleet, the slices and the load, live in the terminal (needs an admin key)."""
+    base = (url or DEFAULT_URL).rstrip("/")
+    admin_key = _key(key, state_dir)
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    client = httpx.Client(timeout=10.0, headers=headers, verify=cacert or True)
+    history = History()
+    err = Console(stderr=True)
+
+    def fetch() -> dict[str, Any]:
+        try:
+            response = client.get(f"{base}/dashboard/api/state", params={"since": history.since})
+        except httpx.HTTPError as exc:
+            err.print(f"[red]error:[/] cannot reach octacloud at {base}: {exc} (is `octacloud up` running?)")
+            raise typer.Exit(2) from None
+        if response.status_code == 401:
+            err.print("[red]error:[/] needs an admin key: --key, $OCTACLOUD_KEY or <state-dir>/admin.key")
+            raise typer.Exit(1)
+        if response.status_code != 200:
+            err.print(f"[red]error:[/] {base}/dashboard/api/state answered {response.status_code}: {response.text}")
+            raise typer.Exit(1)
+        state: dict[str, Any] = response.json()
+        history.add(state)
+        return state
+
+    with client:
+        if once:
+            Console(width=max(120, Console().width)).print(render(fetch(), history))
+            return
+        with Live(render(fetch(), history), auto_refresh=False, screen=True) as live:
+            try:
+                while True:
+                    time.sleep(interval)
+                    live.update(render(fetch(), history), refresh=True)
+            except KeyboardInterrupt:
+                pass
+
+
+def register(app: typer.Typer) -> None:
+    app.command("top")(top)
+
+
+__all__ = ["History", "colour", "register", "render", "sparkline"]

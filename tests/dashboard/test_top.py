@@ -1,0 +1,76 @@
+"""``octacloud top``'s frame from a dashboard document: the card map, load, replicas, events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+
+from octacloud.cli.top import FREE, OCTANT, History, render, sparkline
+
+
+def cell(replica: str, deployment: str, state: str = "ready") -> dict[str, str]:
+    return {"replica": replica, "deployment": deployment, "tenant": "acme", "state": state}
+
+
+def document(at: float, qps: float) -> dict[str, Any]:
+    a, b = cell("chat-1", "chat"), cell("emb-1", "embed", "starting")
+    return {
+        "at": at,
+        "fleet": {
+            "allocation": 0.3125,
+            "fragmentation": 0.25,
+            "nodes": [
+                {
+                    "name": "node-a",
+                    "health": "healthy",
+                    "cards": [
+                        {"index": 0, "model": "H100", "free_milli": 375, "usable": True,
+                         "octants": [a, a, a, b, b, None, None, None],
+                         "telemetry": {"source": "nvml", "utilisation": 0.42, "memory_used_mib": 20480.0}},
+                        {"index": 1, "model": "H100", "free_milli": 1000, "usable": False,
+                         "octants": [None] * 8, "telemetry": {}},
+                    ],
+                }
+            ],
+        },
+        "allocation": [[at, 0.3125]],
+        "fragmentation": [[at, 0.25]],
+        "deployments": [
+            {"name": "chat", "tenant": "acme", "octants": 3, "ready": 1, "desired": 1, "qps": [[at, qps]],
+             "latency_ms": [[at, 12.5]], "batch_sizes": {"1": 40, "4": 3}},
+        ],
+        "replicas": [
+            {"id": "chat-1", "state": "ready", "node": "node-a", "gpus": [0], "milli_per_gpu": 375, "busy": 0.4,
+             "cpu_cores": 1.5, "restarts": 0, "message": ""},
+            {"id": "emb-1", "state": "starting", "node": "node-a", "gpus": [0], "milli_per_gpu": 250, "busy": None,
+             "cpu_cores": None, "restarts": 2, "message": "process exited"},
+        ],
+        "scheduler": {"pending": 0, "mean_decision_ms": 0.21, "preemptions": 1},
+        "events": [{"at": at, "kind": "placed", "subject": "chat-1", "message": "node-a cards [0] × 375 milli"}],
+    }  # fmt: skip
+
+
+def frame(history: History, doc: dict[str, Any]) -> str:
+    history.add(doc)
+    console = Console(record=True, width=140, color_system=None)
+    console.print(render(doc, history))
+    return console.export_text()
+
+
+def test_frame_shows_octants_load_replicas_and_events() -> None:
+    history = History()
+    frame(history, document(100.0, 5.0))
+    text = frame(history, document(101.0, 10.0))
+    assert text.count(OCTANT) == 5 and text.count(FREE) == 3 + 8
+    assert "5/8" in text and "0/8" in text and "util  42 %" in text and "20,480 MiB" in text
+    assert "unusable" in text
+    assert "allocated 31 %" in text and "fragmented 25 %" in text
+    assert "10.0" in text and "12.5 ms" in text and "1:40 4:3" in text
+    assert "process exited" in text and "placed" in text
+    assert history.since == 101.0  # the next poll asks only for newer points
+
+
+def test_sparkline_scales_to_the_largest_value() -> None:
+    assert sparkline([[0, 0.0], [1, 5.0], [2, 10.0]]) == "▁▄█"
+    assert sparkline([]) == ""
