@@ -96,7 +96,6 @@ def up(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per metrics scrape and probe
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per metrics scrape and probe
     if not repository.is_dir():
         err.print(f"[red]error:[/] model repository {repository} does not exist (build the examples: make models)")
         raise typer.Exit(2)
