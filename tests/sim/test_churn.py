@@ -205,3 +205,20 @@ def test_a_hook_may_place_pending_work_itself() -> None:
     assert report.time_avg_allocated_pct == pytest.approx(100 * 12 / 20)
     with pytest.raises(ValueError, match="not allocated"):
         sim.start_placed(_gpu("c", 100), 1.0, since=0.0)
+
+
+def test_the_default_retry_skips_failed_shapes_without_changing_outcomes() -> None:
+    rng = random.Random(11)
+    arrivals: list[Arrival] = []
+    t = 0.0
+    for k in range(300):
+        t += rng.expovariate(1.0)
+        milli = rng.choice([250, 500, 1000])
+        arrivals.append(Arrival(t, Request(f"r{k}", num_gpu=1, gpu_milli=milli), rng.uniform(5, 40)))
+    naive = ChurnSimulation(_scheduler(2, 4), arrivals, until=t + 50, queue=True, hooks=[_retry_all])
+    default = ChurnSimulation(_scheduler(2, 4), arrivals, until=t + 50, queue=True)
+    a, b = naive.run(), default.run()
+    assert b.max_queue > 5  # the queue was long enough for skipping to matter
+    assert b.decisions < a.decisions
+    assert naive.timeline == default.timeline
+    assert (a.placed, a.completed, a.mean_wait_seconds) == (b.placed, b.completed, b.mean_wait_seconds)

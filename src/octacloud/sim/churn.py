@@ -73,10 +73,30 @@ class ReevaluationHook(Protocol):
 
 
 def retry_pending(sim: ChurnSimulation) -> None:
-    """The plain re-evaluation: try every pending request once, oldest first; those that fit start now."""
-    for item in list(sim.pending):
-        if sim.try_place(item.request, item.lifetime, since=item.since):
-            sim.pending.remove(item)
+    """The plain re-evaluation: try every pending request once, oldest first; those that fit start now.
+
+    Within one pass the cluster only fills up, so once a request shape has failed every later request of the
+    same shape would fail too: it is skipped (fit is monotone in free capacity), which keeps a long queue of a
+    few shapes cheap without changing any outcome.
+    """
+    failed: set[tuple[object, ...]] = set()
+    waiting: list[Pending] = []
+    for item in sim.take_pending():
+        r = item.request
+        shape = (
+            r.num_gpu,
+            r.gpu_milli,
+            r.gpu_memory_mib,
+            r.cpu_milli,
+            r.memory_mib,
+            r.gpu_models,
+            r.priority,
+            r.failover,
+        )
+        if shape in failed or not sim.try_place(r, item.lifetime, since=item.since):
+            failed.add(shape)
+            waiting.append(item)
+    sim.pending.extend(waiting)
 
 
 @dataclass(frozen=True, slots=True)
