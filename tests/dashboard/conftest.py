@@ -39,6 +39,7 @@ class CloudThread:
         self._run(self.cloud.stop(stop_replicas=True))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        self.loop.close()
 
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.get(f"{self.url}{path}", headers=kwargs.pop("headers", self.auth), timeout=30, **kwargs)

@@ -61,7 +61,8 @@ def replica_infos(controller: Controller) -> list[ReplicaInfo]:
                     node=r.node,
                     gpus=tuple(r.gpus),
                     milli_per_gpu=r.milli_per_gpu,
-                    pid=r.pid,
+                    pid=r.pid if r.handle == str(r.pid) else None,  # a local process (Ray actors run elsewhere)
+                    host=r.host or "127.0.0.1",
                     http_port=r.http_port,
                     metrics_port=r.metrics_port,
                     restarts=r.restarts,
