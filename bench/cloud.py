@@ -7,6 +7,12 @@ seeded MLP 256→1024→1024→10, dynamic batching 2 ms, max batch 32) on a who
 Triton's perf_analyzer (binary tensors) over HTTP and gRPC at each concurrency against the replica's own
 endpoint and against the gateway, and prints throughput, p50/p99 and the gateway/direct ratio.
 Goal (issue 6): ≤ 10 % throughput loss at concurrency 8.
+
+The gateway requires an API key (issue 8): the bench reads the admin key ``octacloud up`` wrote to
+``<state-dir>/admin.key`` and sends it as ``Authorization: Bearer`` (perf_analyzer ``-H``). perf_analyzer
+2.51 adds ``-H`` headers to HTTP requests only (no gRPC metadata), so gRPC through the gateway is measured
+only with ``--grpc-headers`` (a perf_analyzer that sends them as metadata); by default the gRPC rows show the
+replica alone.
 """
 
 from __future__ import annotations
@@ -84,18 +90,25 @@ def perf_analyzer_path() -> str:
     return out.strip().split(": ", 1)[1]
 
 
-def admin(url: str, method: str, path: str, body: dict[str, object] | None = None) -> dict[str, object]:
+def admin(url: str, key: str, method: str, path: str, body: dict[str, object] | None = None) -> dict[str, object]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        f"{url}/admin{path}", data=data, method=method, headers={"content-type": "application/json"}
-    )
+    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
+    req = urllib.request.Request(f"{url}/admin{path}", data=data, method=method, headers=headers)
     with urllib.request.urlopen(req, timeout=30) as response:
         result: dict[str, object] = json.loads(response.read())
         return result
 
 
 def run_pa(
-    pa: str, model: str, target: str, protocol: str, concurrency: int, seconds: float, shape: str
+    pa: str,
+    model: str,
+    target: str,
+    protocol: str,
+    concurrency: int,
+    seconds: float,
+    shape: str,
+    key: str,
+    key_over_grpc: bool = False,
 ) -> dict[str, float]:
     with tempfile.NamedTemporaryFile(suffix=".csv", delete=False) as f:
         out = f.name
@@ -103,6 +116,8 @@ def run_pa(
         pa, "-m", model, "-u", target, "-i", protocol, "--shape", shape, "--input-data", "random",
         "--concurrency-range", str(concurrency), "-p", str(int(seconds * 1000)), "-s", "50", "-r", "6", "-f", out,
     ]  # fmt: skip
+    if protocol == "http" or key_over_grpc:
+        argv += ["-H", f"Authorization:Bearer {key}"]
     subprocess.run(argv, check=True, capture_output=True, text=True, timeout=600)
     with open(out) as fh:
         row = next(csv.DictReader(fh))
@@ -120,6 +135,9 @@ def main() -> None:
     parser.add_argument("--shape", default="INPUT0:256", help="perf_analyzer --shape for the model's input.")
     parser.add_argument("--seconds", type=float, default=2.0, help="perf_analyzer measurement window.")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--grpc-headers", action="store_true", help="perf_analyzer sends -H as gRPC metadata: measure gRPC too."
+    )
     args = parser.parse_args()
 
     pa = perf_analyzer_path()
@@ -148,18 +166,23 @@ def main() -> None:
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
+        key_file = work / "var" / "admin.key"
+        key = ""
         while True:
             try:
-                admin(url, "GET", "/deployments")
+                key = key_file.read_text().strip()
+                admin(url, key, "GET", "/deployments")
                 break
             except OSError:
                 if time.monotonic() > deadline or up.poll() is not None:
                     raise SystemExit(f"octacloud up did not start; see {work / 'up.log'}") from None
                 time.sleep(0.3)
-        admin(url, "POST", "/deployments", {"name": model, "model": model, "octants": 8})
+        # a whole card on a one-card fleet: past the 80 % failover rule, which priority >= 100 may cross
+        spec = {"name": model, "model": model, "octants": 8, "priority": 100}
+        admin(url, key, "POST", "/deployments", spec)
         replica: dict[str, object] = {}
         while not replica:
-            d = admin(url, "GET", f"/deployments/{model}")
+            d = admin(url, key, "GET", f"/deployments/{model}")
             ready = [r for r in d["instances"] if r["state"] == "ready"]  # type: ignore[union-attr, index]
             if ready:
                 replica = ready[0]
@@ -172,8 +195,11 @@ def main() -> None:
             direct = f"127.0.0.1:{replica['http_port' if protocol == 'http' else 'grpc_port']}"
             gateway = f"127.0.0.1:{http_port if protocol == 'http' else grpc_port}"
             for c in args.concurrency:
-                d_res = run_pa(pa, model, direct, protocol, c, args.seconds, args.shape)
-                g_res = run_pa(pa, model, gateway, protocol, c, args.seconds, args.shape)
+                d_res = run_pa(pa, model, direct, protocol, c, args.seconds, args.shape, key)
+                if protocol == "grpc" and not args.grpc_headers:
+                    g_res = {"throughput": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
+                else:
+                    g_res = run_pa(pa, model, gateway, protocol, c, args.seconds, args.shape, key, args.grpc_headers)
                 rows.append((protocol, c, d_res, g_res))
         print(f"\n{'protocol':8} {'conc':>4}  {'direct inf/s':>12} {'p50':>7} {'p99':>7}  {'gateway inf/s':>13} "
               f"{'p50':>7} {'p99':>7}  {'gw/direct':>9}")  # fmt: skip
@@ -184,9 +210,11 @@ def main() -> None:
                 f"{g_res['throughput'] / d_res['throughput']:>9.3f}"
             )
         print("\n(latencies in ms; gw/direct is the gateway's throughput as a share of the direct replica's)")
+        if not args.grpc_headers:
+            print("(gRPC through the gateway: not measured, perf_analyzer 2.51 sends -H headers over HTTP only)")
     finally:
         try:
-            admin(url, "DELETE", f"/deployments/{model}")  # stops the replica; its slice returns to the pool
+            admin(url, key, "DELETE", f"/deployments/{model}")  # stops the replica; its slice returns to the pool
         except OSError as exc:
             print(f"warning: could not undeploy {model}: {exc}", file=sys.stderr)
         up.send_signal(signal.SIGTERM)
