@@ -47,6 +47,8 @@ def document(at: float, qps: float) -> dict[str, Any]:
              "cpu_cores": None, "restarts": 2, "message": "process exited"},
         ],
         "scheduler": {"pending": 0, "mean_decision_ms": 0.21, "preemptions": 1},
+        "tenants": [{"tenant": "acme", "deployments": 2, "replicas": 2, "octants": 5,
+                     "usage": {"octant_seconds": 1234.5, "requests": 98765, "inferences": 100000}}],
         "events": [{"at": at, "kind": "placed", "subject": "chat-1", "message": "node-a cards [0] × 375 milli"}],
     }  # fmt: skip
 
@@ -68,6 +70,7 @@ def test_frame_shows_octants_load_replicas_and_events() -> None:
     assert "allocated 31 %" in text and "fragmented 25 %" in text
     assert "10.0" in text and "12.5 ms" in text and "1:40 4:3" in text
     assert "process exited" in text and "placed" in text
+    assert "1,234.5" in text and "98,765" in text
     assert history.since == 101.0  # the next poll asks only for newer points
 
 

@@ -137,13 +137,25 @@ def render(state: dict[str, Any], history: History) -> RenderableType:
             r["message"][:60],
         )  # fmt: skip
 
+    tenants = Table(title="tenants", expand=True, title_justify="left")
+    for column in ("tenant", "deployments", "replicas", "octants", "octant-seconds", "requests", "inferences"):
+        tenants.add_column(column, justify="left" if column == "tenant" else "right")
+    for t in state["tenants"]:
+        u = t.get("usage") or {}
+        tenants.add_row(
+            Text(str(t["tenant"]), style=colour(str(t["tenant"]))),
+            str(t["deployments"]), str(t["replicas"]), str(t["octants"]),
+            f"{u['octant_seconds']:,}" if u else "–", f"{u['requests']:,}" if u else "–",
+            f"{u['inferences']:,}" if u else "–",
+        )  # fmt: skip
+
     events = Text()
     for e in state["events"][:8]:
         events.append(time.strftime("%H:%M:%S ", time.localtime(e["at"])), style="grey50")
         events.append(f"{e['kind']:<14}", style="bold")
         events.append(f"{e['subject']} — {e['message']}\n")
     events.rstrip()
-    return Group(header, *nodes, deployments, table, Panel(events, title="events", expand=True))
+    return Group(header, *nodes, deployments, table, tenants, Panel(events, title="events", expand=True))
 
 
 def _key(key: str | None, state_dir: Path) -> str | None:

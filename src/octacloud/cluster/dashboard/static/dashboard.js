@@ -212,7 +212,26 @@ function renderTenants(tenants) {
   $("tenants").tBodies[0].innerHTML = tenants.map((t) => `<tr data-tenant="${esc(t.tenant)}">
     <td><i style="display:inline-block;width:10px;height:10px;background:${colour(t.tenant)};margin-right:6px"></i>${esc(t.tenant)}</td>
     <td class="num">${t.deployments}</td><td class="num">${t.replicas}</td><td class="num">${t.octants}</td>
-    <td>${t.usage ? esc(Object.entries(t.usage).map(([k, v]) => `${k}: ${v}`).join(", ")) : "–"}</td></tr>`).join("");
+    <td>${usage(t.usage)}</td></tr>`).join("");
+}
+
+function bytes(n) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let k = 0;
+  while (n >= 1024 && k < units.length - 1) { n /= 1024; k += 1; }
+  return `${n.toFixed(k ? 1 : 0)} ${units[k]}`;
+}
+
+// Metering totals (closed intervals of the ledger), in readable units.
+function usage(u) {
+  if (!u) return "–";
+  return esc([
+    `${u.octant_seconds.toLocaleString()} octant·s`,
+    `${u.exec_seconds.toLocaleString()} s executing`,
+    `${u.inferences.toLocaleString()} inferences`,
+    `${u.requests.toLocaleString()} requests`,
+    `${bytes(u.bytes_in)} in / ${bytes(u.bytes_out)} out`,
+  ].join(" · "));
 }
 
 function renderEvents(events) {
