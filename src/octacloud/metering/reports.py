@@ -108,7 +108,7 @@ class UsageLine:
             "requests": self.requests,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
-            "storage_gb_months": round(self.gb_months, 9),
+            "storage_gb_months": float(f"{self.gb_months:.6g}"),  # tiny models: keep the significant digits
             "cost": round(self.cost, 6),
         }
 
