@@ -60,7 +60,8 @@ def test_the_variants_shrink_the_weights(built_models: Path) -> None:
 
 def test_the_recorded_fingerprints_are_current(built_models: Path) -> None:
     state = json.loads((built_models / ".octacloud-examples.json").read_text())
-    assert {e.name: fingerprint(e) for e in example_models()} == state
+    current = {e.name: fingerprint(e) for e in example_models()}
+    assert current == state, f"{built_models} is stale (a recipe or library changed): run `make models`"
 
 
 @pytest.fixture(scope="module")
