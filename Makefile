@@ -14,8 +14,12 @@ PYTEST_ARGS ?=
 
 .PHONY: up install dev build-tools browser test lint types layers pytest models clean
 
-up: install
-	$(BIN)/octacloud up
+# The main job: the cloud on this machine, serving the example models (built once, cached) behind one
+# OIP endpoint on 127.0.0.1:8000 (REST) and :8001 (gRPC). Ctrl-C stops it; replicas keep running until
+# `octacloud undeploy` or the next `make up` adopts them.
+UP_ARGS ?= --deploy mlp --deploy minilm
+up: install models
+	$(BIN)/octacloud up --repository $(MODELS) $(UP_ARGS)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

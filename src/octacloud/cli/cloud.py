@@ -279,8 +279,33 @@ def events(
     console.print(table)
 
 
+def down(
+    state_dir: Path = typer.Option(Path("var"), "--state-dir", help="The state dir `octacloud up` used."),
+    grace: float = typer.Option(5.0, "--grace", help="Seconds a replica gets to finish before it is killed."),
+) -> None:
+    """Stop the local replicas a stopped `octacloud up` left running. Deployments stay: the next `up` starts
+    them again. (While `up` runs, use `undeploy` or `scale` instead.)"""
+    from octacloud.cluster.launcher import LocalProcessLauncher
+    from octacloud.cluster.store import StateStore
+
+    db = state_dir / "octacloud.db"
+    if not db.exists():
+        err.print(f"[red]error:[/] no octacloud state in {state_dir} (give the --state-dir `octacloud up` used)")
+        raise typer.Exit(2)
+    store = StateStore.at(db)
+    launcher = LocalProcessLauncher(state_dir / "replicas")
+    stopped = 0
+    for r in store.replicas():
+        if r.handle and r.handle.isdigit() and launcher.alive(r.handle):
+            launcher.stop(r.handle, grace)
+            stopped += 1
+    store.close()
+    console.print(f"stopped {stopped} replica(s) of {state_dir}")
+
+
 def register(app: typer.Typer) -> None:
     app.command()(up)
+    app.command()(down)
     app.command()(deploy)
     app.command()(status)
     app.command()(scale)
