@@ -210,3 +210,43 @@ def test_a_plain_encoder_exports_its_hidden_states_and_a_head_can_be_asked_for(t
     assert head.classifier
     x = head.sample_inputs(2, np.random.default_rng(0))
     np.testing.assert_array_equal(head.reference(x)["logits"], again.reference(x)["logits"])  # seeded head
+
+
+def _fixed_batch_onnx(path: Path, reshape: bool) -> Path:
+    """x [1,4] @ W [4,3] → y [1,3] (exported without a dynamic batch axis); optionally a Reshape to [1,3]."""
+    import onnx.helper as oh
+    from onnx import numpy_helper
+
+    vi = oh.make_tensor_value_info
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "w")
+    shape = numpy_helper.from_array(np.array([1, 3], dtype=np.int64), "shape")
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["h" if reshape else "y"])]
+    if reshape:
+        nodes.append(oh.make_node("Reshape", ["h", "shape"], ["y"]))
+    graph = oh.make_graph(
+        nodes,
+        "fixed",
+        [vi("x", onnx.TensorProto.FLOAT, [1, 4])],
+        [vi("y", onnx.TensorProto.FLOAT, [1, 3])],
+        initializer=[w, shape],
+    )
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_an_onnx_file_with_a_fixed_batch_is_published_with_a_dynamic_one(tmp_path: Path) -> None:
+    source = load_source(_fixed_batch_onnx(tmp_path / "fixed.onnx", reshape=False))
+    result = convert(source, ModelRepository(tmp_path / "repo"), fast_options("fixed", precisions=("fp32",)))
+    assert result.variants[0].parity.passed
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    got = run(tmp_path / "repo" / "fixed" / "1" / "model.onnx", {"x": x})
+    np.testing.assert_allclose(got, x @ (np.arange(12, dtype=np.float32).reshape(4, 3) / 10), rtol=1e-5)
+
+
+def test_a_graph_that_hard_codes_its_batch_size_is_refused_clearly(tmp_path: Path) -> None:
+    from octacloud.toolchain.errors import ConversionError
+
+    source = load_source(_fixed_batch_onnx(tmp_path / "reshaped.onnx", reshape=True))
+    with pytest.raises(ConversionError, match="re-export it with a dynamic batch axis"):
+        convert(source, ModelRepository(tmp_path / "repo"), fast_options("reshaped", precisions=("fp32",)))
+    assert not (tmp_path / "repo").exists()

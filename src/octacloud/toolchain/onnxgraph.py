@@ -100,8 +100,17 @@ def open_session(path: Path, threads: int = 1) -> ort.InferenceSession:
 
 
 def run(session: ort.InferenceSession, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run ``session``; a failure (bad shapes, a graph that hard-codes a batch size) is a ConversionError."""
     names = [o.name for o in session.get_outputs()]
-    values = session.run(names, dict(inputs))
+    try:
+        values = session.run(names, dict(inputs))
+    except Exception as e:  # onnxruntime's exception classes are not exported as a hierarchy
+        shapes = {k: list(v.shape) for k, v in inputs.items()}
+        raise ConversionError(
+            f"onnxruntime failed to run the model on inputs {shapes}: {str(e).strip()[:400]} — if the graph "
+            "depends on a fixed batch size (e.g. a Reshape to a constant shape), re-export it with a dynamic "
+            "batch axis"
+        ) from None
     return {n: np.asarray(v) for n, v in zip(names, values, strict=True)}
 
 

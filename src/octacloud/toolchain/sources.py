@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import numpy as np
+import onnx
 
 from octacloud.toolchain.errors import SourceError
 from octacloud.toolchain.onnxgraph import check_model, open_session, run, signature
@@ -87,7 +88,12 @@ class SourceOptions:
 
 
 class OnnxSource:
-    """An existing ONNX file. Its reference is onnxruntime running the file exactly as given."""
+    """An existing ONNX file. Its reference is onnxruntime running the file exactly as given.
+
+    A file exported with a fixed batch size (``[1, ...]``, as exporters do without dynamic axes) is published
+    with a dynamic batch axis; its reference then runs one sample at a time. If the graph itself depends on
+    that size (a ``Reshape`` to a constant shape), running the variants fails with a message saying so.
+    """
 
     reference_name = "onnxruntime (source .onnx)"
 
@@ -104,16 +110,45 @@ class OnnxSource:
         classify = options.task in ("image-classification", "text-classification")
         self.classifier = options.classifier if options.classifier is not None else classify
         self.shape_hints = {s.name: options.sequence_length for s in self.inputs}
+        self.fixed_batch = _fixed_batch(model)
         self._session = open_session(path)
 
     def sample_inputs(self, batch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         return make_samples(self.inputs, batch, rng, self.shape_hints)
 
     def reference(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return run(self._session, inputs)
+        if self.fixed_batch is None:
+            return run(self._session, inputs)
+        n = next(iter(inputs.values())).shape[0]
+        step = self.fixed_batch
+        if n % step:
+            raise SourceError(f"{self.path.name} takes batches of exactly {step}; {n} samples cannot be split")
+        parts = [run(self._session, {k: v[i : i + step] for k, v in inputs.items()}) for i in range(0, n, step)]
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
     def export(self, dst: Path) -> None:
-        shutil.copyfile(self.path, dst)
+        if self.fixed_batch is None:
+            shutil.copyfile(self.path, dst)
+            return
+        model = onnx.load(str(self.path))
+        initializers = {i.name for i in model.graph.initializer}
+        for value in [*model.graph.input, *model.graph.output]:
+            dims = value.type.tensor_type.shape.dim
+            if value.name not in initializers and dims:
+                dims[0].Clear()
+                dims[0].dim_param = "batch"
+        del model.graph.value_info[:]  # inferred intermediate shapes carry the old fixed batch
+        onnx.save(model, str(dst))
+
+
+def _fixed_batch(model: onnx.ModelProto) -> int | None:
+    """The fixed size of the inputs' first axis, or ``None`` when it is dynamic."""
+    initializers = {i.name for i in model.graph.initializer}
+    for value in model.graph.input:
+        dims = value.type.tensor_type.shape.dim
+        if value.name not in initializers and dims and dims[0].HasField("dim_value") and dims[0].dim_value > 0:
+            return int(dims[0].dim_value)
+    return None
 
 
 def detect_kind(path: Path) -> SourceKind:
