@@ -1,0 +1,29 @@
+"""The cloud wires monitoring in: the sampler is every profile's telemetry source; /metrics and /dashboard exist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from octacloud.app import Cloud, CloudConfig
+from octacloud.cluster.fleet import CPU_CARD_MODEL
+from octacloud.core import Gpu, Node
+from octacloud.scheduler.plugins.telemetry import TelemetryScore
+
+from .conftest import write_models
+
+NODES = [Node("node-a", 8000, 65536, tuple(Gpu(i, CPU_CARD_MODEL, 4096) for i in range(2)))]
+
+
+def test_telemetry_terms_of_the_profile_read_the_cloud_sampler(tmp_path: Path) -> None:
+    config = CloudConfig(repository=write_models(tmp_path / "models"), state_dir=tmp_path / "var",
+                         policy="multi-objective", telemetry_interval_s=0.25)  # fmt: skip
+    cloud = Cloud(config, nodes=NODES)
+    try:
+        terms = [p for p in cloud.scheduler.profile.plugins() if isinstance(p, TelemetryScore)]
+        assert {t.metric for t in terms} >= {"gpu_utilisation", "gpu_memory_bandwidth", "pcie_throughput"}
+        assert all(t.source is cloud.monitoring.sampler for t in terms)
+        assert cloud.monitoring.sampler.interval_s == 0.25
+        assert cloud.monitoring.sampler.nvml is None  # a fleet of CPU cards: no NVML, no DCGM names
+        assert cloud.rest_gateway.dashboard is not None and cloud.rest_gateway.metrics is not None
+    finally:
+        cloud.store.close()
