@@ -55,6 +55,19 @@ def test_a_hugging_face_directory_without_weights(populated: Path, tmp_path: Pat
     attempt(populated, lambda: load_source(tmp_path), SourceError, r"has no weights .* pass --random-init")
 
 
+def test_a_task_the_model_cannot_do(populated: Path, tmp_path: Path) -> None:
+    import transformers
+
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8], depths=[1], layer_type="basic")
+    config.save_pretrained(tmp_path)
+    attempt(
+        populated,
+        lambda: load_source(tmp_path / "config.json", SourceOptions(task="sentence-embedding")),
+        SourceError,
+        "a vision model .* converts for image-classification only",
+    )
+
+
 def test_a_state_dict_instead_of_a_module(populated: Path, tmp_path: Path, mlp_file: Path) -> None:
     weights = tmp_path / "weights.pt"
     torch.save(torch.load(mlp_file, weights_only=False).state_dict(), weights)

@@ -163,6 +163,13 @@ def load_huggingface(path: Path, options: SourceOptions) -> TorchSource:
         raise SourceError(f"{directory}/config.json is not a configuration transformers understands: {e}") from None
     st_head = _sentence_transformers_head(directory)
     task = _task(config, st_head, options.task)
+    vision = hasattr(config, "num_channels") and not hasattr(config, "vocab_size")
+    if vision and task != "image-classification":
+        raise SourceError(
+            f"{directory}: a vision model ({config.model_type}) converts for image-classification only, not {task}"
+        )
+    if not vision and task == "image-classification":
+        raise SourceError(f"{directory}: {config.model_type} is not a vision model; choose a text task")
     model = _build(config, directory, task, random_init, options.seed).eval()
     origin = "seeded weights" if random_init else "trained weights"
     arch = type(model).__name__
@@ -171,7 +178,11 @@ def load_huggingface(path: Path, options: SourceOptions) -> TorchSource:
         channels = int(getattr(config, "num_channels", 3))
         spec = TensorSpec("pixel_values", "float32", (None, channels, size, size))
         return TorchSource(
-            ImageClassifier(model), [spec], output_names=["logits"], classifier=True, description=f"{arch} ({origin})"
+            ImageClassifier(model),
+            [spec],
+            output_names=["logits"],
+            classifier=True if options.classifier is None else options.classifier,
+            description=f"{arch} ({origin})",
         )
     vocab = int(getattr(config, "vocab_size", 2))
     inputs = [
@@ -192,7 +203,7 @@ def load_huggingface(path: Path, options: SourceOptions) -> TorchSource:
         wrapper,
         inputs,
         output_names=[output],
-        classifier=task == "text-classification",
+        classifier=task == "text-classification" if options.classifier is None else options.classifier,
         description=f"{arch} {task} ({origin})",
         shape_hints={s.name: options.sequence_length for s in inputs},
         dim_max={1: max_len},
