@@ -1,6 +1,7 @@
 """Converted models served by ``octacloud serve`` (a real process) and read through tritonclient.
 
-- a repository in poll mode picks up a conversion, and a new version of it, without a restart;
+- a repository in poll mode picks up a conversion, and a new version of it, without a restart; one in explicit
+  mode loads it when asked;
 - the built MiniLM model's served embeddings match sentence-transformers'.
 """
 
@@ -130,6 +131,22 @@ def test_a_polling_server_picks_up_conversions_without_restart(mlp_file: Path, t
         convert(source, ModelRepository(repo), fast_options("tiny", precisions=("fp32",)))
         wait_for(lambda: client.is_model_ready("tiny", "2"), "tiny version 2 to load")
         np.testing.assert_allclose(infer(client, "tiny", {"input": x}, "logits", "2"), expected, atol=1e-5)
+
+
+def test_an_explicit_server_loads_a_conversion_on_request(mlp_file: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    source = load_source(mlp_file, SourceOptions(inputs=(MLP_INPUT,), output_names=("logits",), classifier=True))
+    x = np.ones((2, 16), np.float32)
+    expected = torch.load(mlp_file, weights_only=False)(torch.from_numpy(x)).detach().numpy()
+    with served(repo, "--model-control-mode", "explicit") as client:
+        convert(source, ModelRepository(repo), fast_options("tiny", precisions=("int8",)))
+        assert not client.is_model_ready("tiny_int8")
+        client.load_model("tiny_int8")
+        assert client.is_model_ready("tiny_int8", "1")
+        np.testing.assert_allclose(infer(client, "tiny_int8", {"input": x}, "logits"), expected, atol=0.05)
+        config = client.get_model_config("tiny_int8", as_json=True)["config"]
+        assert config["parameters"]["octacloud.bytes_per_sample"]["string_value"].isdigit()
 
 
 @pytest.mark.models
