@@ -137,3 +137,17 @@ def test_prune_keeps_the_newest_versions(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
     with pytest.raises(InvalidSpecError, match="keep must be >= 1"):
         repo.prune("m", keep=0)
+
+
+def test_a_model_directory_without_a_config_gets_one_and_loses_it_on_rollback(tmp_path: Path) -> None:
+    repo = ModelRepository(tmp_path)
+    (tmp_path / "m" / "notes").mkdir(parents=True)
+    before = snapshot(tmp_path)
+    with repo.staging() as area:
+        broken = dataclasses.replace(stage(repo, area, "zz"), directory=area / "vanished")
+        with pytest.raises(FileNotFoundError):
+            repo.publish([stage(repo, area, "m"), broken])
+    assert snapshot(tmp_path) == before and not (tmp_path / "m" / "config.pbtxt").exists()
+    with repo.staging() as area:
+        [published] = repo.publish([stage(repo, area, "m")])
+    assert published.version == 1 and repo.models() == ["m"]

@@ -240,7 +240,8 @@ class ModelRepository:
             s.directory.rename(shell / str(version))
             shell.rename(model_dir)
             return PublishedVersion(s.name, version, model_dir / str(version), profile), None
-        previous = (model_dir / CONFIG_FILENAME).read_text(encoding="utf-8")
+        config_file = model_dir / CONFIG_FILENAME
+        previous = config_file.read_text(encoding="utf-8") if config_file.is_file() else _NO_CONFIG
         target = model_dir / str(version)
         s.directory.rename(target)
         published = PublishedVersion(s.name, version, target, profile)
@@ -261,10 +262,18 @@ def _atomic_write(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+_NO_CONFIG: Final = ""
+"""The model directory existed but held no config.pbtxt (rollback removes the one written)."""
+
+
 def _rollback(published: PublishedVersion, previous_config: str | None) -> None:
     if previous_config is None:  # the whole model was new
         shutil.rmtree(published.path.parent, ignore_errors=True)
         return
     shutil.rmtree(published.path, ignore_errors=True)
+    config_file = published.path.parent / CONFIG_FILENAME
     with contextlib.suppress(OSError):
-        _atomic_write(published.path.parent / CONFIG_FILENAME, previous_config)
+        if previous_config == _NO_CONFIG:
+            config_file.unlink(missing_ok=True)
+        else:
+            _atomic_write(config_file, previous_config)
