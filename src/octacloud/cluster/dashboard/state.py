@@ -12,9 +12,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from octacloud.cluster.controller import Controller
+from octacloud.cluster.deployments import Deployment, Replica, ReplicaState
 from octacloud.core.units import MILLI_PER_OCTANT, OCTANTS_PER_GPU
 from octacloud.observability.monitor import CloudMonitor, Series
 from octacloud.observability.telemetry import CPU_BUSY, CPU_CORES, CPU_MEMORY_USED, CardKey, FleetSample
+from octacloud.scheduler.framework.state import Allocation, ClusterState
 
 UsageSource = Callable[[], Sequence[Mapping[str, Any]]]
 """Per-tenant usage totals from the metering ledger (``[{"tenant": ..., <metric>: <total>, ...}]``)."""
@@ -46,6 +48,9 @@ def _card_telemetry(sample: FleetSample | None, node: str, gpu: int) -> dict[str
     }
 
 
+Status = list[tuple[Deployment, list[Replica]]]
+
+
 def dashboard_state(
     controller: Controller,
     monitor: CloudMonitor,
@@ -58,22 +63,49 @@ def dashboard_state(
     state = controller.scheduler.state
     sample = monitor.latest
     status = controller.status()
+    replicas = _replicas(status, sample)
+    stats = controller.scheduling
+    total = state.total_gpu_milli
+    return {
+        "at": monitor.clock.time(),
+        "sample_at": sample.at if sample is not None else None,
+        "fleet": {
+            "nodes": _fleet(state, status, sample),
+            "allocated_milli": state.allocated_gpu_milli,
+            "total_milli": total,
+            "allocation": state.allocated_gpu_milli / total if total else 0.0,
+            "fragmentation": monitor.fragmentation.last,
+        },
+        "allocation": _points(monitor.allocation, since),
+        "fragmentation": _points(monitor.fragmentation, since),
+        "deployments": _deployments(status, monitor, sample, since),
+        "replicas": replicas,
+        "tenants": _tenants(state, status, usage),
+        "scheduler": {
+            "decisions": {o.value: n for o, n in stats.decisions.items()},
+            "mean_decision_ms": stats.latency_sum_s * 1000 / stats.decision_count if stats.decision_count else None,
+            "preemptions": stats.preemptions,
+            "defragmentation_moves": stats.defragmentation_moves,
+            "pending": sum(1 for r in replicas if r["state"] == "pending"),
+        },
+        "events": controller.store.events(events),
+    }
+
+
+def _fleet(state: ClusterState, status: Status, sample: FleetSample | None) -> list[dict[str, Any]]:
+    """Nodes × cards × octants, from the scheduler's allocations (the truth about who holds what)."""
     replica_of = {r.id: (d, r) for d, rs in status for r in rs}
-    telemetry = sample.replicas if sample is not None else {}
+
+    def order(a: Allocation) -> tuple[str, str]:
+        found = replica_of.get(a.request.name)
+        return (found[0].spec.name if found else "", a.request.name)
 
     nodes = []
     for i, node in enumerate(state.nodes):
         cards = []
         for g in node.gpus:
-            holders = sorted(
-                (a for a in state.on_node[i].values() if g.index in a.placement.gpus),
-                key=lambda a: (
-                    replica_of[a.request.name][0].spec.name if a.request.name in replica_of else "",
-                    a.request.name,
-                ),
-            )
             octants: list[dict[str, Any] | None] = []
-            for a in holders:
+            for a in sorted((a for a in state.on_node[i].values() if g.index in a.placement.gpus), key=order):
                 d, r = replica_of.get(a.request.name, (None, None))
                 cell = {
                     "replica": a.request.name,
@@ -96,8 +128,15 @@ def dashboard_state(
                 }
             )
         nodes.append({"name": node.name, "health": node.health.value, "cards": cards})
+    return nodes
 
-    deployments = []
+
+def _deployments(
+    status: Status, monitor: CloudMonitor, sample: FleetSample | None, since: float
+) -> list[dict[str, Any]]:
+    """Load as the gateway measured it, and the batch sizes the replicas executed (summed over replicas)."""
+    telemetry = sample.replicas if sample is not None else {}
+    out = []
     for d, rs in status:
         load = monitor.load.get(d.spec.name)
         batches: dict[int, int] = {}
@@ -106,7 +145,7 @@ def dashboard_state(
             if t is not None and t.serving is not None:
                 for size, n in t.serving.batch_executions.items():
                     batches[size] = batches.get(size, 0) + n
-        deployments.append(
+        out.append(
             {
                 "name": d.spec.name,
                 "model": d.spec.model,
@@ -114,19 +153,23 @@ def dashboard_state(
                 "priority": d.spec.priority,
                 "octants": d.octants,
                 "desired": d.replicas,
-                "ready": sum(1 for r in rs if r.state.value == "ready"),
+                "ready": sum(1 for r in rs if r.state is ReplicaState.READY),
                 "qps": _points(load.qps, since) if load else [],
                 "latency_ms": _points(load.latency_ms, since) if load else [],
                 "errors_per_s": _points(load.errors_per_s, since) if load else [],
                 "batch_sizes": {str(k): v for k, v in sorted(batches.items())},
             }
         )
+    return out
 
-    replicas = []
+
+def _replicas(status: Status, sample: FleetSample | None) -> list[dict[str, Any]]:
+    telemetry = sample.replicas if sample is not None else {}
+    out = []
     for d, rs in status:
         for r in rs:
             t = telemetry.get(r.id)
-            replicas.append(
+            out.append(
                 {
                     "id": r.id,
                     "deployment": d.spec.name,
@@ -142,48 +185,24 @@ def dashboard_state(
                     "rss_bytes": t.rss_bytes if t is not None else None,
                 }
             )
+    return out
 
+
+def _tenants(state: ClusterState, status: Status, usage: UsageSource | None) -> list[dict[str, Any]]:
+    """What each tenant holds now, and (with the ledger) what it was metered for."""
     tenants: dict[str, dict[str, Any]] = {}
+
+    def entry(name: str) -> dict[str, Any]:
+        return tenants.setdefault(name, {"tenant": name, "deployments": 0, "replicas": 0, "octants": 0})
+
     for d, rs in status:
-        entry = tenants.setdefault(
-            d.spec.tenant, {"tenant": d.spec.tenant, "deployments": 0, "replicas": 0, "octants": 0}
-        )
-        entry["deployments"] += 1
+        e = entry(d.spec.tenant)
+        e["deployments"] += 1
         for r in rs:
             if r.id in state.allocations:
-                entry["replicas"] += 1
                 p = state.allocations[r.id].placement
-                entry["octants"] += round(p.milli_per_gpu * len(p.gpus) / MILLI_PER_OCTANT)
-    if usage is not None:
-        for row in usage():
-            entry = tenants.setdefault(
-                str(row["tenant"]), {"tenant": row["tenant"], "deployments": 0, "replicas": 0, "octants": 0}
-            )
-            entry["usage"] = {k: v for k, v in row.items() if k != "tenant"}
-
-    stats = controller.scheduling
-    total = state.total_gpu_milli
-    return {
-        "at": monitor.clock.time(),
-        "sample_at": sample.at if sample is not None else None,
-        "fleet": {
-            "nodes": nodes,
-            "allocated_milli": state.allocated_gpu_milli,
-            "total_milli": total,
-            "allocation": state.allocated_gpu_milli / total if total else 0.0,
-            "fragmentation": monitor.fragmentation.last,
-        },
-        "allocation": _points(monitor.allocation, since),
-        "fragmentation": _points(monitor.fragmentation, since),
-        "deployments": deployments,
-        "replicas": replicas,
-        "tenants": sorted(tenants.values(), key=lambda t: str(t["tenant"])),
-        "scheduler": {
-            "decisions": {o.value: n for o, n in stats.decisions.items()},
-            "mean_decision_ms": stats.latency_sum_s * 1000 / stats.decision_count if stats.decision_count else None,
-            "preemptions": stats.preemptions,
-            "defragmentation_moves": stats.defragmentation_moves,
-            "pending": sum(1 for r in replicas if r["state"] == "pending"),
-        },
-        "events": controller.store.events(events),
-    }
+                e["replicas"] += 1
+                e["octants"] += round(p.milli_per_gpu * len(p.gpus) / MILLI_PER_OCTANT)
+    for row in usage() if usage is not None else ():
+        entry(str(row["tenant"]))["usage"] = {k: v for k, v in row.items() if k != "tenant"}
+    return [tenants[name] for name in sorted(tenants)]
