@@ -23,7 +23,9 @@ from octacloud.metering import (
     UsageRecord,
     Work,
     report,
+    report_totals,
     summarize,
+    totals_of,
 )
 
 EPOCH = 1_700_000_000.0  # a multiple of 10 s: intervals line up with the clock's start
@@ -227,3 +229,25 @@ def test_reports_group_and_price(tmp_path: Path) -> None:
         PriceSheet.from_dict({"octant_hours": 1})
     with pytest.raises(InvalidSpecError, match="gb_transferred"):
         PriceSheet.from_dict({"gb_transferred": -1})
+
+
+@pytest.mark.parametrize("by", ["deployment", "day", "gpu-model", "tenant"])
+def test_the_database_sums_as_the_reports_do(ledger: Ledger, by: str) -> None:
+    start = int(EPOCH * 1000) - 3 * 3_600_000  # across a UTC midnight
+    records = [
+        UsageRecord(t, d, r, m, start + i * 600_000, 600_000, q, model)
+        for i in range(40)
+        for t, d, r, m, q, model in (
+            ("a", "web", "web-1", Metric.ALLOC, 125 * 600_000, "H100"),
+            ("a", "web", "", Metric.REQUESTS, 3 + i, ""),
+            ("b", "api", "api-1", Metric.ALLOC, 1000 * 600_000, "L4"),
+            ("b", "web", "", Metric.BYTES_OUT, 10**6 + i, ""),
+        )
+    ]
+    ledger.append(records)
+    assert sorted(ledger.totals(by), key=repr) == sorted(totals_of(records, by), key=repr)
+    since, until = start + 600_000, start + 20 * 600_000
+    window = [r for r in records if since <= r.interval_start_ms < until and r.tenant == "a"]
+    assert sorted(ledger.totals(by, "a", since, until), key=repr) == sorted(totals_of(window, by), key=repr)
+    assert report_totals(ledger.totals(by), by) == report(records, by)
+    assert ledger.totals(by, deployments=["api"]) == totals_of([r for r in records if r.deployment == "api"], by)

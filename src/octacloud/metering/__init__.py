@@ -4,9 +4,17 @@ through the :class:`UsageSource` protocol and never imports the cluster."""
 
 from __future__ import annotations
 
-from octacloud.metering.ledger import Ledger, Metric, UsageRecord
+from octacloud.metering.ledger import GROUPS, Ledger, Metric, Total, UsageRecord
 from octacloud.metering.meter import Allocation, Meter, Stored, Traffic, UsageSource, Work
-from octacloud.metering.reports import GROUPS, PriceSheet, UsageLine, report, summarize
+from octacloud.metering.reports import (
+    PriceSheet,
+    UsageLine,
+    report,
+    report_totals,
+    summarize,
+    summarize_totals,
+    totals_of,
+)
 
 __all__ = [
     "GROUPS",
@@ -16,11 +24,15 @@ __all__ = [
     "Metric",
     "PriceSheet",
     "Stored",
+    "Total",
     "Traffic",
     "UsageLine",
     "UsageRecord",
     "UsageSource",
     "Work",
     "report",
+    "report_totals",
     "summarize",
+    "summarize_totals",
+    "totals_of",
 ]

@@ -10,13 +10,14 @@ Quantities are integers in the units of :class:`Metric` (no float drift when sum
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
-from sqlalchemy import BigInteger, Integer, String, UniqueConstraint, create_engine, event, select
+from sqlalchemy import BigInteger, Integer, String, UniqueConstraint, create_engine, event, func, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import CursorResult, Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -54,6 +55,26 @@ class UsageRecord:
     @property
     def key(self) -> tuple[str, str, str, str, int]:
         return (self.tenant, self.deployment, self.replica, self.metric.value, self.interval_start_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Total:
+    """The sum of one metric for one tenant in one report group (and GPU model, which prices need)."""
+
+    tenant: str
+    group: str
+    metric: Metric
+    gpu_model: str
+    quantity: int
+
+
+GROUPS: tuple[str, ...] = ("deployment", "day", "gpu-model", "tenant")
+MS_PER_DAY = 86_400_000
+
+
+def day_of(interval_start_ms: int) -> str:
+    """The UTC date an interval starts on, ISO format."""
+    return dt.datetime.fromtimestamp(interval_start_ms // MS_PER_DAY * 86_400, dt.UTC).date().isoformat()
 
 
 class _Base(DeclarativeBase):
@@ -169,6 +190,44 @@ class Ledger:
                 )
                 for r in s.scalars(q)
             ]
+
+    def totals(
+        self,
+        by: str = "deployment",
+        tenant: str | None = None,
+        since_ms: int | None = None,
+        until_ms: int | None = None,
+        deployments: Iterable[str] | None = None,
+    ) -> list[Total]:
+        """Sums per (tenant, group, metric, GPU model), computed by the database: a report reads a few rows
+        however many intervals it covers. Filters as in :meth:`records`."""
+        if by not in GROUPS:
+            raise ValueError(f"cannot group usage by {by!r}; choose one of {', '.join(GROUPS)}")
+        r = _RecordRow
+        group = {
+            "deployment": r.deployment,
+            "day": r.interval_start_ms // MS_PER_DAY,
+            "gpu-model": r.gpu_model,
+            "tenant": literal(""),
+        }[by]
+        q = select(r.tenant, group, r.metric, r.gpu_model, func.sum(r.quantity)).group_by(
+            r.tenant, group, r.metric, r.gpu_model
+        )
+        if tenant is not None:
+            q = q.where(r.tenant == tenant)
+        if since_ms is not None:
+            q = q.where(r.interval_start_ms >= since_ms)
+        if until_ms is not None:
+            q = q.where(r.interval_start_ms < until_ms)
+        if deployments is not None:
+            q = q.where(r.deployment.in_(list(deployments)))
+        with self._tx() as s:
+            rows = s.execute(q).all()
+        out = []
+        for t, g, metric, model, quantity in rows:
+            name = day_of(int(g) * MS_PER_DAY) if by == "day" else ("-" if by == "gpu-model" and not g else str(g))
+            out.append(Total(t, name, Metric(metric), model, int(quantity)))
+        return out
 
     def close(self) -> None:
         self.engine.dispose()

@@ -13,7 +13,6 @@ Units: 1 octant-hour = 125 milli-GPU × 3 600 000 ms; 1 GB = 10^9 bytes; 1 month
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +21,9 @@ from typing import Any, Literal
 import yaml
 
 from octacloud.core.errors import InvalidSpecError
-from octacloud.metering.ledger import Metric, UsageRecord
+from octacloud.metering.ledger import GROUPS, Metric, Total, UsageRecord, day_of
 
 GroupBy = Literal["deployment", "day", "gpu-model", "tenant"]
-GROUPS: tuple[str, ...] = ("deployment", "day", "gpu-model", "tenant")
 MILLI_MS_PER_OCTANT_HOUR = 125 * 3_600_000
 BYTES_PER_GB = 10**9
 MS_PER_MONTH = 30 * 86_400_000
@@ -128,7 +126,7 @@ def _group(record: UsageRecord, by: str) -> str:
     if by == "deployment":
         return record.deployment
     if by == "day":
-        return dt.datetime.fromtimestamp(record.interval_start_ms / 1000, dt.UTC).date().isoformat()
+        return day_of(record.interval_start_ms)
     if by == "gpu-model":
         return record.gpu_model or "-"
     if by == "tenant":
@@ -136,16 +134,27 @@ def _group(record: UsageRecord, by: str) -> str:
     raise InvalidSpecError(f"cannot group usage by {by!r}; choose one of {', '.join(GROUPS)}")
 
 
+def totals_of(records: Iterable[UsageRecord], by: str = "deployment") -> list[Total]:
+    """What :meth:`Ledger.totals` computes in the database, computed from records in memory."""
+    sums: dict[tuple[str, str, Metric, str], int] = {}
+    for r in records:
+        key = (r.tenant, _group(r, by), r.metric, r.gpu_model)
+        sums[key] = sums.get(key, 0) + r.quantity
+    return [Total(*key, quantity) for key, quantity in sums.items()]
+
+
 def summarize(
     records: Iterable[UsageRecord], by: str = "deployment", prices: PriceSheet | None = None
 ) -> list[UsageLine]:
     """One line per (tenant, group), sorted; with ``prices``, each line's cost."""
-    if by not in GROUPS:
-        raise InvalidSpecError(f"cannot group usage by {by!r}; choose one of {', '.join(GROUPS)}")
+    return summarize_totals(totals_of(records, by), prices)
+
+
+def summarize_totals(totals: Iterable[Total], prices: PriceSheet | None = None) -> list[UsageLine]:
     lines: dict[tuple[str, str], UsageLine] = {}
     cost: dict[tuple[str, str], float] = {}
-    for r in records:
-        key = (r.tenant, _group(r, by))
+    for r in totals:
+        key = (r.tenant, r.group)
         line = lines.get(key)
         if line is None:
             line = lines[key] = UsageLine(*key)
@@ -158,7 +167,7 @@ def summarize(
     return [lines[k] for k in sorted(lines)]
 
 
-def _cost(r: UsageRecord, prices: PriceSheet) -> float:
+def _cost(r: Total, prices: PriceSheet) -> float:
     if r.metric is Metric.ALLOC:
         return r.quantity / MILLI_MS_PER_OCTANT_HOUR * prices.octant_hour_price(r.gpu_model)
     if r.metric in (Metric.BYTES_IN, Metric.BYTES_OUT):
@@ -169,8 +178,12 @@ def _cost(r: UsageRecord, prices: PriceSheet) -> float:
 
 
 def report(records: Iterable[UsageRecord], by: str = "deployment", prices: PriceSheet | None = None) -> dict[str, Any]:
+    return report_totals(totals_of(records, by), by, prices)
+
+
+def report_totals(totals: Iterable[Total], by: str, prices: PriceSheet | None = None) -> dict[str, Any]:
     """The JSON form served by ``GET /admin/usage`` and printed by ``octacloud usage --format json``."""
-    lines = summarize(records, by, prices)
+    lines = summarize_totals(totals, prices)
     total = UsageLine("*", "total")
     for line in lines:
         for name in (*_FIELD.values(), "cost"):

@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from octacloud.cluster.auth.keys import KeyInfo, KeyStore, Principal, Quota, Role, Tenant
 from octacloud.core.errors import InvalidSpecError, NotFoundError
-from octacloud.metering import GROUPS, Ledger, PriceSheet, report
+from octacloud.metering import GROUPS, Ledger, PriceSheet, report_totals
 
 
 def principal_of(request: Request) -> Principal | None:
@@ -196,8 +196,8 @@ def tenant_routes(keys: KeyStore, ledger: Ledger | None, prices: PriceSheet | No
         except InvalidSpecError as exc:
             return error(400, str(exc))
         deployment = q.get("deployment") or None
-        records = ledger.records(tenant, since, until, None if deployment is None else [deployment])
-        body = report(records, by, prices)
+        totals = ledger.totals(by, tenant, since, until, None if deployment is None else [deployment])
+        body = report_totals(totals, by, prices)
         body.update({"tenant": tenant, "from_ms": since, "to_ms": until})
         return JSONResponse(body)
 
