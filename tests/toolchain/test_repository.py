@@ -151,3 +151,26 @@ def test_a_model_directory_without_a_config_gets_one_and_loses_it_on_rollback(tm
     with repo.staging() as area:
         [published] = repo.publish([stage(repo, area, "m")])
     assert published.version == 1 and repo.models() == ["m"]
+
+
+def test_concurrent_publishers_take_turns_and_get_distinct_versions(tmp_path: Path) -> None:
+    import threading
+
+    repo = ModelRepository(tmp_path)
+    errors: list[BaseException] = []
+    versions: list[int] = []
+
+    def publish() -> None:
+        try:
+            with repo.staging() as area:
+                versions.extend(p.version for p in repo.publish([stage(repo, area, "m")]))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=publish) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(versions) == [1, 2, 3, 4, 5, 6] and repo.versions("m") == [1, 2, 3, 4, 5, 6]

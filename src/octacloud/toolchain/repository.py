@@ -11,13 +11,15 @@ A precision variant is a model of its own (``minilm``, ``minilm_fp16``, ``minilm
 version ``max(existing) + 1``. Files are written under ``<repository>/.octacloud-staging/`` (names starting
 with ``.`` are never models) and moved in with ``rename``: a new model appears complete with its config; a new
 version of an existing model appears complete, then its config is replaced atomically. A repository that is
-polled therefore never sees half a model, and a publish that fails part-way is rolled back.
+polled therefore never sees half a model, and a publish that fails part-way is rolled back. Concurrent
+publishers take turns on an exclusive ``flock`` of the repository directory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import shutil
 import uuid
@@ -138,7 +140,7 @@ class PublishedVersion:
 
 
 class ModelRepository:
-    """A Triton-layout model repository on a local file system. One writer at a time."""
+    """A Triton-layout model repository on a local file system; concurrent publishers take turns (``flock``)."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -213,17 +215,19 @@ class ModelRepository:
 
         On any failure, versions already moved are removed and replaced configs restored before re-raising.
         """
-        for s in staged:
-            check_model_name(s.name)
-            self.check_compatible(s.name, s.config)
-        done: list[tuple[PublishedVersion, str | None]] = []  # (published, previous config text or None)
-        try:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with _locked(self.root):  # concurrent publishers take turns: versions never collide
             for s in staged:
-                done.append(self._publish_one(s))
-        except BaseException:
-            for published, previous in reversed(done):
-                _rollback(published, previous)
-            raise
+                check_model_name(s.name)
+                self.check_compatible(s.name, s.config)
+            done: list[tuple[PublishedVersion, str | None]] = []  # (published, previous config text or None)
+            try:
+                for s in staged:
+                    done.append(self._publish_one(s))
+            except BaseException:
+                for published, previous in reversed(done):
+                    _rollback(published, previous)
+                raise
         return [p for p, _ in done]
 
     def _publish_one(self, s: StagedModel) -> tuple[PublishedVersion, str | None]:
@@ -251,6 +255,17 @@ class ModelRepository:
             _rollback(published, previous)
             raise
         return published, previous
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the directory itself (no lock file left in the repository)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _atomic_write(path: Path, text: str) -> None:
