@@ -192,19 +192,31 @@ def test_every_prometheus_endpoint_parses(cloud: CloudThread) -> None:
         text = cloud.get("/metrics").text
         return {f.name: f for f in text_string_to_metric_families(text)}
 
-    wait_until(
-        "the cloud to re-export the replicas' Triton metrics",
-        lambda: "nv_inference_request_success" in families()
-        and any(s.value > 0 for s in families()["nv_inference_request_success"].samples),
-        timeout=30,
-    )
+    cards = {(n.name, str(g.index)) for n in FLEET for g in n.gpus}
+
+    def measured() -> bool:
+        """Triton metrics re-exported, and every card's busy share known (a rate: two scrapes of its replicas)."""
+        f = families()
+        served = f.get("nv_inference_request_success")
+        busy = f.get("octacloud_cpu_card_busy_ratio")
+        return (
+            served is not None
+            and any(s.value > 0 for s in served.samples)
+            and busy is not None
+            and {(s.labels["node"], s.labels["gpu"]) for s in busy.samples} == cards
+        )
+
+    wait_until("the cloud to re-export the replicas' metrics and measure every card", measured, timeout=30)
     cloud_families = families()
     alloc = cloud_families["octacloud_scheduler_allocated_milli"].samples[0].value
     assert alloc == 3 * 375 + 2 * 250
     assert cloud_families["octacloud_scheduler_allocation_ratio"].samples[0].value == pytest.approx(alloc / 4000)
-    busy = cloud_families["octacloud_cpu_card_busy_ratio"].samples
-    cards = {(n.name, str(g.index)) for n in FLEET for g in n.gpus}
-    assert {(s.labels["node"], s.labels["gpu"]) for s in busy} == cards
+    busy = {
+        (s.labels["node"], s.labels["gpu"]): s.value for s in cloud_families["octacloud_cpu_card_busy_ratio"].samples
+    }
+    idle = [(n["name"], str(c["index"])) for n in cloud.get("/admin/fleet").json()["nodes"] for c in n["cards"]
+            if c["free_milli"] == 1000]  # fmt: skip
+    assert idle and all(busy[card] == 0.0 for card in idle)  # nothing placed there: measurably idle
     assert not [name for name in cloud_families if name.startswith("DCGM_") and cloud_families[name].samples]
     served = {s.labels["model"] for s in cloud_families["nv_inference_request_success"].samples}
     assert served == {"linear", "ranker"}
