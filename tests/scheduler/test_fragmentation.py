@@ -118,3 +118,32 @@ def test_tracker_follows_the_state_incrementally() -> None:
     assert tracker.total == pytest.approx(sum(node_fragmentation(state, i, workload) for i in range(len(state))))
     assert 0.0 < tracker.rate() <= 1.0
     assert tracker.idle_gpu_milli() == state.total_gpu_milli - state.allocated_gpu_milli
+
+
+def test_fgd_caches_never_change_a_decision() -> None:
+    from octacloud.scheduler.framework import Scheduler
+    from octacloud.scheduler.policies import build_profile
+
+    workload = TargetWorkload((SHARE, WHOLE2, CPU, T4_ONLY), (0.4, 0.2, 0.2, 0.2))
+    nodes = [node(f"t{i}", 1 + i % 4, model="T4") for i in range(6)] + [
+        node(f"p{i}", 2, model="P100") for i in range(4)
+    ]
+    requests = [
+        req(
+            f"r{k}",
+            (0, 300, 600, 1000)[k % 4],
+            1 + (k % 8 == 3),
+            cpu=500 + 300 * (k % 5),
+            gpu_mib=(k % 3) * 1000,
+            models=["T4"] if k % 6 == 0 else [],
+        )
+        for k in range(60)
+    ]
+    cached = Scheduler(ClusterState(nodes), build_profile("fgd", seed=3, workload=workload))
+    fresh_state = ClusterState(nodes)
+    for r in requests:
+        fresh = Scheduler(fresh_state, build_profile("fgd", seed=3, workload=workload)).decide(r)
+        got = cached.schedule(r)
+        assert got.placement == fresh.placement, r.name
+        if fresh.placement is not None:
+            fresh_state.allocate(fresh.request, fresh.placement)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from octacloud.core.errors import InvalidSpecError
+from octacloud.core.model import Request
 from octacloud.core.units import MILLI_PER_GPU
 from octacloud.scheduler.fragmentation import FragmentationModel, TargetWorkload, compile_workload
 from octacloud.scheduler.framework.api import CycleContext, identity_normalize
@@ -22,7 +23,7 @@ from octacloud.scheduler.framework.state import ClusterState, NodeSignature
 from octacloud.scheduler.plugins.fit import cards_that_fit
 from octacloud.scheduler.registry import Args, PluginContext
 
-_Shape = tuple[int, int, int]
+_Shape = tuple[int, int, int, int, frozenset[str]]
 _Result = tuple[float, tuple[int, ...]]
 _CACHE_LIMIT = 1 << 17
 
@@ -51,14 +52,14 @@ class FragmentationGradient:
     def score(self, ctx: CycleContext, nodes: Sequence[int]) -> list[float]:
         r = ctx.request
         state = ctx.state
-        if r.gpu_memory_mib or r.gpu_models:  # card choice depends on more than the signature
-            return [self._evaluate(ctx, i)[0] for i in nodes]
         if state is not self._state or self._size > _CACHE_LIMIT:
             self._state = state
             self._cache.clear()
             self._by_node.clear()
             self._size = 0
-        shape = (r.cpu_milli, r.gpu_milli, r.num_gpu)
+        shape = _shape(r)
+        # Nodes with equal signatures score alike unless card memory or per-card models matter.
+        share_by_signature = not (r.gpu_memory_mib or r.gpu_models)
         cache = self._cache.get(shape)
         if cache is None:
             cache = self._cache[shape] = {}
@@ -72,10 +73,14 @@ class FragmentationGradient:
             if seen_version[i] == v:  # node unchanged since this shape last scored it
                 append(seen_score[i])
                 continue
-            sig = sigs[i]
-            hit = cache.get(sig)
-            if hit is None:
-                hit = cache[sig] = self._evaluate(ctx, i)
+            if share_by_signature:
+                sig = sigs[i]
+                hit = cache.get(sig)
+                if hit is None:
+                    hit = cache[sig] = self._evaluate(ctx, i)
+                    self._size += 1
+            else:
+                hit = self._evaluate(ctx, i)
                 self._size += 1
             seen_version[i] = v
             seen_score[i] = hit[0]
@@ -90,7 +95,7 @@ class FragmentationGradient:
         if not r.is_sharing:
             return None  # whole cards: the first fully free ones (the runner's default)
         if not (r.gpu_memory_mib or r.gpu_models):
-            cache = self._cache.get((r.cpu_milli, r.gpu_milli, r.num_gpu))
+            cache = self._cache.get(_shape(r))
             hit = cache.get(ctx.state.signature[node]) if cache is not None else None
             if hit is not None:
                 return hit[1] or None
@@ -125,3 +130,7 @@ def build(name: str, args: Args, ctx: PluginContext) -> FragmentationGradient:
             f"{args.where}: plugin 'fgd' needs a target workload (build the profile with workload=...)"
         )
     return FragmentationGradient(ctx.workload, name)
+
+
+def _shape(r: Request) -> _Shape:
+    return (r.cpu_milli, r.gpu_milli, r.num_gpu, r.gpu_memory_mib, r.gpu_models)
