@@ -89,3 +89,55 @@ def test_checkpoint_rollback_undoes_only_later_operations(steps: list[tuple[int,
                 assert snapshot(state) == expected
     assert state.allocated_gpu_milli == 0
     check_invariants(state)
+
+
+actions = st.lists(
+    st.tuples(
+        st.sampled_from(["schedule", "preempt", "release"]),
+        st.sampled_from([0, 125, 300, 470, 1000]),
+        st.integers(1, 3),
+        st.integers(0, 16_000),  # cards have 16 GiB: above 13,107 MiB the 80 % rule refuses
+        st.sampled_from([0, 0, 50, 150]),
+        st.booleans(),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(actions)
+def test_product_rules_hold_under_any_sequence(sequence: list[tuple[str, int, int, int, int, bool]]) -> None:
+    from octacloud.scheduler.actions.preempt import preempt
+    from octacloud.scheduler.fragmentation import TargetWorkload, WorkloadShape
+    from octacloud.scheduler.framework import Scheduler
+    from octacloud.scheduler.policies import build_profile
+    from tests.scheduler.helpers import check_model_memory_rule
+
+    workload = TargetWorkload((WorkloadShape(1000, 500, 1), WorkloadShape(2000, 1000, 1)), (0.5, 0.5))
+    state = ClusterState(NODES)
+    scheduler = Scheduler(state, build_profile("octacloud", seed=1, workload=workload, rules=True))
+    for k, (kind, milli, cards, gpu_mib, priority, failover) in enumerate(sequence):
+        if kind == "release":
+            if state.allocations:
+                state.release(sorted(state.allocations)[k % len(state.allocations)])
+        else:
+            r = Request(
+                f"r{k}",
+                num_gpu=(cards if milli == 1000 else 1) if milli else 0,
+                gpu_milli=milli,
+                gpu_memory_mib=gpu_mib if milli else 0,
+                cpu_milli=500,
+                memory_mib=512,
+                priority=priority,
+                failover=failover,
+            )
+            before = {a.request.name: a.request.priority for a in state.allocations.values()}
+            if kind == "schedule":
+                scheduler.schedule(r)
+            else:
+                result = preempt(scheduler, r)
+                if result is not None:
+                    assert all(before[v.request.name] < r.priority for v in result.victims)
+        check_invariants(state, headroom_percent=20)
+        check_model_memory_rule(state)
+        assert all(a.placement.milli_per_gpu % 125 == 0 for a in state.allocations.values())
