@@ -107,10 +107,16 @@ def test_bad_options_are_clear_errors(
 def test_missing_files_and_folders(tmp_path: Path, small_trace: tuple[Path, Path]) -> None:
     nodes, pods = small_trace
     missing = tmp_path / "missing.csv"
+    bad = tmp_path / "bad.csv"
+    bad.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1,1,1,500\np1,1,1,1,half\n")
+    empty = tmp_path / "empty.csv"
+    empty.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\n")
     cases = [
         (["simulate", "--nodes", str(missing), "--pods", str(pods), "--out", str(tmp_path)], "no such file"),
         (["simulate", "--nodes", str(nodes), "--out", str(tmp_path)], "--pods is required"),
         (["simulate", "--nodes", str(nodes), "--pods", str(pods)], "--out is required"),
+        (["simulate", "--nodes", str(nodes), "--pods", str(bad), "--out", str(tmp_path)], "line 3, column 'gpu_milli'"),
+        (["simulate", "--nodes", str(nodes), "--pods", str(empty), "--out", str(tmp_path)], "the trace has no pods"),
         (["simulate", "compare", str(tmp_path / "none"), "--published", str(missing)], "no such folder"),
         (["simulate", "compare", str(tmp_path), "--published", str(missing)], "no alloc.csv here"),
     ]

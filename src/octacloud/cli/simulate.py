@@ -88,6 +88,7 @@ def simulate(
             raise InvalidSpecError(f"--jobs must be >= 1, got {jobs}")
         policies = check_policies([p.strip() for p in policy.split(",") if p.strip()])
         seed_list = parse_seeds(seeds)
+        _check_traces(fleet, traces)
         if arrivals is None:
             if not 0 < tune <= 10:
                 raise InvalidSpecError(f"--tune must be in (0, 10], got {tune}")
@@ -118,6 +119,17 @@ def simulate(
             _run_churn(churn_specs, out, jobs, plots)
     except InvalidSpecError as exc:
         raise _fail(str(exc)) from None
+
+
+def _check_traces(fleet: Path, traces: Sequence[Path]) -> None:
+    """Read every input once up front, so that a malformed row stops the command before any run starts."""
+    from octacloud.sim.traces import read_nodes, read_pods
+
+    if not any(node.gpu_count for node in read_nodes(fleet)):
+        raise InvalidSpecError(f"--nodes {fleet}: the fleet has no GPUs")
+    for trace in traces:
+        if not read_pods(trace):
+            raise InvalidSpecError(f"--pods {trace}: the trace has no pods")
 
 
 def _progress(console: Console) -> Progress:
