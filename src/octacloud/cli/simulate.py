@@ -63,7 +63,9 @@ def simulate(
     jobs: int = typer.Option(1, "--jobs", help="Runs in parallel worker processes (results do not depend on it)."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG figures."),
     arrivals: str | None = typer.Option(None, "--arrivals", help="Churn mode: poisson:RATE (requests per second)."),
-    lifetime: str = typer.Option("lognormal:7,1", "--lifetime", help="Churn: lognormal:MU,SIGMA | exponential:MEAN."),
+    lifetime: str = typer.Option(
+        "lognormal:7,1", "--lifetime", help="Churn: lognormal:MU,SIGMA, exponential:MEAN or fixed:SECONDS."
+    ),
     duration: float = typer.Option(86400.0, "--duration", help="Churn: simulated seconds."),
     warmup: float = typer.Option(0.0, "--warmup", help="Churn: seconds left out of the time average."),
     queue: bool = typer.Option(False, "--queue/--no-queue", help="Churn: requests that fit nowhere wait."),
