@@ -169,6 +169,17 @@ def test_keys_tenants_isolation_quotas_and_rates(cloud: CloudThread, caplog: pyt
     names = sorted(d["spec"]["name"] for d in call(cloud, key_a, "GET", "/admin/deployments").json()["deployments"])
     assert names == ["a-2", "a-lin"]
     assert cloud.deployment("a-lin")["spec"]["max_replicas"] == 1
+    assert call(cloud, key_a, "POST", "/admin/tenants/a/quota", {"octants": 64}).status_code == 403
+    raised = call(cloud, cloud.key, "POST", "/admin/tenants/a/quota", {"octants": 12})
+    assert raised.status_code == 200 and raised.json()["quota"] == {
+        "octants": 12,
+        "deployments": 2,
+        "requests_per_s": None,
+        "burst": 50,
+    }
+    big = {"name": "a-lin", "model": "linear", "octants": 1, "min_replicas": 1, "max_replicas": 13}
+    over = call(cloud, key_a, "POST", "/admin/deployments", big)  # the new quota applies at once
+    assert over.status_code == 403 and "may hold 12 octant(s)" in over.json()["error"], over.text
 
     # ---- published: every tenant may infer, only the owner may manage ------------------------------------
     pub = call(cloud, key_b, "POST", "/admin/deployments", {"name": "b-lin", "model": "linear", "published": True})

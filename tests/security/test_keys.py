@@ -194,3 +194,15 @@ def test_roles_see_and_manage() -> None:
     assert tenant.may_see("a") and not tenant.may_see("b") and tenant.may_see("b", published=True)
     assert tenant.may_manage("a") and not tenant.may_manage("b")
     assert admin.may_see("b") and admin.may_manage("b")
+
+
+def test_a_new_quota_reaches_cached_keys_at_once(store: KeyStore) -> None:
+    store.create_tenant("acme", Quota(requests_per_s=1.0))
+    _, key = store.create_key("acme")
+    assert store.authenticate(key).quota.requests_per_s == 1.0
+    store.set_quota("acme", Quota(octants=4, requests_per_s=None))
+    assert store.authenticate(key).quota == Quota(octants=4)
+    with pytest.raises(NotFoundError):
+        store.set_quota("ghost", Quota())
+    with pytest.raises(InvalidSpecError, match="octants"):
+        store.set_quota("acme", Quota(octants=-1))

@@ -8,7 +8,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from octacloud.cli.cloud import CACERT, KEY, _call, _url, console
+from octacloud.cli.cloud import CACERT, KEY, _call, _url, console, err
 
 tenant_app = typer.Typer(help="Tenants: who uses the cloud, with which quotas.", no_args_is_help=True)
 key_app = typer.Typer(help="API keys: shown once when created, stored hashed.", no_args_is_help=True)
@@ -56,6 +56,34 @@ def tenant_list(
     for t in data["tenants"]:
         table.add_row(t["name"], "disabled" if t["disabled"] else "active", _quota(t["quota"]))
     console.print(table)
+
+
+@tenant_app.command("set")
+def tenant_set(
+    name: str = typer.Argument(...),
+    octants: int | None = typer.Option(None, "--octants", help="Quota: octants its deployments may hold."),
+    deployments: int | None = typer.Option(None, "--deployments", help="Quota: number of deployments."),
+    rate: float | None = typer.Option(None, "--rate", help="Requests per second (token bucket)."),
+    burst: int | None = typer.Option(None, "--burst", help="Requests allowed in a burst above the rate."),
+    unlimited: list[str] = typer.Option(
+        [], "--unlimited", help="Remove a limit: octants, deployments or rate (repeatable)."
+    ),
+    url: str | None = typer.Option(None, "--url"),
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Change a tenant's quota (admin); limits not named stay as they are."""
+    fields = {"octants": "octants", "deployments": "deployments", "rate": "requests_per_s"}
+    body: dict[str, Any] = {}
+    for what in unlimited:
+        if what not in fields:
+            err.print(f"[red]error:[/] --unlimited takes octants, deployments or rate, not {what!r}")
+            raise typer.Exit(2)
+        body[fields[what]] = None
+    given = {"octants": octants, "deployments": deployments, "requests_per_s": rate, "burst": burst}
+    body.update({k: v for k, v in given.items() if v is not None})
+    data = _call("POST", _url(url), f"/admin/tenants/{name}/quota", body, key, cacert)
+    console.print(f"tenant [bold]{data['name']}[/]: {_quota(data['quota'])}")
 
 
 def _set(name: str, action: str, url: str | None, key: str | None, cacert: Path | None) -> None:

@@ -138,6 +138,26 @@ def tenant_routes(keys: KeyStore, ledger: Ledger | None, prices: PriceSheet | No
             return error(400, str(exc))
         return JSONResponse(tenant_json(tenant))
 
+    async def set_quota(request: Request) -> JSONResponse:
+        p = principal_of(request)
+        if p is None:
+            return unauthenticated()
+        if not p.is_admin:
+            return error(403, ADMIN_ONLY)
+        try:
+            body = await _json_object(request)
+            if "name" in body:
+                raise InvalidSpecError("unknown tenant field(s) ['name']")
+            old = keys.tenant(request.path_params["name"]).quota
+            merged = {"octants": old.octants, "deployments": old.deployments,
+                      "requests_per_s": old.requests_per_s, "burst": old.burst, **body}  # fmt: skip
+            tenant = keys.set_quota(request.path_params["name"], _quota(merged))
+        except NotFoundError as exc:
+            return error(404, str(exc))
+        except InvalidSpecError as exc:
+            return error(400, str(exc))
+        return JSONResponse(tenant_json(tenant))
+
     async def list_keys(request: Request) -> JSONResponse:
         p = principal_of(request)
         if p is None:
@@ -204,6 +224,7 @@ def tenant_routes(keys: KeyStore, ledger: Ledger | None, prices: PriceSheet | No
     return [
         Route("/admin/tenants", list_tenants, methods=["GET"]),
         Route("/admin/tenants", create_tenant, methods=["POST"]),
+        Route("/admin/tenants/{name}/quota", set_quota, methods=["POST"]),
         Route("/admin/tenants/{name}/{action:str}", set_disabled, methods=["POST"]),
         Route("/admin/keys", list_keys, methods=["GET"]),
         Route("/admin/keys", create_key, methods=["POST"]),

@@ -216,6 +216,20 @@ class KeyStore:
         self._cache = {k: c for k, c in self._cache.items() if c.principal.tenant != name}
         return tenant
 
+    def set_quota(self, name: str, quota: Quota) -> Tenant:
+        """Replace a tenant's quota. Deployments it already has stay (a lower quota refuses the next deploy);
+        its keys see the new quota at once here, within the cache time elsewhere."""
+        _check_quota(quota)
+        with self._tx() as s:
+            row = s.get(_TenantRow, name)
+            if row is None:
+                raise NotFoundError(f"no tenant named {name!r}")
+            row.quota_octants, row.quota_deployments = quota.octants, quota.deployments
+            row.requests_per_s, row.burst = quota.requests_per_s, quota.burst
+            tenant = _tenant(row)
+        self._cache = {k: c for k, c in self._cache.items() if c.principal.tenant != name}
+        return tenant
+
     # ---- keys --------------------------------------------------------------------------------------------
 
     def create_key(self, tenant: str, role: Role = Role.TENANT, note: str = "") -> tuple[KeyInfo, str]:
