@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import threading
 import time
@@ -100,8 +101,10 @@ def ray_fleet() -> Iterator[None]:
     """FLEET as a one-node Ray cluster (started once per module, only when a test runs on Ray)."""
     from octacloud.cluster.ray_local import LocalRayCluster
 
-    with LocalRayCluster(FLEET, temp_dir=Path(f"/tmp/octacloud-ray-{os.getpid()}")):
+    temp = Path(f"/tmp/octacloud-ray-{os.getpid()}")  # Ray's socket paths must stay short: not under tmp_path
+    with LocalRayCluster(FLEET, temp_dir=temp):
         yield
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(params=["local", "ray"])

@@ -11,6 +11,7 @@ without a restart.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -43,9 +44,11 @@ REPLICAS = 3
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[LocalRayCluster]:
-    cluster = LocalRayCluster(NODES, temp_dir=Path(f"/tmp/octacloud-ray-{os.getpid()}"))
+    temp = Path(f"/tmp/octacloud-ray-{os.getpid()}")  # Ray's socket paths must stay short: not under tmp_path
+    cluster = LocalRayCluster(NODES, temp_dir=temp)
     yield cluster
     cluster.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +139,7 @@ def test_a_lost_node_is_replaced_within_15_s(cloud: CloudThread, ray_cluster: Lo
         stop_load.set()
         for f in futures:
             f.result(timeout=60)  # no request hangs
+    print(f"\nray-c's raylet killed: its replica re-placed and ready {took:.1f} s later")  # shown with -s
     assert took < 15.0, f"re-placed and ready {took:.1f} s after the node died"
 
     errors = [o for o in outcomes if o != "ok"]
@@ -163,3 +167,21 @@ def test_a_new_node_joins_without_restart(cloud: CloudThread, ray_cluster: Local
     x = np.ones((1, IN), np.float32)
     np.testing.assert_allclose(cloud.infer("fresh", x), expected_output(x), rtol=1e-5, atol=1e-5)
     assert cloud.admin("DELETE", "/deployments/fresh").status_code == 200
+
+
+def test_ray_refuses_what_our_accounting_would_overcommit(cloud: CloudThread, tmp_path: Path) -> None:
+    from octacloud.cluster.launcher import LaunchSpec
+    from octacloud.cluster.slices import Slice
+
+    launcher = cloud.cloud.controller.launcher
+    held = next(r for r in cloud.cloud.store.replicas("linear") if r.state.value == "ready")
+    # a whole card where a running replica already holds 2 of its 8 octants: Ray must not start it
+    s = Slice(held.node, held.gpus, 1000)
+    spec = LaunchSpec("overcommit", "linear", tmp_path / "linear", "", {}, 1, s)
+    launched = cloud.call(lambda: launcher.launch(spec))  # on the cloud's loop: the launcher is not thread-safe
+    try:
+        time.sleep(3.0)
+        assert cloud.call(lambda: launcher.address(launched.handle)) is None  # waits for octants that are taken
+        assert cloud.call(lambda: launcher.alive(launched.handle))
+    finally:
+        cloud.call(lambda: launcher.stop(launched.handle, 0.0))

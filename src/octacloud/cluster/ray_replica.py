@@ -89,7 +89,7 @@ class ReplicaActor:
         failure: list[BaseException] = []
 
         def serve() -> None:
-            loop = asyncio.new_event_loop()
+            loop = _new_event_loop()
             self._loop = loop
             self._stop_serving = asyncio.Event()
             try:
@@ -113,6 +113,7 @@ class ReplicaActor:
             raise failure[0]
         gc.collect()
         gc.freeze()  # as `octacloud serve` does: keep the start-up heap out of the collector (latency tail)
+        gc.set_threshold(50_000, 20, 100)
         assert server.http_port is not None and server.grpc_port is not None and server.metrics_port is not None
         return ActorStarted(launch.host, server.http_port, server.grpc_port, server.metrics_port, os.getpid(), cache)
 
@@ -141,3 +142,13 @@ class ReplicaActor:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: already stopped
             loop.call_soon_threadsafe(event.set)
         thread.join(timeout=max(grace, 0.0) + 5.0)
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """The event loop `octacloud serve` runs on (uvloop when available), so both backends serve alike."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvicorn[standard] brings uvloop
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
