@@ -7,7 +7,13 @@ from typing import Any
 import pytest
 
 from octacloud.cluster.ray_backend import RayFleet
-from octacloud.cluster.ray_inventory import node_from_ray, node_labels, node_resources, slice_resources
+from octacloud.cluster.ray_inventory import (
+    node_from_ray,
+    node_labels,
+    node_resources,
+    ray_start_command,
+    slice_resources,
+)
 from octacloud.core import Gpu, Node
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Health
@@ -89,3 +95,17 @@ def test_fleet_watcher_sees_joins_deaths_and_returns() -> None:
     table.append(entry(A100, "n3"))  # the server came back: a new raylet, a new Ray node id
     assert [(c.node.name, c.health) for c in fleet.poll()] == [("gpu-a", Health.HEALTHY)]
     assert fleet.node_id("gpu-a") == "n3"
+
+
+def test_ray_start_command() -> None:
+    argv = ray_start_command(A100, ray="ray", head=True, port=6380, system_config={"health_check_period_ms": 500})
+    assert argv[:4] == ["ray", "start", "--head", "--port=6380"]
+    assert "--num-gpus=0" in argv and "--num-cpus=64" in argv and "--include-dashboard=false" in argv
+    assert any(a.startswith("--resources=") and '"gpu7_octant": 8.0' in a for a in argv)
+    assert any(a.startswith("--labels=") and "octacloud.io/gpu-model=A100-SXM4-80GB" in a for a in argv)
+    assert '--system-config={"health_check_period_ms": 500}' in argv
+    joined = ray_start_command(A100, ray="ray", head=False, address="10.0.0.1:6379", node_ip="10.0.0.2", block=True)
+    assert joined[2:3] == ["--address=10.0.0.1:6379"] and "--node-ip-address=10.0.0.2" in joined
+    assert joined[-1] == "--block" and not any(a.startswith("--system-config") for a in joined)
+    with pytest.raises(InvalidSpecError, match="either --head"):
+        ray_start_command(A100, ray="ray", head=True, address="10.0.0.1:6379")

@@ -95,6 +95,17 @@ def test_replicas_run_where_the_scheduler_placed_them(cloud: CloudThread) -> Non
         assert inside["pid"] == r.pid
     assert state.allocated_gpu_milli == REPLICAS * 250
 
+    # a restarted controller (a new launcher) finds each replica by its handle and learns where it serves
+    from octacloud.cluster.ray_backend import RayLauncher
+
+    fresh = RayLauncher(fleet, launcher.storage, launcher.cache_root)  # type: ignore[attr-defined]
+    for r in replicas:
+        assert fresh.alive(r.handle)
+        wait_until("the adopted replica's address", lambda r=r: fresh.address(r.handle) is not None, timeout=30)
+        address = fresh.address(r.handle)
+        assert address is not None and (address.host, address.http_port, address.pid) == (r.host, r.http_port, r.pid)
+        assert address.note == ""  # its cache outcome was recorded when it started
+
     # every node's model cache missed once (first copy from the shared repository)
     stats = launcher.cache_stats.snapshot()  # type: ignore[attr-defined]
     assert {n: (s.hits, s.misses) for n, s in stats.items()} == {n.name: (0, 1) for n in NODES}

@@ -133,7 +133,7 @@ class RayLauncher:
         self._actor_class: Any = ray.remote(ReplicaActor)
         self._concurrency = actor_concurrency
         self._actors: dict[str, Any] = {}
-        self._starts: dict[str, tuple[str, Any]] = {}
+        self._starts: dict[str, tuple[str | None, Any]] = {}
         self._watches: dict[str, Any] = {}
         self._addresses: dict[str, ReplicaAddress] = {}
 
@@ -165,25 +165,30 @@ class RayLauncher:
 
     def address(self, handle: str) -> ReplicaAddress | None:
         known = self._addresses.get(handle)
-        if known is not None or handle not in self._starts:
+        if known is not None:
             return known
+        if handle not in self._starts:  # started by an earlier controller: ask the actor how far it got
+            actor = self._actor(handle)
+            if actor is None:
+                raise LaunchFailedError(f"replica actor {handle} is gone")
+            self._starts[handle] = (None, actor.started.remote())
         node, ref = self._starts[handle]
         ready, _ = ray.wait([ref], timeout=0)
         if not ready:
             return None
         del self._starts[handle]
         try:
-            started: ActorStarted = ray.get(ref)
+            started: ActorStarted | None = ray.get(ref)
         except ray.exceptions.RayError as exc:
             raise LaunchFailedError(_first_line(exc)) from None
-        self.cache_stats.record(node, started.cache)
+        if started is None:
+            return None  # still starting: asked again on the next health check
+        note = ""
+        if node is not None:  # an adopted replica's cache outcome was recorded by the controller that started it
+            self.cache_stats.record(node, started.cache)
+            note = started.cache.describe(node)
         address = ReplicaAddress(
-            started.host,
-            started.http_port,
-            started.grpc_port,
-            started.metrics_port,
-            started.pid,
-            note=started.cache.describe(node),
+            started.host, started.http_port, started.grpc_port, started.metrics_port, started.pid, note
         )
         self._addresses[handle] = address
         return address

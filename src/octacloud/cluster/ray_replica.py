@@ -62,6 +62,7 @@ class ReplicaActor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_serving: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
+        self._started: ActorStarted | None = None
 
     def start(self, launch: ActorLaunch) -> ActorStarted:
         """Fetch the model, start the server, return once it serves (model loaded and warmed up)."""
@@ -115,7 +116,13 @@ class ReplicaActor:
         gc.freeze()  # as `octacloud serve` does: keep the start-up heap out of the collector (latency tail)
         gc.set_threshold(50_000, 20, 100)
         assert server.http_port is not None and server.grpc_port is not None and server.metrics_port is not None
-        return ActorStarted(launch.host, server.http_port, server.grpc_port, server.metrics_port, os.getpid(), cache)
+        ports = (server.http_port, server.grpc_port, server.metrics_port)
+        self._started = ActorStarted(launch.host, *ports, os.getpid(), cache)
+        return self._started
+
+    def started(self) -> ActorStarted | None:
+        """What :meth:`start` returned, or None while it runs (for a controller that adopts this replica)."""
+        return self._started
 
     def placement(self) -> dict[str, Any]:
         """Where this actor runs, as Ray sees it from inside: node id, the resources it holds, its environment."""
