@@ -10,7 +10,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from octacloud.cluster.storage import MANIFEST, FleetCacheStats, ModelCache
+from octacloud.cluster.storage import MANIFEST, FleetCacheStats, ModelCache, ModelCacheCollector
 from octacloud.core.errors import NotFoundError
 
 
@@ -86,3 +86,20 @@ def test_fleet_stats_count_per_node(tmp_path: Path) -> None:
         stats.record(node, ModelCache(tmp_path / node).fetch(str(shared), "mlp"))
     snap = stats.snapshot()
     assert (snap["a"].hits, snap["a"].misses, snap["b"].hits, snap["b"].misses) == (1, 1, 0, 1)
+
+
+def test_cache_counts_as_prometheus_metrics(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    shared = tmp_path / "shared"
+    write_model(shared)
+    stats = FleetCacheStats()
+    for node in ("a", "a", "b"):
+        stats.record(node, ModelCache(tmp_path / node).fetch(str(shared), "mlp"))
+    registry = CollectorRegistry()
+    registry.register(ModelCacheCollector(stats))
+    text = generate_latest(registry).decode()
+    assert 'octacloud_model_cache_hits_total{node="a"} 1.0' in text
+    assert 'octacloud_model_cache_misses_total{node="a"} 1.0' in text
+    assert 'octacloud_model_cache_misses_total{node="b"} 1.0' in text
+    assert 'octacloud_model_cache_copied_bytes_total{node="a"} 4108.0' in text

@@ -10,7 +10,8 @@ Freshness is decided by a manifest: the relative path, size and change marker (m
 whichever the file system reports) of every file of the model. Equal manifests are a *hit* (nothing read
 from shared storage); otherwise a *miss* copies the model into a fresh folder that replaces the cached one
 atomically, under a per-model lock, so concurrent replicas on one node neither copy twice nor see a
-half-written model. Hits, misses, bytes copied and time spent are counted per node.
+half-written model. Hits, misses, bytes copied and time spent are counted per node
+(:class:`FleetCacheStats`) and exported to Prometheus by :class:`ModelCacheCollector`.
 """
 
 from __future__ import annotations
@@ -92,6 +93,34 @@ class FleetCacheStats:
     def snapshot(self) -> dict[str, CacheStats]:
         with self._lock:
             return {n: CacheStats(s.hits, s.misses, s.bytes_copied, s.seconds) for n, s in self.by_node.items()}
+
+
+class ModelCacheCollector:
+    """Prometheus collector of a fleet's model-cache counts (register it in the registry behind ``/metrics``)."""
+
+    def __init__(self, stats: FleetCacheStats) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        node = ["node"]
+        families = {
+            "hits": CounterMetricFamily("octacloud_model_cache_hits", "Replica starts served from cache", labels=node),
+            "misses": CounterMetricFamily(
+                "octacloud_model_cache_misses", "Replica starts that copied their model from storage", labels=node
+            ),
+            "bytes_copied": CounterMetricFamily(
+                "octacloud_model_cache_copied_bytes", "Bytes copied from storage into node caches", labels=node
+            ),
+            "seconds": CounterMetricFamily(
+                "octacloud_model_cache_fetch_seconds", "Time replicas spent getting their model", labels=node
+            ),
+        }
+        for name, counts in sorted(self.stats.snapshot().items()):
+            for field_name, family in families.items():
+                family.add_metric([name], float(getattr(counts, field_name)))
+        yield from families.values()
 
 
 def _filesystem(source: str) -> tuple[Any, str]:
