@@ -225,7 +225,11 @@ class Ledger:
             rows = s.execute(q).all()
         out = []
         for t, g, metric, model, quantity in rows:
-            name = day_of(int(g) * MS_PER_DAY) if by == "day" else ("-" if by == "gpu-model" and not g else str(g))
+            name = (
+                day_of(int(cast(int, g)) * MS_PER_DAY)
+                if by == "day"
+                else ("-" if by == "gpu-model" and not g else str(g))
+            )
             out.append(Total(t, name, Metric(metric), model, int(quantity)))
         return out
 
