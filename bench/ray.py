@@ -89,6 +89,8 @@ class Running:
         self._run(self.cloud.stop(stop_replicas=True))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()  # else its self-pipe leaks (pytest reports the unclosed loop)
 
 
 def config(state: Path, repo: Path, policy: str) -> CloudConfig:

@@ -68,6 +68,8 @@ class CloudThread:
         self._run(self.cloud.stop(stop_replicas=stop_replicas))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()  # else its self-pipe leaks (pytest reports the unclosed loop)
 
     def admin(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
         return httpx.request(method, f"{self.url}/admin{path}", json=body, headers=self.headers, timeout=30)
