@@ -47,6 +47,8 @@ REST_ENDPOINTS = [
     ("GET", "/admin/keys", None),
     ("POST", "/admin/keys", {"tenant": "a"}),
     ("DELETE", "/admin/keys/000000000000", None),
+    ("GET", "/metrics", None),  # the monitoring apps check keys with the same Guard
+    ("GET", "/dashboard/api/state", None),
 ]
 
 
@@ -136,6 +138,8 @@ def test_keys_tenants_isolation_quotas_and_rates(cloud: CloudThread, caplog: pyt
     assert call(cloud, key_a, "GET", "/admin/usage?tenant=b").status_code == 404
     assert all(line["tenant"] == "a" for line in call(cloud, key_a, "GET", "/admin/usage").json()["lines"])
     assert call(cloud, key_a, "GET", "/admin/fleet").status_code == 403
+    assert call(cloud, key_a, "GET", "/metrics").status_code == 401  # the whole cloud's figures: admin only
+    assert call(cloud, cloud.key, "GET", "/metrics").status_code == 200
     assert call(cloud, key_a, "GET", "/admin/tenants").json()["tenants"][0]["name"] == "a"
     assert [k["tenant"] for k in call(cloud, key_a, "GET", "/admin/keys?tenant=b").json()["keys"]] == ["a"]
     assert call(cloud, key_a, "POST", "/admin/keys", {"tenant": "b"}).status_code == 403
