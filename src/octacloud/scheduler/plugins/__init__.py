@@ -12,6 +12,7 @@ from octacloud.scheduler.plugins import (
     gpu_type,
     headroom,
     model_memory,
+    octacloud,
     octant,
     packing,
     random,
@@ -38,6 +39,9 @@ def builtin_registry() -> PluginRegistry:
     reg.register("gpu-packing", packing.build, "score: published GpuPacking baseline")
     reg.register("bestfit", bestfit.build, "score: published BestFit baseline")
     reg.register("fgd", fgd.build, "score + cards: fragmentation gradient descent (needs a target workload)")
+    reg.register(
+        "octacloud", octacloud.build, "score + cards: fragmentation + CPU stranding growth, consolidating (octacloud's)"
+    )
     reg.register("spread", spread.build, "score: least allocated node first")
     reg.register("gpu-type", gpu_type.build, "filter + score: allowed, denied, preferred and reserved GPU models")
     reg.register("nvlink-topology", topology.build, "score + cards: multi-card requests within one NVLink group")

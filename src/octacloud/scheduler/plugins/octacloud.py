@@ -1,0 +1,199 @@
+"""octacloud's placement: exact fragmentation growth plus CPU stranding, consolidating among near-equal nodes.
+
+For every feasible node the plugin computes the exact growth of the node's *unusable idle GPU* under the target
+workload, ``Δ = ΔF + ΔS`` (milli-GPU):
+
+* ``F`` is FGD's fragmentation (``octacloud.scheduler.fragmentation``): the expected idle milli-GPU that *one*
+  task drawn from the workload could not use (for a sharing request, on the card where it grows least);
+* ``S`` is CPU stranding, which FGD cannot see because it asks about one task at a time: for each GPU shape of
+  the workload, the node's CPU left can host ``cpu_left // shape.cpu`` more such tasks; idle GPU beyond what those
+  tasks would take is stranded for that shape. ``S`` is the workload-weighted sum (CPU-only shapes and shapes
+  that cannot use the node's GPU model add nothing here; ``F`` already counts them). A CPU-heavy pod on a node
+  with idle cards raises ``S``; the same pod on a CPU-rich node does not.
+
+Then, lexicographically: nodes whose ``Δ`` lies within ``tolerance`` milli-GPU of the smallest are near-equal
+(an expectation over a workload estimate carries no information far below a card's worth); among them the node
+left with the least free GPU wins (explicit consolidation: keeps other nodes whole for the large requests to
+come, and puts CPU-only work where the cards are already spent); then the run's node order (the runner's).
+
+The card for a share follows the same rule: least ``Δ``, near-equal cards broken toward the fullest card.
+Results are cached per (request shape, node signature) and per node version, as in ``fgd``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from octacloud.core.errors import InvalidSpecError
+from octacloud.core.units import MILLI_PER_GPU
+from octacloud.scheduler.fragmentation import FragmentationModel, TargetWorkload, compile_workload
+from octacloud.scheduler.framework.api import MAX_NODE_SCORE, CycleContext
+from octacloud.scheduler.framework.state import ClusterState, NodeSignature
+from octacloud.scheduler.plugins.fit import cards_that_fit
+from octacloud.scheduler.registry import Args, PluginContext
+
+_Shape = tuple[int, int, int]
+_Eval = tuple[float, int, tuple[int, ...]]
+"""(Δ unusable idle milli-GPU, free milli-GPU left on the node after the placement, the card for a share)."""
+_CACHE_LIMIT = 1 << 17
+_SCRATCH = "octacloud.evaluations"
+
+DEFAULT_TOLERANCE = 50.0
+"""Milli-GPU (5 % of one card): Δs closer than this are near-equal. A unit of the measure, not a fitted value."""
+
+
+@dataclass(slots=True)
+class ConsolidatingFragmentation:
+    """Score plugin and card selector: least growth of unusable idle GPU, consolidating among near-equal nodes."""
+
+    workload: TargetWorkload
+    name: str = "octacloud"
+    tolerance: float = DEFAULT_TOLERANCE
+    stranding: bool = True
+    """Count CPU stranding (``S``); off leaves exact FGD fragmentation with consolidation."""
+    model: FragmentationModel = field(init=False)
+    _gpu_shapes: list[tuple[float, int, int, int, frozenset[str]]] = field(default_factory=list, init=False)
+    _strand_cache: dict[tuple[str, int, int], float] = field(default_factory=dict, init=False)
+    _cache: dict[_Shape, dict[NodeSignature, _Eval]] = field(default_factory=dict, init=False)
+    _by_node: dict[_Shape, tuple[list[int], list[_Eval | None]]] = field(default_factory=dict, init=False)
+    _state: ClusterState | None = field(default=None, init=False)
+    _size: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.tolerance >= 0:
+            raise InvalidSpecError(f"plugin {self.name!r}: tolerance must be >= 0 milli-GPU, got {self.tolerance}")
+        self.model = compile_workload(self.workload)
+        self._gpu_shapes = [
+            (p, s.cpu_milli, s.gpu_milli, s.num_gpu, s.gpu_models)
+            for s, p in zip(self.workload.shapes, self.workload.probabilities, strict=True)
+            if s.num_gpu and s.cpu_milli > 0
+        ]
+
+    # ---- score -----------------------------------------------------------------------------------------
+
+    def score(self, ctx: CycleContext, nodes: Sequence[int]) -> list[float]:
+        """Raw score: −Δ (the evaluations stay in the cycle's scratch for :meth:`normalize`)."""
+        evaluations = self._evaluations(ctx, nodes)
+        ctx.scratch[_SCRATCH] = evaluations
+        return [-e[0] for e in evaluations]
+
+    def normalize(self, ctx: CycleContext, scores: list[float]) -> list[float]:
+        """The lexicographic order (near-equal Δ, then the fuller node) mapped onto 0..100, best = 100."""
+        evaluations = ctx.scratch.pop(_SCRATCH, None)
+        if not isinstance(evaluations, list) or len(evaluations) != len(scores):
+            raise InvalidSpecError(f"plugin {self.name!r}: normalize called without its score call")
+        limit = min(e[0] for e in evaluations) + self.tolerance
+        keys = [(False, 0.0, e[1]) if e[0] <= limit else (True, e[0], e[1]) for e in evaluations]
+        order = sorted(set(keys))
+        if len(order) == 1:
+            return [MAX_NODE_SCORE] * len(scores)
+        rank = {k: r for r, k in enumerate(order)}
+        last = len(order) - 1
+        return [MAX_NODE_SCORE * (last - rank[k]) / last for k in keys]
+
+    # ---- cards -----------------------------------------------------------------------------------------
+
+    def select_cards(self, ctx: CycleContext, node: int) -> tuple[int, ...] | None:
+        if not ctx.request.is_sharing:
+            return None  # whole cards: the lowest-index fully free ones (the runner's default)
+        return self._evaluate(ctx, node)[2] or None
+
+    # ---- evaluation ------------------------------------------------------------------------------------
+
+    def _evaluations(self, ctx: CycleContext, nodes: Sequence[int]) -> list[_Eval]:
+        r, state = ctx.request, ctx.state
+        if r.gpu_memory_mib or r.gpu_models:  # card choice depends on more than the signature
+            return [self._evaluate(ctx, i) for i in nodes]
+        if state is not self._state or self._size > _CACHE_LIMIT:
+            self._state = state
+            self._cache.clear()
+            self._by_node.clear()
+            self._size = 0
+        shape = (r.cpu_milli, r.gpu_milli, r.num_gpu)
+        cache = self._cache.get(shape)
+        if cache is None:
+            cache = self._cache[shape] = {}
+            self._by_node[shape] = ([-1] * len(state), [None] * len(state))
+        seen_version, seen = self._by_node[shape]
+        versions, sigs = state.version, state.signature
+        out: list[_Eval] = []
+        for i in nodes:
+            hit = seen[i]
+            if hit is None or seen_version[i] != versions[i]:
+                hit = cache.get(sigs[i])
+                if hit is None:
+                    hit = cache[sigs[i]] = self._evaluate(ctx, i)
+                    self._size += 1
+                seen_version[i], seen[i] = versions[i], hit
+            out.append(hit)
+        return out
+
+    def _evaluate(self, ctx: CycleContext, node: int) -> _Eval:
+        state, r = ctx.state, ctx.request
+        gpu_model, cpu_left, _memory, free = state.signature[node]
+        frag = self.model.fragmentation
+        cpu_after = cpu_left - r.cpu_milli
+        left = sum(free) - r.total_gpu_milli
+        strand = self.stranded
+        before = frag(gpu_model, cpu_left, free) + strand(gpu_model, cpu_left, free)
+        if r.is_sharing:
+            best: tuple[float, int, int] | None = None
+            for g in cards_that_fit(state, r, node):
+                after = list(free)
+                after[g] -= r.gpu_milli
+                growth = frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after) - before
+                candidate = (growth, after[g], g)
+                if best is None or _better(candidate, best, self.tolerance):
+                    best = candidate
+            return (float("inf"), left, ()) if best is None else (best[0], left, (best[2],))
+        after = list(free)
+        if r.num_gpu:
+            whole = [g for g in cards_that_fit(state, r, node) if free[g] == MILLI_PER_GPU][: r.num_gpu]
+            for g in whole:
+                after[g] = 0
+        return (frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after) - before, left, ())
+
+    def stranded(self, gpu_model: str, cpu_left: int, free: tuple[int, ...] | list[int]) -> float:
+        """``S``: expected idle milli-GPU on the node that the workload's GPU tasks could not use for lack of CPU.
+
+        For each GPU shape that may use the node's model, the CPU left hosts ``cpu_left // shape.cpu`` copies;
+        idle GPU beyond what those copies would take is stranded for that shape.
+        """
+        free_gpu = sum(free)
+        if not self.stranding or free_gpu <= 0:
+            return 0.0
+        key = (gpu_model, cpu_left, free_gpu)
+        value = self._strand_cache.get(key)
+        if value is None:
+            value = 0.0
+            for p, cpu, milli, num, models in self._gpu_shapes:
+                if models and gpu_model not in models:
+                    continue  # F counts the node's whole idle GPU for this shape already
+                usable = (max(cpu_left, 0) // cpu) * milli * num
+                if usable < free_gpu:
+                    value += p * (free_gpu - usable)
+            if len(self._strand_cache) >= _CACHE_LIMIT:
+                self._strand_cache.clear()
+            self._strand_cache[key] = value
+        return value
+
+
+def _better(candidate: tuple[float, int, int], best: tuple[float, int, int], tolerance: float) -> bool:
+    """Card order: clearly less Δ wins; within the tolerance, the fuller card (less left), then the lower index."""
+    if candidate[0] < best[0] - tolerance:
+        return True
+    if candidate[0] > best[0] + tolerance:
+        return False
+    return (candidate[1], candidate[2]) < (best[1], best[2])
+
+
+def build(name: str, args: Args, ctx: PluginContext) -> ConsolidatingFragmentation:
+    if ctx.workload is None:
+        raise InvalidSpecError(
+            f"{args.where}: plugin 'octacloud' needs a target workload (build the profile with workload=...)"
+        )
+    tolerance = args.number("tolerance", DEFAULT_TOLERANCE, low=0.0)
+    stranding = args.flag("cpu-stranding", True)
+    args.finish()
+    return ConsolidatingFragmentation(ctx.workload, name, tolerance, stranding)
