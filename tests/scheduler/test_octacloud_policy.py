@@ -1,0 +1,101 @@
+"""octacloud's placement: exact fragmentation growth plus CPU stranding, consolidating among near-equal nodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from octacloud.core.errors import InvalidSpecError
+from octacloud.scheduler.fragmentation import TargetWorkload, WorkloadShape, node_fragmentation
+from octacloud.scheduler.framework import ClusterState, Scheduler
+from octacloud.scheduler.framework.api import CycleContext
+from octacloud.scheduler.plugins.octacloud import ConsolidatingFragmentation
+from octacloud.scheduler.policies import build_profile
+from tests.scheduler.helpers import check_invariants, node, place, req
+
+ONE_CARD_4_CORES = TargetWorkload((WorkloadShape(4000, 1000, 1),), (1.0,))
+MIXED = TargetWorkload(
+    (WorkloadShape(1000, 600, 1), WorkloadShape(2000, 1000, 1), WorkloadShape(8000, 1000, 2)), (0.5, 0.3, 0.2)
+)
+SEEDS = range(8)
+
+
+def _schedule(policy: str, state: ClusterState, workload: TargetWorkload, seed: int, request_: object) -> str:
+    scheduler = Scheduler(state, build_profile(policy, seed=seed, workload=workload))
+    decision = scheduler.decide(request_)  # type: ignore[arg-type]
+    assert decision.placement is not None, decision.explain()
+    return decision.placement.node
+
+
+def test_cpu_heavy_pod_avoids_stranding_idle_cards() -> None:
+    # 'a' has 10 cores for 2 idle cards: after a 4-core CPU-only pod only one 4-core GPU task still fits, so one
+    # card is stranded. FGD asks "does one task still fit?" (yes, on both nodes) and cannot tell them apart.
+    state = ClusterState([node("a", 2, cpu=10_000), node("b", 2, cpu=64_000)])
+    cpu_only = req("c", 0, 0, cpu=4000)
+    assert {_schedule("octacloud", state, ONE_CARD_4_CORES, s, cpu_only) for s in SEEDS} == {"b"}
+    assert "a" in {_schedule("fgd", state, ONE_CARD_4_CORES, s, cpu_only) for s in SEEDS}
+
+
+def test_stranding_counts_what_cpu_cannot_host() -> None:
+    plugin = ConsolidatingFragmentation(ONE_CARD_4_CORES)
+    assert plugin.stranded("T4", 10_000, (1000, 1000)) == 0.0  # two 4-core tasks fit
+    assert plugin.stranded("T4", 6_000, (1000, 1000)) == 1000.0  # one fits; the other card is stranded
+    assert plugin.stranded("T4", 3_000, (1000, 500)) == 1500.0  # none fits by CPU
+    assert ConsolidatingFragmentation(ONE_CARD_4_CORES, stranding=False).stranded("T4", 0, (1000,)) == 0.0
+
+
+def test_near_equal_nodes_consolidate_on_the_fuller() -> None:
+    state = ClusterState([node("a", 4), node("b", 4)])
+    place(state, req("x", 1000), "a", (0,))
+    whole = req("p", 1000)
+    assert {_schedule("octacloud", state, ONE_CARD_4_CORES, s, whole) for s in SEEDS} == {"a"}
+
+
+def test_clearly_less_fragmentation_beats_consolidation() -> None:
+    # A 600 share on 'a' (a card with 700 free) leaves 100 nobody can use; on the idle 'b' it leaves 400 idle that
+    # the 600 and whole-card shapes cannot use either, but keeps 'a''s 700 for a 600 share. Compare exactly.
+    state = ClusterState([node("a", 1), node("b", 1)])
+    place(state, req("x", 300), "a", (0,))
+    plugin = ConsolidatingFragmentation(MIXED, stranding=False)
+    ctx = CycleContext(state, req("p", 600))
+    raw = plugin.score(ctx, [0, 1])
+    for i, score in enumerate(raw):
+        before = node_fragmentation(state, i, MIXED)
+        place(state, req("probe", 600), state.nodes[i].name, (0,))
+        after = node_fragmentation(state, i, MIXED)
+        state.release("probe")
+        assert score == pytest.approx(before - after)  # the raw score is −ΔF, exactly
+    normalized = plugin.normalize(ctx, raw)
+    assert max(normalized) == 100.0 and min(normalized) >= 0.0
+    best = 0 if raw[0] > raw[1] else 1
+    assert normalized[best] == 100.0
+
+
+def test_share_goes_to_the_fullest_near_equal_card() -> None:
+    state = ClusterState([node("a", 3)])
+    place(state, req("x", 200), "a", (0,))
+    place(state, req("y", 400), "a", (1,))
+    workload = TargetWorkload((WorkloadShape(1000, 100, 1),), (1.0,))  # every remainder stays usable: ΔF = 0
+    decision = Scheduler(state, build_profile("octacloud", seed=3, workload=workload)).schedule(req("p", 300))
+    assert decision.placement is not None and decision.placement.gpus == (1,)
+    check_invariants(state)
+
+
+def test_whole_node_kept_for_a_large_shape() -> None:
+    # The workload has 2-card tasks: one card on the half-used 'a' keeps 'b' whole; the opposite breaks it.
+    state = ClusterState([node("a", 2), node("b", 2)])
+    place(state, req("x", 1000), "a", (0,))
+    assert {_schedule("octacloud", state, MIXED, s, req("p", 1000)) for s in SEEDS} == {"a"}
+
+
+def test_invalid_settings_are_refused() -> None:
+    with pytest.raises(InvalidSpecError, match="tolerance"):
+        ConsolidatingFragmentation(MIXED, tolerance=-1.0)
+    plugin = ConsolidatingFragmentation(MIXED)
+    state = ClusterState([node("a")])
+    with pytest.raises(InvalidSpecError, match="without its score call"):
+        plugin.normalize(CycleContext(state, req("p", 500)), [0.0])
+
+
+def test_profile_needs_a_workload() -> None:
+    with pytest.raises(InvalidSpecError, match="target workload"):
+        build_profile("octacloud", seed=0)
