@@ -1,0 +1,77 @@
+"""The re-evaluation loop: timing on an injected clock, place → preempt → defragment, budgets."""
+
+from __future__ import annotations
+
+import pytest
+
+from octacloud.core.errors import InvalidSpecError
+from octacloud.scheduler.framework import ClusterState, Scheduler
+from octacloud.scheduler.loop import LoopSettings, ReevaluationLoop
+from octacloud.scheduler.policies import build_profile
+from tests.scheduler.helpers import check_invariants, node, place, req
+
+
+def _loop(state: ClusterState, **settings: object) -> ReevaluationLoop:
+    ticks = iter(float(k) for k in range(1000))
+    return ReevaluationLoop(
+        Scheduler(state, build_profile("bestfit", seed=2)),
+        LoopSettings(**settings),  # type: ignore[arg-type]
+        timer=lambda: next(ticks),
+    )
+
+
+def test_due_every_period_on_the_injected_clock() -> None:
+    loop = _loop(ClusterState([node("a")]), period=5.0)
+    assert loop.due(0.0)
+    loop.run_pass(0.0, [])
+    assert not loop.due(4.999)
+    assert loop.due(5.0)
+    report = loop.run_pass(5.0, [])
+    assert report.started == 5.0 and report.seconds == 1.0  # the injected timer, not the wall clock
+    assert loop.passes == 2
+
+
+def test_places_pending_highest_priority_first() -> None:
+    state = ClusterState([node("a", 1)])
+    report = _loop(state).run_pass(0.0, [req("low", 1000), req("high", 1000, priority=5)])
+    assert list(report.placed) == ["high"]
+    assert [r.name for r in report.pending] == ["low"]
+    check_invariants(state)
+
+
+def test_preempts_lower_priority_and_returns_victims() -> None:
+    state = ClusterState([node("a", 1)])
+    place(state, req("batch", 1000), "a", (0,))
+    report = _loop(state, defragment=False).run_pass(0.0, [req("urgent", 1000, priority=10)])
+    assert "urgent" in report.placed
+    assert [v.request.name for v in report.preempted] == ["batch"]
+    assert [r.name for r in report.pending] == ["batch"]
+    check_invariants(state)
+
+
+def test_no_preemption_when_switched_off_or_equal_priority() -> None:
+    state = ClusterState([node("a", 1)])
+    place(state, req("batch", 1000), "a", (0,))
+    assert _loop(state, preempt=False, defragment=False).run_pass(0.0, [req("u", 1000, priority=9)]).placed == {}
+    assert _loop(state, defragment=False).run_pass(0.0, [req("peer", 1000)]).placed == {}
+
+
+def test_defragments_within_the_pass_budget() -> None:
+    state = ClusterState([node("a"), node("b")])
+    place(state, req("x", 500), "a", (0,))
+    place(state, req("y", 500), "b", (0,))
+    place(state, req("u", 1000), "a", (1,))
+    place(state, req("v", 1000), "b", (1,))
+    assert _loop(state, moves_per_pass=0).run_pass(0.0, [req("p", 1000)]).placed == {}
+    loop = _loop(state, moves_per_pass=1)
+    report = loop.run_pass(0.0, [req("p", 1000), req("q", 1000)])
+    assert list(report.placed) == ["p"] and len(report.moves) == 1 and loop.total_moves == 1
+    assert [r.name for r in report.pending] == ["q"]
+    check_invariants(state)
+
+
+def test_invalid_settings() -> None:
+    with pytest.raises(InvalidSpecError, match="period"):
+        LoopSettings(period=0)
+    with pytest.raises(InvalidSpecError, match="budgets"):
+        LoopSettings(moves_per_pass=-1)
