@@ -70,6 +70,9 @@ def simulate(
     warmup: float = typer.Option(0.0, "--warmup", help="Churn: seconds left out of the time average."),
     queue: bool = typer.Option(False, "--queue/--no-queue", help="Churn: requests that fit nowhere wait."),
     period: float = typer.Option(5.0, "--period", help="Churn: seconds between re-evaluations of the queue."),
+    defrag: int = typer.Option(
+        0, "--defrag", help="Churn: re-evaluate with the scheduler's loop, defragmenting with up to N moves per pass."
+    ),
 ) -> None:
     """Replay traces under the FGD paper's protocol (or in churn mode) and write results to --out."""
     if ctx.invoked_subcommand is not None:
@@ -96,6 +99,10 @@ def simulate(
                 raise InvalidSpecError(f"--tune must be in (0, 10], got {tune}")
             specs = [RunSpec(fleet, t, p, s, tune) for t in traces for p in policies for s in seed_list]
         else:
+            if defrag < 0:
+                raise InvalidSpecError(f"--defrag: moves per pass must be >= 0, got {defrag}")
+            if defrag and not queue:
+                raise InvalidSpecError("--defrag needs --queue: defragmentation makes room for requests that wait")
             if duration <= 0 or not 0 <= warmup < duration or period <= 0:
                 raise InvalidSpecError(
                     f"churn: need --duration > 0, 0 <= --warmup < --duration and --period > 0 "
@@ -103,7 +110,7 @@ def simulate(
                 )
             arrival_spec, lifetime_spec = parse_arrivals(arrivals), parse_lifetime(lifetime)
             churn_specs = [
-                ChurnSpec(fleet, t, p, s, arrival_spec, lifetime_spec, duration, queue, period, warmup)
+                ChurnSpec(fleet, t, p, s, arrival_spec, lifetime_spec, duration, queue, period, warmup, defrag)
                 for t in traces
                 for p in policies
                 for s in seed_list
@@ -242,7 +249,8 @@ def _run_churn(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> No
 
         churn_timelines(results, out)
     table = Table(title="churn: time-averaged GPU allocation")
-    for name in ("workload", "policy", "seed", "offered %", "allocated %", "placed", "failed", "queued", "wait s"):
+    columns = ("workload", "policy", "seed", "offered %", "allocated %", "placed", "failed", "queued", "wait s")
+    for name in (*columns, "moves"):
         table.add_column(name, justify="left" if name in ("workload", "policy") else "right")
     for r in results:
         rep = r.report
@@ -256,6 +264,7 @@ def _run_churn(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> No
             str(rep.failed),
             str(rep.queued_at_end),
             f"{rep.mean_wait_seconds:.1f}",
+            str(r.moves),
         )
     console.print(table)
     console.print(f"results in {out}/ (churn.json{', churn_*.png' if plots else ''})")

@@ -24,10 +24,12 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node, Request
 from octacloud.scheduler.fragmentation import FragmentationTracker, TargetWorkload
 from octacloud.scheduler.framework import ClusterState, Decision, Scheduler
+from octacloud.scheduler.loop import LoopSettings, ReevaluationLoop
 from octacloud.scheduler.policies import POLICY_IDS, build_profile, policy_names
 from octacloud.sim.churn import ChurnReport, ChurnSimulation, ReevaluationHook
 from octacloud.sim.metrics import Curve, RunRecorder, value_at
 from octacloud.sim.protocol import inflate, replay
+from octacloud.sim.reevaluate import LoopHook
 from octacloud.sim.synthetic import Lifetime, PoissonArrivals, offered_load, synthetic_arrivals
 from octacloud.sim.traces import read_nodes, read_pods
 
@@ -288,6 +290,8 @@ class ChurnSpec:
     queue: bool = False
     period: float = 5.0
     warmup: float = 0.0
+    defrag_moves: int = 0
+    """Re-evaluate with the scheduler's loop, defragmenting with up to this many moves per pass (0: plain retry)."""
 
     @property
     def workload(self) -> str:
@@ -302,6 +306,9 @@ class ChurnResult:
     timeline: list[tuple[float, float]]
     """Allocated GPU % at :data:`TIMELINE_POINTS` evenly spaced instants of the run (for plots)."""
     wall_seconds: float
+    moves: int = 0
+    """Replica moves made by defragmentation (``defrag_moves`` > 0)."""
+    moved_gpu_milli: int = 0
 
     def summary(self) -> dict[str, object]:
         return {
@@ -312,8 +319,11 @@ class ChurnResult:
             "lifetime_spec": str(self.spec.lifetime),
             "queue": self.spec.queue,
             "period": self.spec.period,
+            "defrag_moves_per_pass": self.spec.defrag_moves,
             "offered_load_pct": round(self.offered_load_pct, 2),
             **self.report.as_dict(),
+            "moves": self.moves,
+            "moved_gpu_milli": self.moved_gpu_milli,
             "wall_seconds": round(self.wall_seconds, 2),
         }
 
@@ -329,6 +339,11 @@ def run_churn(spec: ChurnSpec, hooks: Sequence[ReevaluationHook] | None = None) 
     workload = TargetWorkload.from_requests(shapes)
     scheduler = Scheduler(state, build_profile(spec.policy, seed=spec.seed, workload=workload))
     arrivals = synthetic_arrivals(shapes, spec.arrivals, spec.lifetime, seed=spec.seed, until=spec.duration)
+    loop_hook: LoopHook | None = None
+    if spec.defrag_moves > 0 and hooks is None:
+        settings = LoopSettings(period=spec.period, moves_per_pass=spec.defrag_moves)
+        loop_hook = LoopHook(ReevaluationLoop(scheduler, settings))
+        hooks = [loop_hook]
     simulation = ChurnSimulation(
         scheduler,
         arrivals,
@@ -347,6 +362,8 @@ def run_churn(spec: ChurnSpec, hooks: Sequence[ReevaluationHook] | None = None) 
         100.0 * load,
         _sample_timeline(simulation.timeline, spec.duration, state.total_gpu_milli),
         time.perf_counter() - started,
+        loop_hook.moves if loop_hook is not None else 0,
+        loop_hook.moved_gpu_milli if loop_hook is not None else 0,
     )
 
 

@@ -1,0 +1,38 @@
+"""Churn mode driven by the scheduler's re-evaluation loop (:mod:`octacloud.scheduler.loop`).
+
+:class:`LoopHook` is a :class:`~octacloud.sim.churn.ReevaluationHook`: every period it hands the pending queue to
+:meth:`ReevaluationLoop.run_pass` and starts what the pass placed. Moves made by defragmentation keep each
+replica's name, so its departure still applies; the hook counts them. Synthetic churn requests all have the same
+priority, so preemption has nothing to do here; victims, if a caller's requests had priorities, are stopped and
+re-queued with the lifetime they have left.
+"""
+
+from __future__ import annotations
+
+from octacloud.scheduler.loop import ReevaluationLoop
+from octacloud.sim.churn import ChurnSimulation, Pending
+
+
+class LoopHook:
+    """Runs one loop pass per re-evaluation tick of a :class:`ChurnSimulation`."""
+
+    def __init__(self, loop: ReevaluationLoop) -> None:
+        self.loop = loop
+        self.moves = 0
+        self.moved_gpu_milli = 0
+        self.pass_seconds = 0.0
+
+    def __call__(self, sim: ChurnSimulation) -> None:
+        items = sim.take_pending()
+        waiting = {item.request.name: item for item in items}
+        report = self.loop.run_pass(sim.now, [item.request for item in items])
+        for victim in report.preempted:
+            running = sim.running.pop(victim.request.name)  # already released by the preemption
+            waiting[victim.request.name] = Pending(running.request, max(running.departs - sim.now, 0.0), sim.now)
+        for name in report.placed:
+            item = waiting.pop(name)
+            sim.start_placed(item.request, item.lifetime, since=item.since)
+        sim.pending.extend(waiting[r.name] for r in report.pending)
+        self.moves += len(report.moves)
+        self.moved_gpu_milli += sum(m.request.total_gpu_milli for m in report.moves)
+        self.pass_seconds += report.seconds
