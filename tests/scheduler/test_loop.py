@@ -63,6 +63,7 @@ def test_defragments_within_the_pass_budget() -> None:
     place(state, req("u", 1000), "a", (1,))
     place(state, req("v", 1000), "b", (1,))
     assert _loop(state, moves_per_pass=0).run_pass(0.0, [req("p", 1000)]).placed == {}
+    assert _loop(state, defrag_attempts=0).run_pass(0.0, [req("p", 1000)]).placed == {}
     loop = _loop(state, moves_per_pass=1)
     report = loop.run_pass(0.0, [req("p", 1000), req("q", 1000)])
     assert list(report.placed) == ["p"] and len(report.moves) == 1 and loop.total_moves == 1
@@ -75,3 +76,5 @@ def test_invalid_settings() -> None:
         LoopSettings(period=0)
     with pytest.raises(InvalidSpecError, match="budgets"):
         LoopSettings(moves_per_pass=-1)
+    with pytest.raises(InvalidSpecError, match="defrag_attempts"):
+        LoopSettings(defrag_attempts=-1)

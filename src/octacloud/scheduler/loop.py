@@ -29,6 +29,7 @@ from octacloud.scheduler.framework.state import Allocation
 DEFAULT_PERIOD = 5.0
 """Seconds between passes (the design's loop)."""
 DEFAULT_MOVES_PER_PASS = 16
+DEFAULT_DEFRAG_ATTEMPTS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +40,16 @@ class LoopSettings:
     moves_per_pass: int = DEFAULT_MOVES_PER_PASS
     """Budget of replica moves in one pass (all defragmentations together)."""
     moves_per_request: int = DEFAULT_MAX_MOVES
+    defrag_attempts: int = DEFAULT_DEFRAG_ATTEMPTS
+    """Pending requests (of distinct shapes) defragmentation may try per pass: bounds a pass's cost."""
     allow_pinned: bool = False
     """Whether preemption and defragmentation may touch pinned work."""
 
     def __post_init__(self) -> None:
         if not self.period > 0:
             raise InvalidSpecError(f"loop: period must be > 0 seconds, got {self.period}")
+        if self.defrag_attempts < 0:
+            raise InvalidSpecError(f"loop: defrag_attempts must be >= 0, got {self.defrag_attempts}")
         if self.moves_per_pass < 0 or self.moves_per_request < 0:
             raise InvalidSpecError(
                 f"loop: move budgets must be >= 0, got {self.moves_per_pass} per pass, {self.moves_per_request} each"
@@ -141,13 +146,14 @@ class ReevaluationLoop:
 
     def _defragment(self, waiting: list[Request], report: PassReport) -> list[Request]:
         s = self.settings
-        budget = s.moves_per_pass
+        budget, attempts = s.moves_per_pass, s.defrag_attempts
         still: list[Request] = []
         failed: set[tuple[object, ...]] = set()
         for r in waiting:
-            if budget <= 0 or _shape(r) in failed:
+            if budget <= 0 or attempts <= 0 or _shape(r) in failed:
                 still.append(r)
                 continue
+            attempts -= 1
             outcome = defragment(
                 self.scheduler, r, max_moves=min(budget, s.moves_per_request), allow_pinned=s.allow_pinned
             )

@@ -28,9 +28,9 @@ from octacloud.scheduler.framework.transaction import Operation, Transaction
 
 DEFAULT_MAX_MOVES = 4
 """Moves one defragmentation may make (per request; the loop also has a budget per pass)."""
-DEFAULT_MAX_TARGETS = 16
+DEFAULT_MAX_TARGETS = 4
 """Target nodes examined per request, the ones missing the least capacity first (bounds the cost)."""
-DEFAULT_MAX_SETS_PER_TARGET = 64
+DEFAULT_MAX_SETS_PER_TARGET = 8
 """Mover sets tried per target before giving up on it."""
 SHADOW_SUFFIX = "@move"
 
