@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -47,7 +48,8 @@ def _octacloud() -> str:
 def served(repo: Path, *args: str) -> Iterator[grpcclient.InferenceServerClient]:
     """``octacloud serve`` on free loopback ports; stopped (by its PID) on exit."""
     http, grpc = _free_port(), _free_port()
-    log = repo.parent / f"serve-{grpc}.log"
+    # The log goes to a private temp dir: never beside the repository (the built examples live in the project).
+    log = Path(tempfile.mkdtemp(prefix="octacloud-serve-")) / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [
@@ -92,6 +94,7 @@ def served(repo: Path, *args: str) -> Iterator[grpcclient.InferenceServerClient]
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        shutil.rmtree(log.parent, ignore_errors=True)
 
 
 def wait_for(condition: Callable[[], bool], what: str, seconds: float = 60) -> None:
