@@ -99,3 +99,49 @@ def test_invalid_settings_are_refused() -> None:
 def test_profile_needs_a_workload() -> None:
     with pytest.raises(InvalidSpecError, match="target workload"):
         build_profile("octacloud", seed=0)
+
+
+def test_memory_stranding_counts_what_memory_cannot_host() -> None:
+    # One-card tasks of 4 cores and (median) 48 GiB: on a node with 64 GiB left only one fits.
+    workload = TargetWorkload((WorkloadShape(4000, 1000, 1),), (1.0,), (48 * 1024,))
+    plugin = ConsolidatingFragmentation(workload)
+    assert plugin.stranded("T4", 64_000, (1000, 1000), 96 * 1024) == 0.0
+    assert plugin.stranded("T4", 64_000, (1000, 1000), 64 * 1024) == 1000.0
+    assert plugin.stranded("T4", 64_000, (1000, 1000)) == 0.0  # memory not given: CPU only
+
+
+def test_memory_heavy_pod_avoids_stranding_idle_cards() -> None:
+    # 'a' and 'b' differ only in memory. A 64 GiB pod on 'a' leaves 32 GiB: the workload's 48 GiB one-card tasks
+    # can no longer use its other card. CPU alone (and FGD) cannot tell the nodes apart; 'a' comes first.
+    workload = TargetWorkload((WorkloadShape(4000, 1000, 1),), (1.0,), (48 * 1024,))
+    state = ClusterState([node("a", 2, memory=96 * 1024), node("b", 2, memory=256 * 1024)])
+    pod = req("p", 1000, cpu=4000, memory=64 * 1024)
+    assert {_schedule("octacloud", state, workload, s, pod) for s in SEEDS} == {"b"}
+    assert "a" in {_schedule("fgd", state, workload, s, pod) for s in SEEDS}
+
+
+def test_median_memory_of_each_shape_is_recorded() -> None:
+    requests = [req(f"r{k}", 1000, cpu=4000, memory=m) for k, m in enumerate((1024, 2048, 9999))]
+    workload = TargetWorkload.from_requests(requests, coverage=1.0)
+    assert workload.memory_mib == (2048,)
+    with pytest.raises(InvalidSpecError, match="memories"):
+        TargetWorkload((WorkloadShape(4000, 1000, 1),), (1.0,), (1, 2))
+
+
+def test_cpu_rich_whole_node_kept_for_the_tasks_only_it_can_host() -> None:
+    # Two idle 8-card nodes: 'a' has 96 cores, 'b' 128. The workload has 8-card tasks of 88 cores (either node)
+    # and of 120 cores (only 'b'). A one-card pod must break one of them. Breaking 'b' loses the 120-core tasks'
+    # only home (F sees it); breaking 'a' loses nothing they could use. The stranding term used to charge 'a' for
+    # the 88-core tasks' CPU although seven cards can no longer host them anyway (F counts that already), and
+    # sent the pod to 'b'.
+    workload = TargetWorkload(
+        (WorkloadShape(4000, 1000, 1), WorkloadShape(88_000, 1000, 8), WorkloadShape(120_000, 1000, 8)),
+        (0.5, 0.45, 0.05),
+    )
+    state = ClusterState([node("b", 8, cpu=128_000), node("a", 8, cpu=96_000)])
+    pod = req("p", 1000, cpu=12_000)
+    assert {_schedule("octacloud", state, workload, s, pod) for s in SEEDS} == {"a"}
+    plugin = ConsolidatingFragmentation(workload)
+    # seven cards left: the 8-card shapes add nothing to S on either node
+    assert plugin.stranded("T4", 84_000, (0,) + (1000,) * 7) == pytest.approx(0.0)
+    assert plugin.stranded("T4", 116_000, (0,) + (1000,) * 7) == pytest.approx(0.0)

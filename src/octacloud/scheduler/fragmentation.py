@@ -21,6 +21,7 @@ floating-point result, and hence FGD's integer-truncated score, matches theirs b
 from __future__ import annotations
 
 import math
+import statistics
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -56,16 +57,25 @@ class WorkloadShape:
 
 @dataclass(frozen=True, slots=True)
 class TargetWorkload:
-    """A distribution over task shapes: ``probabilities[k]`` is the chance of ``shapes[k]``."""
+    """A distribution over task shapes: ``probabilities[k]`` is the chance of ``shapes[k]``.
+
+    ``memory_mib[k]``, when given, is the typical (median) host memory of ``shapes[k]``'s tasks. FGD's measure
+    ignores memory (as the authors' does); octacloud's stranding term uses it. Empty: memory unknown.
+    """
 
     shapes: tuple[WorkloadShape, ...]
     probabilities: tuple[float, ...]
+    memory_mib: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.probabilities):
             raise InvalidSpecError(
                 f"target workload: {len(self.shapes)} shapes but {len(self.probabilities)} probabilities"
             )
+        if self.memory_mib and len(self.memory_mib) != len(self.shapes):
+            raise InvalidSpecError(f"target workload: {len(self.shapes)} shapes but {len(self.memory_mib)} memories")
+        if any(m < 0 for m in self.memory_mib):
+            raise InvalidSpecError("target workload: memory must be >= 0 MiB")
         if not self.shapes:
             raise InvalidSpecError("target workload: needs at least one shape")
         for shape, p in zip(self.shapes, self.probabilities, strict=True):
@@ -81,11 +91,14 @@ class TargetWorkload:
 
         Shapes are ranked by count, ties by the larger CPU, then GPU milli, card count and model spec (the
         authors' stable order); shapes are added one at a time until their count reaches ``coverage`` of all.
-        CPU-only requests are shapes like any other.
+        CPU-only requests are shapes like any other. Each chosen shape also records its requests' median memory.
         """
         if not 0.0 < coverage <= 1.0:
             raise InvalidSpecError(f"target workload: coverage must be in (0, 1], got {coverage}")
-        counts = Counter(WorkloadShape.of(r) for r in requests)
+        memories: dict[WorkloadShape, list[int]] = {}
+        for r in requests:
+            memories.setdefault(WorkloadShape.of(r), []).append(r.memory_mib)
+        counts = Counter({shape: len(m) for shape, m in memories.items()})
         if not counts:
             raise InvalidSpecError("target workload: no requests to learn shapes from")
         total = sum(counts.values())
@@ -102,7 +115,11 @@ class TargetWorkload:
                 break
             chosen.append((shape, n))
             covered += n
-        return cls(tuple(s for s, _ in chosen), tuple(n / covered for _, n in chosen))
+        return cls(
+            tuple(s for s, _ in chosen),
+            tuple(n / covered for _, n in chosen),
+            tuple(int(statistics.median(memories[s])) for s, _ in chosen),
+        )
 
     @classmethod
     def from_weights(cls, weights: Mapping[WorkloadShape, float]) -> TargetWorkload:

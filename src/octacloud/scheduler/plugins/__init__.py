@@ -40,7 +40,9 @@ def builtin_registry() -> PluginRegistry:
     reg.register("bestfit", bestfit.build, "score: published BestFit baseline")
     reg.register("fgd", fgd.build, "score + cards: fragmentation gradient descent (needs a target workload)")
     reg.register(
-        "octacloud", octacloud.build, "score + cards: fragmentation + CPU stranding growth, consolidating (octacloud's)"
+        "octacloud",
+        octacloud.build,
+        "score + cards: fragmentation + CPU and memory stranding growth, consolidating (octacloud's)",
     )
     reg.register("spread", spread.build, "score: least allocated node first")
     reg.register("gpu-type", gpu_type.build, "filter + score: allowed, denied, preferred and reserved GPU models")

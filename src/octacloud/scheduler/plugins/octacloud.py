@@ -5,11 +5,14 @@ workload, ``Δ = ΔF + ΔS`` (milli-GPU):
 
 * ``F`` is FGD's fragmentation (``octacloud.scheduler.fragmentation``): the expected idle milli-GPU that *one*
   task drawn from the workload could not use (for a sharing request, on the card where it grows least);
-* ``S`` is CPU stranding, which FGD cannot see because it asks about one task at a time: for each GPU shape of
-  the workload, the node's CPU left can host ``cpu_left // shape.cpu`` more such tasks; idle GPU beyond what those
-  tasks would take is stranded for that shape. ``S`` is the workload-weighted sum (CPU-only shapes and shapes
-  that cannot use the node's GPU model add nothing here; ``F`` already counts them). A CPU-heavy pod on a node
-  with idle cards raises ``S``; the same pod on a CPU-rich node does not.
+* ``S`` is CPU and memory stranding, which FGD cannot see because it asks about one task at a time: for each GPU
+  shape of the workload, the node's CPU and memory left can host ``min(cpu_left // shape.cpu, memory_left //
+  shape.memory)`` more such tasks (memory: the shape's median request, where the workload records it); idle GPU
+  beyond what those tasks would take is stranded for that shape. ``S`` is the workload-weighted sum. CPU-only
+  shapes, shapes that cannot use the node's GPU model, and multi-card shapes for which the node no longer has
+  enough fitting cards add nothing here: ``F`` already counts the node's whole idle GPU for them, and counting it
+  again made ``S`` favour breaking the CPU-rich nodes that only the CPU-heavy multi-card tasks can use. A
+  CPU-heavy pod on a node with idle cards raises ``S``; the same pod on a CPU-rich node does not.
 
 Then, lexicographically: nodes whose ``Δ`` lies within ``tolerance`` milli-GPU of the smallest are near-equal
 (an expectation over a workload estimate carries no information far below a card's worth); among them the node
@@ -22,6 +25,7 @@ Results are cached per (request shape, node signature) and per node version, as 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -51,10 +55,10 @@ class ConsolidatingFragmentation:
     name: str = "octacloud"
     tolerance: float = DEFAULT_TOLERANCE
     stranding: bool = True
-    """Count CPU stranding (``S``); off leaves exact FGD fragmentation with consolidation."""
+    """Count CPU and memory stranding (``S``); off leaves exact FGD fragmentation with consolidation."""
     model: FragmentationModel = field(init=False)
-    _gpu_shapes: list[tuple[float, int, int, int, frozenset[str]]] = field(default_factory=list, init=False)
-    _strand_cache: dict[tuple[str, int, int], float] = field(default_factory=dict, init=False)
+    _gpu_shapes: list[tuple[float, int, int, int, frozenset[str], int]] = field(default_factory=list, init=False)
+    _strand_cache: dict[tuple[str, int, int, tuple[int, ...]], float] = field(default_factory=dict, init=False)
     _cache: dict[_Shape, dict[NodeSignature, _Eval]] = field(default_factory=dict, init=False)
     _by_node: dict[_Shape, tuple[list[int], list[_Eval | None]]] = field(default_factory=dict, init=False)
     _state: ClusterState | None = field(default=None, init=False)
@@ -64,9 +68,10 @@ class ConsolidatingFragmentation:
         if not self.tolerance >= 0:
             raise InvalidSpecError(f"plugin {self.name!r}: tolerance must be >= 0 milli-GPU, got {self.tolerance}")
         self.model = compile_workload(self.workload)
+        memories = self.workload.memory_mib or (0,) * len(self.workload.shapes)
         self._gpu_shapes = [
-            (p, s.cpu_milli, s.gpu_milli, s.num_gpu, s.gpu_models)
-            for s, p in zip(self.workload.shapes, self.workload.probabilities, strict=True)
+            (p, s.cpu_milli, s.gpu_milli, s.num_gpu, s.gpu_models, m)
+            for s, p, m in zip(self.workload.shapes, self.workload.probabilities, memories, strict=True)
             if s.num_gpu and s.cpu_milli > 0
         ]
 
@@ -131,18 +136,19 @@ class ConsolidatingFragmentation:
 
     def _evaluate(self, ctx: CycleContext, node: int) -> _Eval:
         state, r = ctx.state, ctx.request
-        gpu_model, cpu_left, _memory, free = state.signature[node]
+        gpu_model, cpu_left, memory, free = state.signature[node]
         frag = self.model.fragmentation
         cpu_after = cpu_left - r.cpu_milli
+        memory_after = memory - r.memory_mib
         left = sum(free) - r.total_gpu_milli
         strand = self.stranded
-        before = frag(gpu_model, cpu_left, free) + strand(gpu_model, cpu_left, free)
+        before = frag(gpu_model, cpu_left, free) + strand(gpu_model, cpu_left, free, memory)
         if r.is_sharing:
             best: tuple[float, int, int] | None = None
             for g in cards_that_fit(state, r, node):
                 after = list(free)
                 after[g] -= r.gpu_milli
-                growth = frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after) - before
+                growth = frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after, memory_after) - before
                 candidate = (growth, after[g], g)
                 if best is None or _better(candidate, best, self.tolerance):
                     best = candidate
@@ -152,25 +158,37 @@ class ConsolidatingFragmentation:
             whole = [g for g in cards_that_fit(state, r, node) if free[g] == MILLI_PER_GPU][: r.num_gpu]
             for g in whole:
                 after[g] = 0
-        return (frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after) - before, left, ())
+        growth = frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after, memory_after) - before
+        return (growth, left, ())
 
-    def stranded(self, gpu_model: str, cpu_left: int, free: tuple[int, ...] | list[int]) -> float:
-        """``S``: expected idle milli-GPU on the node that the workload's GPU tasks could not use for lack of CPU.
+    def stranded(
+        self, gpu_model: str, cpu_left: int, free: tuple[int, ...] | list[int], memory_left: int | None = None
+    ) -> float:
+        """``S``: expected idle milli-GPU on the node that the workload's GPU tasks could not use for lack of CPU or
+        memory (``memory_left=None``: CPU only).
 
-        For each GPU shape that may use the node's model, the CPU left hosts ``cpu_left // shape.cpu`` copies;
-        idle GPU beyond what those copies would take is stranded for that shape.
+        For each GPU shape that may use the node's model and still finds enough cards for one task, the CPU and
+        memory left host ``min(cpu_left // shape.cpu, memory_left // shape.memory)`` copies; idle GPU beyond what
+        those copies would take is stranded for that shape.
         """
         free_gpu = sum(free)
         if not self.stranding or free_gpu <= 0:
             return 0.0
-        key = (gpu_model, cpu_left, free_gpu)
+        cards = tuple(sorted(free))
+        key = (gpu_model, cpu_left, -1 if memory_left is None else memory_left, cards)
         value = self._strand_cache.get(key)
         if value is None:
             value = 0.0
-            for p, cpu, milli, num, models in self._gpu_shapes:
+            cpu = max(cpu_left, 0)
+            for p, cpu_milli, milli, num, models, memory_mib in self._gpu_shapes:
                 if models and gpu_model not in models:
                     continue  # F counts the node's whole idle GPU for this shape already
-                usable = (max(cpu_left, 0) // cpu) * milli * num
+                if num > 1 and len(cards) - bisect_left(cards, milli) < num:
+                    continue  # not enough cards for one task: F counts the whole idle GPU for it already
+                copies = cpu // cpu_milli
+                if memory_left is not None and memory_mib > 0:
+                    copies = min(copies, max(memory_left, 0) // memory_mib)
+                usable = copies * milli * num
                 if usable < free_gpu:
                     value += p * (free_gpu - usable)
             if len(self._strand_cache) >= _CACHE_LIMIT:
