@@ -105,6 +105,7 @@ class Cloud:
         )
         scheduler = Scheduler(ClusterState(self.nodes), profile)
         self.routes = RouteTable()
+        self._prober = HttpProber()
         self.controller = Controller(
             store=self.store,
             nodes=self.nodes,
@@ -113,7 +114,7 @@ class Cloud:
             repository=config.repository.resolve(),
             routes=self.routes,
             clock=clock,
-            prober=HttpProber(),
+            prober=self._prober,
             footprint=RepositoryFootprints(config.repository),
             preemptor=lambda request: _preempt_names(self.scheduler, request),
             settings=config.controller,
@@ -204,6 +205,7 @@ class Cloud:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(task, 10)
+        await self._prober.close()
         await self.usage.close()
         await self.monitoring.close()
         self.store.close()

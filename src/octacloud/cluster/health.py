@@ -31,6 +31,10 @@ class HttpProber:
             return False
         return response.status == 200
 
+    async def close(self) -> None:
+        """Close the probe connections kept alive to replicas."""
+        await self.pool.close()
+
 
 class RepositoryFootprints:
     """A model's footprint from its folder: ``config.pbtxt`` parameters written by the toolchain

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import httptools
@@ -31,6 +32,8 @@ class _Parse:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     chunks: list[bytes] = field(default_factory=list)
     done: bool = False
+    keep_alive: bool = False
+    parser: httptools.HttpResponseParser | None = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
@@ -39,6 +42,10 @@ class _Parse:
         self.chunks.append(body)
 
     def on_message_complete(self) -> None:
+        # llhttp answers should_keep_alive() only inside a callback: once the message is complete and
+        # feed_data() has returned, the parser has reset and says False for every response.
+        assert self.parser is not None
+        self.keep_alive = self.parser.should_keep_alive()
         self.done = True
 
 
@@ -60,10 +67,14 @@ HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgra
 class UpstreamPool:
     """Pooled keep-alive connections to many replicas."""
 
-    def __init__(self, max_idle_per_host: int = 64, connect_timeout: float = 2.0) -> None:
+    def __init__(self, max_idle_per_host: int = 64, connect_timeout: float = 2.0, sweep_s: float = 5.0) -> None:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self.max_idle = max_idle_per_host
         self.connect_timeout = connect_timeout
+        self.sweep_s = sweep_s
+        """How often idle connections are checked: those the replica closed (its keep-alive timeout, or the
+        replica is gone) are dropped, so a pool that outlives many replicas does not keep their sockets."""
+        self._next_sweep = 0.0
 
     async def request(
         self,
@@ -76,6 +87,10 @@ class UpstreamPool:
         timeout: float | None = None,
     ) -> Response:
         key = (host, port)
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.sweep_s
+            self.sweep()
         conn = self._take(key)
         fresh = conn is None
         if conn is None:
@@ -121,13 +136,12 @@ class UpstreamPool:
         for name, value in headers:
             if name.lower() not in HOP_BY_HOP and name.lower() != b"content-length":
                 head += [name, b": ", value, b"\r\n"]
-        head += [b"Content-Length: ", str(len(body)).encode(), b"\r\n\r\n"]
+        head += [b"Content-Length: ", str(len(body)).encode(), b"\r\n\r\n", body]
         parse = _Parse()
         parser = httptools.HttpResponseParser(parse)
+        parse.parser = parser
         try:
-            conn.writer.write(b"".join(head))
-            if body:
-                conn.writer.write(body)
+            conn.writer.write(b"".join(head))  # one send: head and body together
             while not parse.done:
                 data = await conn.reader.read(262144)
                 if not data:
@@ -139,7 +153,7 @@ class UpstreamPool:
         except BaseException:
             conn.close()
             raise
-        if parser.should_keep_alive():
+        if parse.keep_alive:
             idle = self._idle.setdefault(key, [])
             if len(idle) < self.max_idle:
                 idle.append(conn)
@@ -150,13 +164,36 @@ class UpstreamPool:
         body_out = parse.chunks[0] if len(parse.chunks) == 1 else b"".join(parse.chunks)
         return Response(parser.get_status_code(), parse.headers, body_out)
 
+    def sweep(self) -> int:
+        """Close idle connections the other side has closed; returns how many were dropped."""
+        dropped = 0
+        for key in list(self._idle):
+            alive = []
+            for conn in self._idle[key]:
+                if conn.writer.is_closing() or conn.reader.at_eof():
+                    conn.close()
+                    dropped += 1
+                else:
+                    alive.append(conn)
+            if alive:
+                self._idle[key] = alive
+            else:
+                del self._idle[key]
+        return dropped
+
+    def idle_connections(self) -> int:
+        return sum(len(conns) for conns in self._idle.values())
+
     def forget(self, host: str, port: int) -> None:
         """Close idle connections to a replica that went away."""
         for conn in self._idle.pop((host, port), []):
             conn.close()
 
     async def close(self) -> None:
-        for conns in self._idle.values():
-            for conn in conns:
-                conn.close()
+        conns = [conn for idle in self._idle.values() for conn in idle]
         self._idle.clear()
+        for conn in conns:
+            conn.close()
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                await conn.writer.wait_closed()
