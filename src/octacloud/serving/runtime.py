@@ -98,6 +98,9 @@ class OnnxRuntime:
         options.intra_op_num_threads = max(1, threads)
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Replicas share a host's cores with other replicas and the gateway: idle intra-op threads must sleep,
+        # not spin (onnxruntime's default), or they burn the CPU the neighbours' slices paid for.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         available = ort.get_available_providers()
         chosen = (
             list(providers)
