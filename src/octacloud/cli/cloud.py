@@ -153,7 +153,10 @@ def up(
             )
         await cloud.serve_forever()
 
-    asyncio.run(main())
+    from octacloud.protocols.server import new_event_loop
+
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(main())
 
 
 def _print_fleet_summary(cloud: Any) -> None:

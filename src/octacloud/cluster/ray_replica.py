@@ -66,7 +66,7 @@ class ReplicaActor:
 
     def start(self, launch: ActorLaunch) -> ActorStarted:
         """Fetch the model, start the server, return once it serves (model loaded and warmed up)."""
-        from octacloud.protocols.server import ReplicaServer, ServerSettings
+        from octacloud.protocols.server import ReplicaServer, ServerSettings, new_event_loop
         from octacloud.serving import ControlMode
 
         spec = launch.spec
@@ -90,7 +90,7 @@ class ReplicaActor:
         failure: list[BaseException] = []
 
         def serve() -> None:
-            loop = _new_event_loop()
+            loop = new_event_loop()
             self._loop = loop
             self._stop_serving = asyncio.Event()
             try:
@@ -149,13 +149,3 @@ class ReplicaActor:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: already stopped
             loop.call_soon_threadsafe(event.set)
         thread.join(timeout=max(grace, 0.0) + 5.0)
-
-
-def _new_event_loop() -> asyncio.AbstractEventLoop:
-    """The event loop `octacloud serve` runs on (uvloop when available), so both backends serve alike."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvicorn[standard] brings uvloop
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop

@@ -20,7 +20,7 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,19 +208,22 @@ class ReplicaServer:
                 loop.remove_signal_handler(sig)
 
 
-def run(settings: ServerSettings) -> None:
-    """Run a replica in this process (uvloop when available) until SIGINT/SIGTERM."""
-    factory: Callable[[], asyncio.AbstractEventLoop]
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The event loop every octacloud server runs on: uvloop when available (uvicorn[standard] brings it)."""
     try:
         import uvloop
-
-        factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover - uvicorn[standard] brings uvloop
-        factory = asyncio.new_event_loop
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+def run(settings: ServerSettings) -> None:
+    """Run a replica in this process (uvloop when available) until SIGINT/SIGTERM."""
     # A serving process keeps a large, long-lived heap (models, grpc, numpy): move what exists at start out of
     # the collector's view and collect less often, so that full collections do not stretch the latency tail.
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(ReplicaServer(settings).serve_until_signalled())
