@@ -8,6 +8,15 @@ Triton's perf_analyzer (binary tensors) over HTTP and gRPC at each concurrency a
 endpoint and against the gateway, and prints throughput, p50/p99 and the gateway/direct ratio.
 Goal (issue 6): ≤ 10 % throughput loss at concurrency 8.
 
+Two CPU layouts, both measured by default (``--layout``):
+
+* ``shared``: every process (perf_analyzer, gateway, replica) may run on every core. On a small machine this
+  measures CPU contention as much as the gateway: each request through the gateway costs the gateway's CPU,
+  taken from the replica and the load generator.
+* ``split`` (needs ≥ 2 cores): the gateway process on core 0, the replica and perf_analyzer on the other
+  cores, in both the direct and the gateway run — as in production, where the gateway does not share the
+  replica's cores. This measures what the gateway itself limits: its added latency and throughput cap.
+
 The gateway requires an API key (issue 8): the bench reads the admin key ``octacloud up`` wrote to
 ``<state-dir>/admin.key`` and sends it as ``Authorization: Bearer`` (perf_analyzer ``-H``). perf_analyzer
 2.51 adds ``-H`` headers to HTTP requests only (no gRPC metadata), so gRPC through the gateway is measured
@@ -129,12 +138,45 @@ def run_pa(
     }
 
 
+def find_replica_pid(http_port: int) -> int:
+    """The local replica process serving ``http_port`` (its command line names the port)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv and str(http_port).encode() in argv:
+            return int(entry)
+    raise SystemExit(f"no local replica process serving port {http_port}")
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of a process (new threads inherit from the one that starts them)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except OSError:  # a thread that just ended
+            pass
+
+
+def place(layout: str, gateway_pid: int, replica_pid: int, cores: int) -> None:
+    """Apply a CPU layout to the gateway, the replica and this process (perf_analyzer inherits it)."""
+    every = set(range(cores))
+    rest = every - {0} if layout == "split" else every
+    _pin(gateway_pid, {0} if layout == "split" else every)
+    _pin(replica_pid, rest)
+    os.sched_setaffinity(0, rest)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, help="A Triton-layout model folder to use instead of the MLP.")
     parser.add_argument("--shape", default="INPUT0:256", help="perf_analyzer --shape for the model's input.")
     parser.add_argument("--seconds", type=float, default=2.0, help="perf_analyzer measurement window.")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--layout", choices=["shared", "split", "both"], default="both", help="CPU layouts to run.")
     parser.add_argument(
         "--grpc-headers", action="store_true", help="perf_analyzer sends -H as gRPC metadata: measure gRPC too."
     )
@@ -190,26 +232,37 @@ def main() -> None:
                 raise SystemExit(f"replica not ready; see {work}")
             time.sleep(0.3)
         print(f"replica {replica['id']} on {replica['node']} cards {replica['gpus']} ({cores} cores on this machine)")
+        layouts = ["shared", "split"] if args.layout == "both" else [args.layout]
+        if "split" in layouts and cores < 2:
+            print("(split layout skipped: it needs at least 2 cores)")
+            layouts.remove("split")
+        replica_pid = find_replica_pid(int(replica["http_port"]))  # type: ignore[call-overload]
         rows = []
-        for protocol in ("http", "grpc"):
-            direct = f"127.0.0.1:{replica['http_port' if protocol == 'http' else 'grpc_port']}"
-            gateway = f"127.0.0.1:{http_port if protocol == 'http' else grpc_port}"
-            for c in args.concurrency:
-                d_res = run_pa(pa, model, direct, protocol, c, args.seconds, args.shape, key)
-                if protocol == "grpc" and not args.grpc_headers:
-                    g_res = {"throughput": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
-                else:
-                    g_res = run_pa(pa, model, gateway, protocol, c, args.seconds, args.shape, key, args.grpc_headers)
-                rows.append((protocol, c, d_res, g_res))
-        print(f"\n{'protocol':8} {'conc':>4}  {'direct inf/s':>12} {'p50':>7} {'p99':>7}  {'gateway inf/s':>13} "
-              f"{'p50':>7} {'p99':>7}  {'gw/direct':>9}")  # fmt: skip
-        for protocol, c, d_res, g_res in rows:
+        for layout in layouts:
+            place(layout, up.pid, replica_pid, cores)
+            for protocol in ("http", "grpc"):
+                direct = f"127.0.0.1:{replica['http_port' if protocol == 'http' else 'grpc_port']}"
+                gateway = f"127.0.0.1:{http_port if protocol == 'http' else grpc_port}"
+                for c in args.concurrency:
+                    d_res = run_pa(pa, model, direct, protocol, c, args.seconds, args.shape, key)
+                    if protocol == "grpc" and not args.grpc_headers:
+                        g_res = {"throughput": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
+                    else:
+                        g_res = run_pa(
+                            pa, model, gateway, protocol, c, args.seconds, args.shape, key, args.grpc_headers
+                        )
+                    rows.append((layout, protocol, c, d_res, g_res))
+            place("shared", up.pid, replica_pid, cores)
+        print(f"\n{'layout':6} {'protocol':8} {'conc':>4}  {'direct inf/s':>12} {'p50':>7} {'p99':>7}  "
+              f"{'gateway inf/s':>13} {'p50':>7} {'p99':>7}  {'gw/direct':>9}")  # fmt: skip
+        for layout, protocol, c, d_res, g_res in rows:
             print(
-                f"{protocol:8} {c:>4}  {d_res['throughput']:>12.1f} {d_res['p50_ms']:>7.2f} {d_res['p99_ms']:>7.2f}  "
-                f"{g_res['throughput']:>13.1f} {g_res['p50_ms']:>7.2f} {g_res['p99_ms']:>7.2f}  "
-                f"{g_res['throughput'] / d_res['throughput']:>9.3f}"
+                f"{layout:6} {protocol:8} {c:>4}  {d_res['throughput']:>12.1f} {d_res['p50_ms']:>7.2f} "
+                f"{d_res['p99_ms']:>7.2f}  {g_res['throughput']:>13.1f} {g_res['p50_ms']:>7.2f} "
+                f"{g_res['p99_ms']:>7.2f}  {g_res['throughput'] / d_res['throughput']:>9.3f}"
             )
-        print("\n(latencies in ms; gw/direct is the gateway's throughput as a share of the direct replica's)")
+        print("\n(latencies in ms; gw/direct is the gateway's throughput as a share of the direct replica's;")
+        print(" shared: all processes on all cores; split: gateway on core 0, replica and perf_analyzer on the rest)")
         if not args.grpc_headers:
             print("(gRPC through the gateway: not measured, perf_analyzer 2.51 sends -H headers over HTTP only)")
     finally:
