@@ -173,6 +173,21 @@ def test_deploy_infer_scale_fail_restart_undeploy(tmp_path: Path, linear_repo: P
     out = g.infer("linear", [ginp], headers=meta).as_numpy("OUTPUT0")
     np.testing.assert_allclose(out, expected_output(x), rtol=1e-5, atol=1e-5)
     assert g.is_model_ready("linear", headers=meta)
+
+    # statistics through the gateway are the deployment's: the sum over its replicas, REST and gRPC
+    per_replica = [
+        httpx.get(f"http://127.0.0.1:{r['http_port']}/v2/models/linear/stats").json()["model_stats"][0]
+        for r in cloud.deployment("linear")["instances"]
+    ]
+    total = sum(int(s["inference_count"]) for s in per_replica)
+    assert total == 6  # two requests of three rows, wherever they landed
+    rest_stats = httpx.get(f"{cloud.url}/v2/models/linear/stats", headers=cloud.auth).json()["model_stats"]
+    assert [int(s["inference_count"]) for s in rest_stats] == [total]
+    assert int(rest_stats[0]["inference_stats"]["success"]["count"]) == 2
+    grpc_stats = g.get_inference_statistics("linear", headers=meta, as_json=True)["model_stats"]
+    assert [int(s["inference_count"]) for s in grpc_stats] == [total]
+    unknown = httpx.get(f"{cloud.url}/v2/models/linear/versions/9/stats", headers=cloud.auth)
+    assert unknown.status_code >= 400 and "9" in unknown.text
     g.close()
     assert httpx.get(f"{cloud.url}/v2/models/nope/ready", headers=cloud.auth).status_code == 404
 

@@ -11,17 +11,20 @@ tenant over its request rate gets RESOURCE_EXHAUSTED with ``retry-after`` traili
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 from tritonclient.grpc import service_pb2
 
 from octacloud import __version__
 from octacloud.cluster.auth import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
 from octacloud.cluster.gateway.rest import MAX_ATTEMPTS, SERVER_EXTENSIONS
-from octacloud.cluster.gateway.routing import Endpoint, RouteTable
+from octacloud.cluster.gateway.routing import MAX_CONSECUTIVE_FAILURES, Endpoint, RouteTable
+from octacloud.cluster.gateway.stats import merge_model_statistics
 
 SERVICE = "inference.GRPCInferenceService"
 PER_MODEL = ("ModelReady", "ModelMetadata", "ModelInfer", "ModelConfig", "ModelStatistics")
@@ -158,6 +161,11 @@ class GrpcGateway:
             tried: list[str] = []
             last = f"deployment '{deployment}' has no ready replica"
             try:
+                if method == "ModelStatistics":
+                    merged = await self._statistics(deployment, path, request, context)
+                    counters.bytes_out += len(merged)
+                    usage.bytes_out += len(merged)
+                    return merged
                 for _ in range(MAX_ATTEMPTS):
                     endpoint = self.routes.choose(deployment, tried)
                     if endpoint is None:
@@ -189,6 +197,36 @@ class GrpcGateway:
             raise AssertionError("unreachable")  # context.abort always raises
 
         return forward
+
+    async def _statistics(self, deployment: str, path: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """Ask every ready replica of ``deployment`` and answer with the sum (see ``gateway.stats``)."""
+        metadata = tuple((k, v) for k, v in context.invocation_metadata() or () if k != "authorization")
+        endpoints = [e for e in self.routes.routes.get(deployment, []) if e.failures < MAX_CONSECUTIVE_FAILURES]
+
+        async def ask(endpoint: Endpoint) -> bytes | grpc.aio.AioRpcError | None:
+            try:
+                answer: bytes = await self._channel(endpoint).unary_unary(path)(
+                    request, timeout=self.timeout, metadata=metadata
+                )
+                return answer
+            except grpc.aio.AioRpcError as exc:
+                return None if exc.code() in _UNAVAILABLE else exc
+
+        answers = [a for a in await asyncio.gather(*(ask(e) for e in endpoints)) if a is not None]
+        for a in answers:
+            if isinstance(a, grpc.aio.AioRpcError):  # e.g. an unknown version: every replica says the same
+                await context.abort(a.code(), a.details() or "")
+        if not answers:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"deployment '{deployment}' has no ready replica")
+        dicts = [
+            json_format.MessageToDict(
+                service_pb2.ModelStatisticsResponse.FromString(a), preserving_proto_field_name=True
+            )
+            for a in answers
+            if isinstance(a, bytes)
+        ]
+        merged = json_format.ParseDict(merge_model_statistics(dicts), service_pb2.ModelStatisticsResponse())
+        return bytes(merged.SerializeToString())
 
     async def close(self) -> None:
         for channel in self._channels.values():

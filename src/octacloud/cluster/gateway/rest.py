@@ -1,7 +1,8 @@
 """The gateway's REST front end: a raw ASGI app that forwards OIP V2 requests to replicas.
 
 Per-model paths (``/v2/models/<name>/...``) go to a ready replica of deployment ``<name>``; the server-level
-paths (health, metadata) are answered by the gateway itself; ``/admin/...`` goes to the admin API. Bodies are
+paths (health, metadata) are answered by the gateway itself; ``GET .../stats`` asks every ready replica and
+answers with the sum; ``/admin/...`` goes to the admin API. Bodies are
 forwarded untouched, so JSON and Triton's binary tensor extension both work and cost no re-encoding.
 
 With a :class:`Guard`, every path but ``/v2/health/live|ready`` needs ``Authorization: Bearer <key>`` (401
@@ -12,6 +13,7 @@ request rate gets 429 with ``Retry-After``. The verified principal reaches the a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -19,8 +21,9 @@ from typing import Any
 
 from octacloud import __version__
 from octacloud.cluster.auth import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
-from octacloud.cluster.gateway.routing import RouteTable
-from octacloud.cluster.gateway.upstream import UpstreamError, UpstreamPool
+from octacloud.cluster.gateway.routing import MAX_CONSECUTIVE_FAILURES, Endpoint, RouteTable
+from octacloud.cluster.gateway.stats import merge_model_statistics
+from octacloud.cluster.gateway.upstream import Response, UpstreamError, UpstreamPool
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -168,6 +171,11 @@ class RestGateway:
         usage.bytes_in += len(body)
         headers_out = [(k, v) for k, v in scope["headers"] if k.lower() != b"authorization"]
         try:
+            if scope["method"] == "GET" and path.endswith("/stats"):
+                sent = await self._statistics(send, deployment, target, headers_out)
+                counters.bytes_out += sent
+                usage.bytes_out += sent
+                return
             for _ in range(MAX_ATTEMPTS):
                 endpoint = self.routes.choose(deployment, tried)
                 if endpoint is None:
@@ -209,3 +217,31 @@ class RestGateway:
         finally:
             counters.outstanding -= 1
             counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
+
+    async def _statistics(self, send: Send, deployment: str, target: bytes, headers: list[tuple[bytes, bytes]]) -> int:
+        """Ask every ready replica of ``deployment`` and answer with the sum (see ``gateway.stats``)."""
+        endpoints = [e for e in self.routes.routes.get(deployment, []) if e.failures < MAX_CONSECUTIVE_FAILURES]
+
+        async def ask(endpoint: Endpoint) -> Response | None:
+            try:
+                return await self.pool.request(
+                    endpoint.host, endpoint.http_port, b"GET", target, headers, b"", self.request_timeout
+                )
+            except (UpstreamError, TimeoutError):
+                return None
+
+        answers = [a for a in await asyncio.gather(*(ask(e) for e in endpoints)) if a is not None]
+        if not answers:
+            return await _reply(send, 503, {"error": f"deployment '{deployment}' has no ready replica"})
+        refused = [a for a in answers if a.status != 200]
+        if refused:  # e.g. an unknown version: every replica says the same, pass the first answer on
+            a = refused[0]
+            headers_in = [(k, v) for k, v in a.headers if k.lower() not in (b"connection", b"keep-alive")]
+            await send({"type": "http.response.start", "status": a.status, "headers": headers_in})
+            await send({"type": "http.response.body", "body": a.body})
+            return len(a.body)
+        try:
+            merged = merge_model_statistics(json.loads(a.body) for a in answers)
+        except (ValueError, AttributeError) as exc:
+            return await _reply(send, 502, {"error": f"a replica answered statistics that are not JSON: {exc}"})
+        return await _reply(send, 200, merged)
