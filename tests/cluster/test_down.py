@@ -1,4 +1,5 @@
-"""`octacloud down` stops the replicas a stopped `octacloud up` left running, and only those."""
+"""`octacloud down` stops the replicas a stopped `octacloud up` left running, and only those; `up` refuses bad
+intervals before it starts anything."""
 
 from __future__ import annotations
 
@@ -38,3 +39,13 @@ def test_down_without_state_says_so(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["down", "--state-dir", str(tmp_path / "nothing")])
     assert result.exit_code == 2
     assert "no octacloud state" in result.output
+
+
+def test_up_refuses_non_positive_intervals_before_starting_anything(tmp_path: Path) -> None:
+    for flag in ("--interval", "--meter-interval", "--telemetry-interval"):
+        result = CliRunner().invoke(
+            app, ["up", "--repository", str(tmp_path), "--state-dir", str(tmp_path / "var"), flag, "0"]
+        )
+        assert result.exit_code == 2, result.output
+        assert f"{flag} must be a positive number of seconds, got 0" in result.output
+        assert not (tmp_path / "var").exists()  # nothing was started or written

@@ -78,6 +78,9 @@ def up(
     allow_insecure: bool = typer.Option(False, "--allow-insecure", help="Allow plain text off loopback."),
     meter_interval: float = typer.Option(10.0, "--meter-interval", help="Seconds per usage-ledger interval."),
     prices: Path | None = typer.Option(None, "--prices", help="Price sheet (YAML) for usage reports."),
+    telemetry_interval: float = typer.Option(
+        1.0, "--telemetry-interval", help="Seconds between GPU telemetry samples (the dashboard and the scheduler)."
+    ),
     backend: str = typer.Option("local", "--backend", help="Where replicas run: local (this machine) or ray."),
     ray_address: str | None = typer.Option(
         None, "--ray-address", "--ray", help="The Ray cluster (HOST:PORT; default: auto). Implies --backend ray."
@@ -96,6 +99,11 @@ def up(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per metrics scrape and probe
+    for flag, value in (("--interval", interval), ("--meter-interval", meter_interval),
+                        ("--telemetry-interval", telemetry_interval)):  # fmt: skip
+        if not value > 0:
+            err.print(f"[red]error:[/] {flag} must be a positive number of seconds, got {value:g}")
+            raise typer.Exit(2)
     if not repository.is_dir():
         err.print(f"[red]error:[/] model repository {repository} does not exist (build the examples: make models)")
         raise typer.Exit(2)
@@ -112,6 +120,7 @@ def up(
         tls=TlsConfig(tls_cert, tls_key, tls_client_ca) if tls_cert is not None and tls_key is not None else None,
         allow_insecure=allow_insecure,
         meter_interval_s=meter_interval,
+        telemetry_interval_s=telemetry_interval,
         prices=prices,
         ray_address=ray_address,
         model_storage=model_storage,
