@@ -27,6 +27,7 @@ from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import RouteTable
 from octacloud.cluster.health import HttpProber, RepositoryFootprints
 from octacloud.cluster.launcher import LocalProcessLauncher, ReplicaLauncher
+from octacloud.cluster.storage import FleetCacheStats, ModelCacheCollector
 from octacloud.cluster.store import StateStore
 from octacloud.cluster.tls import TlsConfig, check_exposure
 from octacloud.cluster.usage import ClusterUsage
@@ -134,7 +135,12 @@ class Cloud:
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
         self.grpc_gateway = GrpcGateway(self.routes, ready=lambda: self._started, guard=self.guard)
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
-        dashboard, metrics = self.monitoring.apps(admin_authorizer(self.guard), ledger=self.ledger)
+        cache_stats = getattr(self.controller.launcher, "cache_stats", None)  # the Ray launcher's node caches
+        dashboard, metrics = self.monitoring.apps(
+            admin_authorizer(self.guard),
+            ledger=self.ledger,
+            extra=[ModelCacheCollector(cache_stats)] if isinstance(cache_stats, FleetCacheStats) else [],
+        )
         self.rest_gateway = RestGateway(
             self.routes,
             admin=admin,

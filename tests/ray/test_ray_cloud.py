@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from octacloud.cluster.ray_local import LocalRayCluster
 from octacloud.core import Gpu, Node
@@ -110,6 +111,13 @@ def test_replicas_run_where_the_scheduler_placed_them(cloud: CloudThread) -> Non
     stats = launcher.cache_stats.snapshot()  # type: ignore[attr-defined]
     assert {n: (s.hits, s.misses) for n, s in stats.items()} == {n.name: (0, 1) for n in NODES}
     assert any("model cache miss on ray-b" in e["message"] for e in cloud.cloud.store.events(200))
+    # ... and the cloud's /metrics exports the same counts per node
+    text = httpx.get(f"{cloud.url}/metrics", headers=cloud.headers, timeout=30).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    misses = {
+        s.labels["node"]: s.value for s in families["octacloud_model_cache_misses"].samples if s.name.endswith("_total")
+    }
+    assert misses == {n.name: 1.0 for n in NODES}
 
 
 def test_gateway_reaches_replicas_on_every_node(cloud: CloudThread) -> None:

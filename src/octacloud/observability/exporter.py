@@ -275,11 +275,13 @@ class CloudCollector(Collector):  # type: ignore[misc]
         yield from merged.values()
 
 
-def cloud_registry(collector: CloudCollector) -> CollectorRegistry:
-    """A fresh registry (not the global one) holding the cloud's collector."""
+def cloud_registry(collector: CloudCollector, *extra: Collector) -> CollectorRegistry:
+    """A fresh registry (not the global one) holding the cloud's collector and any ``extra`` ones."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    for c in extra:
+        registry.register(c)
     return registry
 
 
-__all__ = ["CARD_LABELS", "DCGM_LABELS", "CloudCollector", "cloud_registry"]
+__all__ = ["CARD_LABELS", "DCGM_LABELS", "CloudCollector", "Collector", "cloud_registry"]

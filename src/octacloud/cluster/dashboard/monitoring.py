@@ -23,7 +23,7 @@ from octacloud.core.clock import Clock
 from octacloud.core.model import Node
 from octacloud.metering import Ledger
 from octacloud.observability.dcgm import NvmlCards, open_nvml
-from octacloud.observability.exporter import CloudCollector, cloud_registry
+from octacloud.observability.exporter import CloudCollector, Collector, cloud_registry
 from octacloud.observability.monitor import CloudMonitor
 from octacloud.observability.replicas import ReplicaInfo, ReplicaScraper
 from octacloud.observability.telemetry import TelemetrySampler
@@ -120,9 +120,11 @@ class CloudMonitoring:
     def _state(self) -> ClusterState:
         return self._controller().scheduler.state
 
-    def apps(self, authorize: Authorize = allow_all, ledger: Ledger | None = None) -> tuple[Starlette, Starlette]:
+    def apps(
+        self, authorize: Authorize = allow_all, ledger: Ledger | None = None, extra: Sequence[Collector] = ()
+    ) -> tuple[Starlette, Starlette]:
         """``(dashboard, metrics)`` ASGI apps for the gateway's ``/dashboard`` and ``/metrics``; with the usage
-        ledger, both show metering totals per tenant."""
+        ledger, both show metering totals per tenant; ``extra`` collectors are exported on ``/metrics`` too."""
         totals = LedgerTotals(ledger) if ledger is not None else None
         collector = CloudCollector(
             self.monitor, self._controller().scheduling, totals.metrics if totals is not None else None
@@ -133,7 +135,7 @@ class CloudMonitoring:
             ),
             authorize,
         )
-        return dashboard, build_metrics_app(cloud_registry(collector), authorize)
+        return dashboard, build_metrics_app(cloud_registry(collector, *extra), authorize)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.monitor.run(stop)
