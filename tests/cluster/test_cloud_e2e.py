@@ -158,6 +158,7 @@ def test_deploy_infer_scale_fail_restart_undeploy(tmp_path: Path, linear_repo: P
     for r in cloud.deployment("linear")["instances"]:
         placement = state.allocations[r["id"]].placement
         assert (r["node"], tuple(r["gpus"]), r["milli_per_gpu"]) == (placement.node, placement.gpus, 250)
+        assert r["host"] == "127.0.0.1" and r["handle"]  # where the gateway reaches it, how the launcher knows it
         env = replica_env(r["pid"])
         assert env["OCTACLOUD_SLICE"] == f"node-a/gpu{r['gpus'][0]}@250m"
         assert env["CUDA_VISIBLE_DEVICES"] == "" and env["OCTACLOUD_THREADS"] == "1"

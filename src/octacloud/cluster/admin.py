@@ -41,6 +41,8 @@ def deployment_json(d: Deployment, replicas: list[Replica]) -> dict[str, Any]:
                 "gpus": list(r.gpus),
                 "milli_per_gpu": r.milli_per_gpu,
                 "pid": r.pid,
+                "host": r.host,
+                "handle": r.handle,
                 "http_port": r.http_port,
                 "grpc_port": r.grpc_port,
                 "metrics_port": r.metrics_port,
