@@ -110,26 +110,17 @@ async def test_an_unreachable_replica_is_an_upstream_error() -> None:
         await UpstreamPool().request("127.0.0.1", port, b"GET", b"/", [], b"")
 
 
-async def test_connections_to_a_replica_that_went_away_are_swept() -> None:
-    app = _Server()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, http="httptools", log_level="warning", access_log=False))
-    task = asyncio.create_task(srv.serve(sockets=[sock]))
-    while not srv.started:
-        await asyncio.sleep(0.01)
+async def test_connections_to_a_replica_that_went_away_are_swept(server: tuple[_Server, int, uvicorn.Server]) -> None:
+    _, port, srv = server
     pool = UpstreamPool()
     await asyncio.gather(*(pool.request("127.0.0.1", port, b"POST", b"/", [], b"x") for _ in range(3)))
     assert pool.idle_connections() == 3
     assert pool.sweep() == 0  # all still open
     srv.should_exit = True  # the replica stops: it closes its keep-alive connections
-    await task
-    for _ in range(100):
+    for _ in range(200):
         await asyncio.sleep(0.01)
         if all(c.reader.at_eof() for conns in pool._idle.values() for c in conns):
             break
     assert pool.sweep() == 3
     assert pool.idle_connections() == 0
     await pool.close()
-    await asyncio.sleep(0.05)
