@@ -6,10 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,73 +15,22 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from octacloud.serving.testing import mlp_onnx, write_onnx_model
+from tests.serve_process import ServeProcess, serve_process
 
 PERF_ANALYZER = Path(os.environ.get("OCTACLOUD_PEERS", Path.home() / ".cache" / "octacloud-peers")) / (
     "perf_analyzer/run-perf_analyzer"
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def octacloud() -> str:
-    exe = Path(sys.executable).parent / "octacloud"
-    return str(exe) if exe.exists() else shutil.which("octacloud") or "octacloud"
-
-
-class Served:
-    def __init__(self, proc: subprocess.Popen[bytes], http: int, grpc: int, metrics: int) -> None:
-        self.proc, self.http, self.grpc, self.metrics = proc, http, grpc, metrics
-
-
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     repo = tmp_path_factory.mktemp("repo")
     write_onnx_model(repo, "mlp", mlp_onnx((16, 32, 4)))
-    http, grpc, metrics = free_port(), free_port(), free_port()
-    log = repo / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                octacloud(),
-                "serve",
-                "--repository",
-                str(repo),
-                "--http-port",
-                str(http),
-                "--grpc-port",
-                str(grpc),
-                "--metrics-port",
-                str(metrics),
-                "--threads",
-                "1",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=1) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            pytest.fail(f"octacloud serve did not start: {log.read_text()}")
-        time.sleep(0.2)
-    yield Served(proc, http, grpc, metrics)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    with serve_process(repo, timeout=60) as s:
+        yield s
 
 
-def test_serves_rest_grpc_and_metrics_on_loopback_only(served: Served) -> None:
+def test_serves_rest_grpc_and_metrics_on_loopback_only(served: ServeProcess) -> None:
     c = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc}")
     assert c.is_model_ready("mlp")
     c.close()
@@ -98,7 +44,7 @@ def test_serves_rest_grpc_and_metrics_on_loopback_only(served: Served) -> None:
 
 @pytest.mark.skipif(not PERF_ANALYZER.exists(), reason="perf_analyzer not set up (bench/peers/setup.sh)")
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_perf_analyzer_runs_unmodified(served: Served, protocol: str) -> None:
+def test_perf_analyzer_runs_unmodified(served: ServeProcess, protocol: str) -> None:
     port = served.http if protocol == "http" else served.grpc
     run = subprocess.run(
         [
@@ -128,6 +74,6 @@ def test_perf_analyzer_runs_unmodified(served: Served, protocol: str) -> None:
     assert "Throughput:" in run.stdout
 
 
-def test_zz_sigterm_stops_the_server_cleanly(served: Served) -> None:
+def test_zz_sigterm_stops_the_server_cleanly(served: ServeProcess) -> None:
     served.proc.send_signal(signal.SIGTERM)
     assert served.proc.wait(timeout=30) == 0

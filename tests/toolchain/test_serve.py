@@ -7,13 +7,7 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,74 +21,22 @@ from octacloud.toolchain.convert import convert
 from octacloud.toolchain.examples import SENTENCES
 from octacloud.toolchain.repository import ModelRepository
 from octacloud.toolchain.sources import SourceOptions, load_source
+from tests.serve_process import serve_process
 
 from .conftest import MLP_INPUT, fast_options
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _octacloud() -> str:
-    exe = Path(sys.executable).parent / "octacloud"
-    return str(exe) if exe.exists() else shutil.which("octacloud") or "octacloud"
-
-
 @contextmanager
 def served(repo: Path, *args: str) -> Iterator[grpcclient.InferenceServerClient]:
-    """``octacloud serve`` on free loopback ports; stopped (by its PID) on exit."""
-    http, grpc = _free_port(), _free_port()
-    # The log goes to a private temp dir: never beside the repository (the built examples live in the project).
-    log = Path(tempfile.mkdtemp(prefix="octacloud-serve-")) / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                _octacloud(),
-                "serve",
-                "--repository",
-                str(repo),
-                "--http-port",
-                str(http),
-                "--grpc-port",
-                str(grpc),
-                "--metrics-port",
-                "-1",
-                "--threads",
-                "1",
-                *args,
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    client = None
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"octacloud serve did not start: {log.read_text()}")
-            time.sleep(0.2)
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
-        yield client
-    finally:
-        if client is not None:
-            client.close()
-        proc.terminate()
+    """``octacloud serve`` on free loopback ports, and a gRPC client to it; stopped (by its PID) on exit."""
+    with serve_process(repo, *args, metrics=False) as s:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{s.grpc}")
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        shutil.rmtree(log.parent, ignore_errors=True)
+            yield client
+        finally:
+            client.close()
 
 
 def wait_for(condition: Callable[[], bool], what: str, seconds: float = 60) -> None:
