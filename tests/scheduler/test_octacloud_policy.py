@@ -8,7 +8,7 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.scheduler.fragmentation import TargetWorkload, WorkloadShape, node_fragmentation
 from octacloud.scheduler.framework import ClusterState, Scheduler
 from octacloud.scheduler.framework.api import CycleContext
-from octacloud.scheduler.plugins.octacloud import ConsolidatingFragmentation
+from octacloud.scheduler.plugins.octacloud import ConsolidatingFragmentation, filler_sizes
 from octacloud.scheduler.policies import build_profile
 from tests.scheduler.helpers import check_invariants, node, place, req
 
@@ -55,7 +55,7 @@ def test_clearly_less_fragmentation_beats_consolidation() -> None:
     # the 600 and whole-card shapes cannot use either, but keeps 'a''s 700 for a 600 share. Compare exactly.
     state = ClusterState([node("a", 1), node("b", 1)])
     place(state, req("x", 300), "a", (0,))
-    plugin = ConsolidatingFragmentation(MIXED, stranding=False)
+    plugin = ConsolidatingFragmentation(MIXED, stranding=False, pairing=False)
     ctx = CycleContext(state, req("p", 600))
     raw = plugin.score(ctx, [0, 1])
     for i, score in enumerate(raw):
@@ -145,3 +145,55 @@ def test_cpu_rich_whole_node_kept_for_the_tasks_only_it_can_host() -> None:
     # seven cards left: the 8-card shapes add nothing to S on either node
     assert plugin.stranded("T4", 84_000, (0,) + (1000,) * 7) == pytest.approx(0.0)
     assert plugin.stranded("T4", 116_000, (0,) + (1000,) * 7) == pytest.approx(0.0)
+
+
+PAIRS = TargetWorkload(
+    (
+        WorkloadShape(1000, 470, 1),
+        WorkloadShape(1000, 320, 1),
+        WorkloadShape(1000, 650, 1),
+        WorkloadShape(1000, 1000, 1),
+    ),
+    (0.25, 0.25, 0.25, 0.25),
+)
+
+
+def test_dead_space_is_what_no_combination_of_shares_fills() -> None:
+    plugin = ConsolidatingFragmentation(PAIRS)
+    assert plugin.dead_space(210) == 210  # below every share size
+    assert plugin.dead_space(530) == 60  # 470
+    assert plugin.dead_space(680) == 30  # 650 (or 320 + 320 → 40)
+    assert plugin.dead_space(360) == 40  # 320
+    assert plugin.dead_space(970) == 0  # 650 + 320
+    assert plugin.dead_space(1000) == 0 and plugin.dead_space(0) == 0  # a whole free card is not dead space
+    assert ConsolidatingFragmentation(PAIRS, pairing=False).dead_space(210) == 0
+
+
+def test_share_pairs_with_the_card_its_leftover_can_still_be_filled_on() -> None:
+    # A 320 share: on 'a' (a 470 there, 530 free) it leaves 210 that no share of the workload fits (dead space
+    # 60 → 210); on 'b' (a 320 there, 680 free) it leaves 360 for another 320 (dead space 30 → 40). FGD's one-task
+    # measure prefers 'a' (the 530 it fills was useless to 650s and whole cards, the 360 left on 'b' is useless to
+    # 470s as well), so the pairing 470 + 320 that strands 210 for good wins without D.
+    state = ClusterState([node("a", 1), node("b", 1)])
+    place(state, req("x", 470), "a", (0,))
+    place(state, req("y", 320), "b", (0,))
+    pod = req("p", 320)
+    assert {_schedule("octacloud", state, PAIRS, s, pod) for s in SEEDS} == {"b"}
+    assert {_schedule("fgd", state, PAIRS, s, pod) for s in SEEDS} == {"a"}
+    plugin = ConsolidatingFragmentation(PAIRS, pairing=False)
+    ctx = CycleContext(state, pod)
+    normalized = plugin.normalize(ctx, plugin.score(ctx, [0, 1]))
+    assert normalized[0] > normalized[1]  # without D: 'a'
+    check_invariants(state)
+
+
+def test_a_share_size_too_rare_for_the_remainders_it_alone_fills_is_no_filler() -> None:
+    # The 810 share leaves 190, which only 160 fits, and 810s are ten times as frequent as 160s: a leftover that
+    # only 160s could fill stays idle. 470 fills the 530 its own pairs leave, so it counts.
+    workload = TargetWorkload(
+        (WorkloadShape(1000, 810, 1), WorkloadShape(1000, 470, 1), WorkloadShape(1000, 160, 1)), (0.5, 0.45, 0.05)
+    )
+    assert filler_sizes(workload) == (470, 810)
+    plugin = ConsolidatingFragmentation(workload)
+    assert plugin.dead_space(190) == 190 and plugin.dead_space(530) == 60
+    assert filler_sizes(PAIRS) == (320, 470, 650)

@@ -1,7 +1,7 @@
-"""octacloud's placement: exact fragmentation growth plus CPU stranding, consolidating among near-equal nodes.
+"""octacloud's placement: exact fragmentation growth plus CPU stranding and shares' dead space, consolidating.
 
 For every feasible node the plugin computes the exact growth of the node's *unusable idle GPU* under the target
-workload, ``Δ = ΔF + ΔS`` (milli-GPU):
+workload, ``Δ = ΔF + ΔS + ΔD`` (milli-GPU):
 
 * ``F`` is FGD's fragmentation (``octacloud.scheduler.fragmentation``): the expected idle milli-GPU that *one*
   task drawn from the workload could not use (for a sharing request, on the card where it grows least);
@@ -13,13 +13,20 @@ workload, ``Δ = ΔF + ΔS`` (milli-GPU):
   enough fitting cards add nothing here: ``F`` already counts the node's whole idle GPU for them, and counting it
   again made ``S`` favour breaking the CPU-rich nodes that only the CPU-heavy multi-card tasks can use. A
   CPU-heavy pod on a node with idle cards raises ``S``; the same pod on a CPU-rich node does not.
+* ``D`` (shares only) is the *dead space* of the card the share takes: the part of the card's free milli-GPU that
+  no combination of the workload's share sizes can fill (:meth:`ConsolidatingFragmentation.dead_space`), before
+  and after. ``F`` asks whether one task fits a remainder; ``D`` asks whether the remainder can ever be filled, so
+  it tells a 320 next to a 470 (210 left, dead for good) from a 320 next to a 320 (360 left for a third). Share
+  sizes too rare for the remainders only they fit are not counted as fillers (:func:`filler_sizes`).
 
 Then, lexicographically: nodes whose ``Δ`` lies within ``tolerance`` milli-GPU of the smallest are near-equal
 (an expectation over a workload estimate carries no information far below a card's worth); among them the node
-left with the least free GPU wins (explicit consolidation: keeps other nodes whole for the large requests to
-come, and puts CPU-only work where the cards are already spent); then the run's node order (the runner's).
+whose share card's dead space grows least wins, then the node left with the least free GPU (explicit
+consolidation: keeps other nodes whole for the large requests to come, and puts CPU-only work where the cards are
+already spent); then the run's node order (the runner's).
 
-The card for a share follows the same rule: least ``Δ``, near-equal cards broken toward the fullest card.
+The card for a share follows the same rule: least ``Δ``, near-equal cards broken toward the least dead-space growth,
+then the fullest card.
 Results are cached per (request shape, node signature) and per node version, as in ``fgd``.
 """
 
@@ -38,8 +45,9 @@ from octacloud.scheduler.plugins.fit import cards_that_fit
 from octacloud.scheduler.registry import Args, PluginContext
 
 _Shape = tuple[int, int, int]
-_Eval = tuple[float, int, tuple[int, ...]]
-"""(Δ unusable idle milli-GPU, free milli-GPU left on the node after the placement, the card for a share)."""
+_Eval = tuple[float, int, int, tuple[int, ...]]
+"""(Δ unusable idle milli-GPU, growth of the share's card's dead space, free milli-GPU left on the node after the
+placement, the card for a share)."""
 _CACHE_LIMIT = 1 << 17
 _SCRATCH = "octacloud.evaluations"
 
@@ -56,9 +64,13 @@ class ConsolidatingFragmentation:
     tolerance: float = DEFAULT_TOLERANCE
     stranding: bool = True
     """Count CPU and memory stranding (``S``); off leaves exact FGD fragmentation with consolidation."""
+    pairing: bool = True
+    """Count the dead space a share leaves on its card (``D``); off leaves ``F + S`` and the fullest card."""
     model: FragmentationModel = field(init=False)
     _gpu_shapes: list[tuple[float, int, int, int, frozenset[str], int]] = field(default_factory=list, init=False)
     _strand_cache: dict[tuple[str, int, int, tuple[int, ...]], float] = field(default_factory=dict, init=False)
+    _share_sizes: tuple[int, ...] = field(default=(), init=False)
+    _dead: dict[int, int] = field(default_factory=dict, init=False)
     _cache: dict[_Shape, dict[NodeSignature, _Eval]] = field(default_factory=dict, init=False)
     _by_node: dict[_Shape, tuple[list[int], list[_Eval | None]]] = field(default_factory=dict, init=False)
     _state: ClusterState | None = field(default=None, init=False)
@@ -74,6 +86,7 @@ class ConsolidatingFragmentation:
             for s, p, m in zip(self.workload.shapes, self.workload.probabilities, memories, strict=True)
             if s.num_gpu and s.cpu_milli > 0
         ]
+        self._share_sizes = filler_sizes(self.workload)
 
     # ---- score -----------------------------------------------------------------------------------------
 
@@ -89,7 +102,7 @@ class ConsolidatingFragmentation:
         if not isinstance(evaluations, list) or len(evaluations) != len(scores):
             raise InvalidSpecError(f"plugin {self.name!r}: normalize called without its score call")
         limit = min(e[0] for e in evaluations) + self.tolerance
-        keys = [(False, 0.0, e[1]) if e[0] <= limit else (True, e[0], e[1]) for e in evaluations]
+        keys = [(False, 0.0, e[1], e[2]) if e[0] <= limit else (True, e[0], e[1], e[2]) for e in evaluations]
         order = sorted(set(keys))
         if len(order) == 1:
             return [MAX_NODE_SCORE] * len(scores)
@@ -102,7 +115,7 @@ class ConsolidatingFragmentation:
     def select_cards(self, ctx: CycleContext, node: int) -> tuple[int, ...] | None:
         if not ctx.request.is_sharing:
             return None  # whole cards: the lowest-index fully free ones (the runner's default)
-        return self._evaluate(ctx, node)[2] or None
+        return self._evaluate(ctx, node)[3] or None
 
     # ---- evaluation ------------------------------------------------------------------------------------
 
@@ -144,22 +157,39 @@ class ConsolidatingFragmentation:
         strand = self.stranded
         before = frag(gpu_model, cpu_left, free) + strand(gpu_model, cpu_left, free, memory)
         if r.is_sharing:
-            best: tuple[float, int, int] | None = None
+            best: tuple[float, int, int, int] | None = None
             for g in cards_that_fit(state, r, node):
                 after = list(free)
                 after[g] -= r.gpu_milli
                 growth = frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after, memory_after) - before
-                candidate = (growth, after[g], g)
+                dead = self.dead_space(after[g]) - self.dead_space(free[g])
+                candidate = (growth + dead, dead, after[g], g)
                 if best is None or _better(candidate, best, self.tolerance):
                     best = candidate
-            return (float("inf"), left, ()) if best is None else (best[0], left, (best[2],))
+            return (float("inf"), 0, left, ()) if best is None else (best[0], best[1], left, (best[3],))
         after = list(free)
         if r.num_gpu:
             whole = [g for g in cards_that_fit(state, r, node) if free[g] == MILLI_PER_GPU][: r.num_gpu]
             for g in whole:
                 after[g] = 0
         growth = frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after, memory_after) - before
-        return (growth, left, ())
+        return (growth, 0, left, ())
+
+    def dead_space(self, free: int) -> int:
+        """``D``: the milli-GPU of a shared card's ``free`` that no combination of the workload's share sizes fills
+        (``free`` minus the largest sum of share sizes, repeats allowed, that fits in it); 0 for a whole free card.
+        """
+        if not self.pairing or free <= 0 or free >= MILLI_PER_GPU:
+            return 0
+        value = self._dead.get(free)
+        if value is None:
+            value = free
+            for size in self._share_sizes:
+                if size > free:
+                    break
+                value = min(value, self.dead_space(free - size) if free - size > 0 else 0)
+            self._dead[free] = value
+        return value
 
     def stranded(
         self, gpu_model: str, cpu_left: int, free: tuple[int, ...] | list[int], memory_left: int | None = None
@@ -197,13 +227,38 @@ class ConsolidatingFragmentation:
         return value
 
 
-def _better(candidate: tuple[float, int, int], best: tuple[float, int, int], tolerance: float) -> bool:
-    """Card order: clearly less Δ wins; within the tolerance, the fuller card (less left), then the lower index."""
+def filler_sizes(workload: TargetWorkload) -> tuple[int, ...]:
+    """The share sizes (milli-GPU, one card) of ``workload`` that can be counted on to fill a card's leftover.
+
+    A size is *saturated* when the remainders that only it or smaller sizes can fill (a card's remainder after one
+    share, ``1000 − t``, at least the size but below the next larger share size) come more often than shares of it
+    or smaller sizes do: most such remainders then stay idle, and a leftover "filled" by such a size is not filled.
+    That size and every smaller one are left out. (openb: the 810 share leaves 190, which only 160 fits; 810 shapes
+    weigh about twenty times the 160 shapes.)
+    """
+    weights: dict[int, float] = {}
+    for shape, p in zip(workload.shapes, workload.probabilities, strict=True):
+        if 0 < shape.gpu_milli < MILLI_PER_GPU:
+            weights[shape.gpu_milli] = weights.get(shape.gpu_milli, 0.0) + p
+    sizes = sorted(weights)
+    smallest = 0
+    for k, size in enumerate(sizes):
+        upper = sizes[k + 1] if k + 1 < len(sizes) else MILLI_PER_GPU
+        demand = sum(p for t, p in weights.items() if size <= MILLI_PER_GPU - t < upper)
+        supply = sum(p for t, p in weights.items() if t <= size)
+        if demand > supply:
+            smallest = k + 1
+    return tuple(sizes[smallest:])
+
+
+def _better(candidate: tuple[float, int, int, int], best: tuple[float, int, int, int], tolerance: float) -> bool:
+    """Card order: clearly less Δ wins; within the tolerance, less dead-space growth, then the fuller card (less
+    left), then the lower index."""
     if candidate[0] < best[0] - tolerance:
         return True
     if candidate[0] > best[0] + tolerance:
         return False
-    return (candidate[1], candidate[2]) < (best[1], best[2])
+    return candidate[1:] < best[1:]
 
 
 def build(name: str, args: Args, ctx: PluginContext) -> ConsolidatingFragmentation:
@@ -213,5 +268,6 @@ def build(name: str, args: Args, ctx: PluginContext) -> ConsolidatingFragmentati
         )
     tolerance = args.number("tolerance", DEFAULT_TOLERANCE, low=0.0)
     stranding = args.flag("cpu-stranding", True)
+    pairing = args.flag("share-pairing", True)
     args.finish()
-    return ConsolidatingFragmentation(ctx.workload, name, tolerance, stranding)
+    return ConsolidatingFragmentation(ctx.workload, name, tolerance, stranding, pairing)
