@@ -197,3 +197,12 @@ def test_a_share_size_too_rare_for_the_remainders_it_alone_fills_is_no_filler() 
     plugin = ConsolidatingFragmentation(workload)
     assert plugin.dead_space(190) == 190 and plugin.dead_space(530) == 60
     assert filler_sizes(PAIRS) == (320, 470, 650)
+
+
+def test_every_share_size_of_the_trace_is_a_filler_not_only_the_covered_shapes() -> None:
+    requests = [req(f"r{k}", 470) for k in range(40)] + [req("rare", 330, cpu=7000)]
+    workload = TargetWorkload.from_requests(requests)  # 95 % coverage: the 330 shape is left out
+    assert [s.gpu_milli for s in workload.shapes] == [470]
+    assert workload.share_sizes == ((330, pytest.approx(1 / 41)), (470, pytest.approx(40 / 41)))
+    assert filler_sizes(workload) == (330, 470)
+    assert ConsolidatingFragmentation(workload).dead_space(670) == 10  # 330 + 330

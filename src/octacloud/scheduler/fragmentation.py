@@ -30,6 +30,7 @@ from functools import cache
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Request
+from octacloud.core.units import MILLI_PER_GPU
 from octacloud.scheduler.framework.state import ClusterState
 
 _CACHE_LIMIT = 1 << 18
@@ -61,11 +62,16 @@ class TargetWorkload:
 
     ``memory_mib[k]``, when given, is the typical (median) host memory of ``shapes[k]``'s tasks. FGD's measure
     ignores memory (as the authors' does); octacloud's stranding term uses it. Empty: memory unknown.
+
+    ``share_sizes``, when given, is every one-card share size (milli-GPU below one card) of the requests with its
+    fraction of them, the sizes of the shapes left out by the coverage included: what can fill a shared card's
+    remainder (octacloud's dead-space term). Empty: the shapes' sizes.
     """
 
     shapes: tuple[WorkloadShape, ...]
     probabilities: tuple[float, ...]
     memory_mib: tuple[int, ...] = ()
+    share_sizes: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.probabilities):
@@ -91,7 +97,8 @@ class TargetWorkload:
 
         Shapes are ranked by count, ties by the larger CPU, then GPU milli, card count and model spec (the
         authors' stable order); shapes are added one at a time until their count reaches ``coverage`` of all.
-        CPU-only requests are shapes like any other. Each chosen shape also records its requests' median memory.
+        CPU-only requests are shapes like any other. Each chosen shape also records its requests' median memory; the
+        workload also records every share size of the requests (``share_sizes``).
         """
         if not 0.0 < coverage <= 1.0:
             raise InvalidSpecError(f"target workload: coverage must be in (0, 1], got {coverage}")
@@ -115,10 +122,15 @@ class TargetWorkload:
                 break
             chosen.append((shape, n))
             covered += n
+        shares: Counter[int] = Counter()
+        for shape, n in counts.items():
+            if shape.num_gpu == 1 and 0 < shape.gpu_milli < MILLI_PER_GPU:
+                shares[shape.gpu_milli] += n
         return cls(
             tuple(s for s, _ in chosen),
             tuple(n / covered for _, n in chosen),
             tuple(int(statistics.median(memories[s])) for s, _ in chosen),
+            tuple((milli, n / total) for milli, n in sorted(shares.items())),
         )
 
     @classmethod

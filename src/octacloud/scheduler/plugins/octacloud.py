@@ -14,7 +14,7 @@ workload, ``Δ = ΔF + ΔS + ΔD`` (milli-GPU):
   again made ``S`` favour breaking the CPU-rich nodes that only the CPU-heavy multi-card tasks can use. A
   CPU-heavy pod on a node with idle cards raises ``S``; the same pod on a CPU-rich node does not.
 * ``D`` (shares only) is the *dead space* of the card the share takes: the part of the card's free milli-GPU that
-  no combination of the workload's share sizes can fill (:meth:`ConsolidatingFragmentation.dead_space`), before
+  no combination of the trace's share sizes can fill (:meth:`ConsolidatingFragmentation.dead_space`), before
   and after. ``F`` asks whether one task fits a remainder; ``D`` asks whether the remainder can ever be filled, so
   it tells a 320 next to a 470 (210 left, dead for good) from a 320 next to a 320 (360 left for a third). Share
   sizes too rare for the remainders only they fit are not counted as fillers (:func:`filler_sizes`).
@@ -230,16 +230,20 @@ class ConsolidatingFragmentation:
 def filler_sizes(workload: TargetWorkload) -> tuple[int, ...]:
     """The share sizes (milli-GPU, one card) of ``workload`` that can be counted on to fill a card's leftover.
 
+    The sizes are the workload's ``share_sizes`` (every share size of the trace, also those of shapes below the
+    coverage: a 330 or 440 split over many CPU requests still arrives), else its shapes' sizes.
+
     A size is *saturated* when the remainders that only it or smaller sizes can fill (a card's remainder after one
     share, ``1000 − t``, at least the size but below the next larger share size) come more often than shares of it
     or smaller sizes do: most such remainders then stay idle, and a leftover "filled" by such a size is not filled.
     That size and every smaller one are left out. (openb: the 810 share leaves 190, which only 160 fits; 810 shapes
     weigh about twenty times the 160 shapes.)
     """
-    weights: dict[int, float] = {}
-    for shape, p in zip(workload.shapes, workload.probabilities, strict=True):
-        if 0 < shape.gpu_milli < MILLI_PER_GPU:
-            weights[shape.gpu_milli] = weights.get(shape.gpu_milli, 0.0) + p
+    weights: dict[int, float] = dict(workload.share_sizes)
+    if not weights:
+        for shape, p in zip(workload.shapes, workload.probabilities, strict=True):
+            if 0 < shape.gpu_milli < MILLI_PER_GPU:
+                weights[shape.gpu_milli] = weights.get(shape.gpu_milli, 0.0) + p
     sizes = sorted(weights)
     smallest = 0
     for k, size in enumerate(sizes):
