@@ -23,7 +23,7 @@ from tritonclient.grpc import service_pb2
 from octacloud import __version__
 from octacloud.cluster.auth import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
 from octacloud.cluster.gateway.rest import MAX_ATTEMPTS, SERVER_EXTENSIONS
-from octacloud.cluster.gateway.routing import MAX_CONSECUTIVE_FAILURES, Endpoint, RouteTable
+from octacloud.cluster.gateway.routing import Endpoint, RouteTable
 from octacloud.cluster.gateway.stats import merge_model_statistics
 
 SERVICE = "inference.GRPCInferenceService"
@@ -201,7 +201,6 @@ class GrpcGateway:
     async def _statistics(self, deployment: str, path: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """Ask every ready replica of ``deployment`` and answer with the sum (see ``gateway.stats``)."""
         metadata = tuple((k, v) for k, v in context.invocation_metadata() or () if k != "authorization")
-        endpoints = [e for e in self.routes.routes.get(deployment, []) if e.failures < MAX_CONSECUTIVE_FAILURES]
 
         async def ask(endpoint: Endpoint) -> bytes | grpc.aio.AioRpcError | None:
             try:
@@ -212,7 +211,7 @@ class GrpcGateway:
             except grpc.aio.AioRpcError as exc:
                 return None if exc.code() in _UNAVAILABLE else exc
 
-        answers = [a for a in await asyncio.gather(*(ask(e) for e in endpoints)) if a is not None]
+        answers = [a for a in await asyncio.gather(*(ask(e) for e in self.routes.healthy(deployment))) if a is not None]
         for a in answers:
             if isinstance(a, grpc.aio.AioRpcError):  # e.g. an unknown version: every replica says the same
                 await context.abort(a.code(), a.details() or "")

@@ -21,7 +21,7 @@ from typing import Any
 
 from octacloud import __version__
 from octacloud.cluster.auth import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
-from octacloud.cluster.gateway.routing import MAX_CONSECUTIVE_FAILURES, Endpoint, RouteTable
+from octacloud.cluster.gateway.routing import Endpoint, RouteTable
 from octacloud.cluster.gateway.stats import merge_model_statistics
 from octacloud.cluster.gateway.upstream import Response, UpstreamError, UpstreamPool
 
@@ -42,6 +42,14 @@ async def _reply(send: Send, status: int, payload: object, headers: list[tuple[b
     await send({"type": "http.response.start", "status": status, "headers": [*_JSON, *(headers or [])]})
     await send({"type": "http.response.body", "body": body})
     return len(body)
+
+
+async def _relay(send: Send, response: Response) -> int:
+    """Pass a replica's answer on as it is (less its connection headers); returns the body's size."""
+    headers = [(k, v) for k, v in response.headers if k.lower() not in (b"connection", b"keep-alive")]
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body})
+    return len(response.body)
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
@@ -202,11 +210,9 @@ class RestGateway:
                 finally:
                     endpoint.outstanding -= 1
                 endpoint.failures = 0
-                headers = [(k, v) for k, v in response.headers if k.lower() not in (b"connection", b"keep-alive")]
-                await send({"type": "http.response.start", "status": response.status, "headers": headers})
-                await send({"type": "http.response.body", "body": response.body})
-                counters.bytes_out += len(response.body)
-                usage.bytes_out += len(response.body)
+                sent = await _relay(send, response)
+                counters.bytes_out += sent
+                usage.bytes_out += sent
                 if response.status >= 400:
                     counters.failures += 1
                 return
@@ -220,7 +226,6 @@ class RestGateway:
 
     async def _statistics(self, send: Send, deployment: str, target: bytes, headers: list[tuple[bytes, bytes]]) -> int:
         """Ask every ready replica of ``deployment`` and answer with the sum (see ``gateway.stats``)."""
-        endpoints = [e for e in self.routes.routes.get(deployment, []) if e.failures < MAX_CONSECUTIVE_FAILURES]
 
         async def ask(endpoint: Endpoint) -> Response | None:
             try:
@@ -230,16 +235,12 @@ class RestGateway:
             except (UpstreamError, TimeoutError):
                 return None
 
-        answers = [a for a in await asyncio.gather(*(ask(e) for e in endpoints)) if a is not None]
+        answers = [a for a in await asyncio.gather(*(ask(e) for e in self.routes.healthy(deployment))) if a is not None]
         if not answers:
             return await _reply(send, 503, {"error": f"deployment '{deployment}' has no ready replica"})
         refused = [a for a in answers if a.status != 200]
         if refused:  # e.g. an unknown version: every replica says the same, pass the first answer on
-            a = refused[0]
-            headers_in = [(k, v) for k, v in a.headers if k.lower() not in (b"connection", b"keep-alive")]
-            await send({"type": "http.response.start", "status": a.status, "headers": headers_in})
-            await send({"type": "http.response.body", "body": a.body})
-            return len(a.body)
+            return await _relay(send, refused[0])
         try:
             merged = merge_model_statistics(json.loads(a.body) for a in answers)
         except (ValueError, AttributeError) as exc:

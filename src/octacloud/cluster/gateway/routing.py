@@ -92,12 +92,17 @@ class RouteTable:
         for name, endpoints in self.routes.items():
             self.routes[name] = [e for e in endpoints if e.replica_id != replica_id]
 
+    def healthy(self, deployment: str, exclude: Sequence[str] = ()) -> list[Endpoint]:
+        """The endpoints of ``deployment`` below the failure limit, except the replicas in ``exclude``."""
+        return [
+            e
+            for e in self.routes.get(deployment, ())
+            if e.failures < MAX_CONSECUTIVE_FAILURES and e.replica_id not in exclude
+        ]
+
     def choose(self, deployment: str, exclude: Sequence[str] = ()) -> Endpoint | None:
         """Power of two choices among healthy endpoints not in ``exclude``; None when there is none."""
-        endpoints = self.routes.get(deployment)
-        if not endpoints:
-            return None
-        healthy = [e for e in endpoints if e.failures < MAX_CONSECUTIVE_FAILURES and e.replica_id not in exclude]
+        healthy = self.healthy(deployment, exclude)
         if not healthy:
             return None
         if len(healthy) == 1:
