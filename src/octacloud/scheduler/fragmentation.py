@@ -63,9 +63,9 @@ class TargetWorkload:
     ``memory_mib[k]``, when given, is the typical (median) host memory of ``shapes[k]``'s tasks. FGD's measure
     ignores memory (as the authors' does); octacloud's stranding term uses it. Empty: memory unknown.
 
-    ``share_sizes``, when given, is every one-card share size (milli-GPU below one card) of the requests with its
-    fraction of them, the sizes of the shapes left out by the coverage included: what can fill a shared card's
-    remainder (octacloud's dead-space term). Empty: the shapes' sizes.
+    ``share_sizes`` is every one-card share size (milli-GPU below one card) with its weight: what can fill a shared
+    card's remainder (octacloud's dead-space term). ``from_requests`` records the requests' sizes, those of the
+    shapes left out by the coverage included; when not given it is derived from the shapes.
     """
 
     shapes: tuple[WorkloadShape, ...]
@@ -90,6 +90,12 @@ class TargetWorkload:
         total = math.fsum(self.probabilities)
         if abs(total - 1.0) > 1e-6:
             raise InvalidSpecError(f"target workload: probabilities must sum to 1, got {total}")
+        if not self.share_sizes:
+            shares: dict[int, float] = {}
+            for shape, p in zip(self.shapes, self.probabilities, strict=True):
+                if 0 < shape.gpu_milli < MILLI_PER_GPU:
+                    shares[shape.gpu_milli] = shares.get(shape.gpu_milli, 0.0) + p
+            object.__setattr__(self, "share_sizes", tuple(sorted(shares.items())))
 
     @classmethod
     def from_requests(cls, requests: Iterable[Request], coverage: float = 0.95) -> TargetWorkload:

@@ -231,7 +231,7 @@ def filler_sizes(workload: TargetWorkload) -> tuple[int, ...]:
     """The share sizes (milli-GPU, one card) of ``workload`` that can be counted on to fill a card's leftover.
 
     The sizes are the workload's ``share_sizes`` (every share size of the trace, also those of shapes below the
-    coverage: a 330 or 440 split over many CPU requests still arrives), else its shapes' sizes.
+    coverage: a 330 or 440 split over many CPU requests still arrives).
 
     A size is *saturated* when the remainders that only it or smaller sizes can fill (a card's remainder after one
     share, ``1000 − t``, at least the size but below the next larger share size) come more often than shares of it
@@ -239,11 +239,7 @@ def filler_sizes(workload: TargetWorkload) -> tuple[int, ...]:
     That size and every smaller one are left out. (openb: the 810 share leaves 190, which only 160 fits; 810 shapes
     weigh about twenty times the 160 shapes.)
     """
-    weights: dict[int, float] = dict(workload.share_sizes)
-    if not weights:
-        for shape, p in zip(workload.shapes, workload.probabilities, strict=True):
-            if 0 < shape.gpu_milli < MILLI_PER_GPU:
-                weights[shape.gpu_milli] = weights.get(shape.gpu_milli, 0.0) + p
+    weights = dict(workload.share_sizes)
     sizes = sorted(weights)
     smallest = 0
     for k, size in enumerate(sizes):
