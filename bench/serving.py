@@ -218,13 +218,13 @@ def wait_ready(port: int, model: str, proc: subprocess.Popen[bytes], timeout: fl
     raise RuntimeError(f"no ready model {model} on port {port} after {timeout} s")
 
 
-def start(kind: str, repo: Path, threads: int, work: Path) -> Server:
+def start(kind: str, repo: Path, threads: int, work: Path, extra: list[str]) -> Server:
     http, grpc, metrics = free_port(), free_port(), free_port()
     env = {**os.environ, "OCTACLOUD_THREADS": str(threads), "OCTACLOUD_BENCH_THREADS": str(threads)}
     if kind == "octacloud":
         exe = Path(sys.executable).parent / "octacloud"
         cmd = [str(exe), "serve", "--repository", str(repo), "--http-port", str(http), "--grpc-port", str(grpc),
-               "--metrics-port", str(metrics), "--threads", str(threads), "--log-level", "warning"]  # fmt: skip
+               "--metrics-port", str(metrics), "--threads", str(threads), "--log-level", "warning", *extra]  # fmt: skip
     else:
         cmd = [str(TRITONSERVER), f"--model-repository={repo}", "--http-address=127.0.0.1",
                "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1", f"--http-port={http}",
@@ -271,12 +271,18 @@ def measure(
             return point
         tail = (run.stdout + run.stderr).strip().splitlines()
         point.error = tail[-1] if tail else f"perf_analyzer exited with {run.returncode}"
+        if inf1 > inf0:  # unstable, not broken: the server's own counts still give CPU per inference
+            point.cpu_us = (cpu1 - cpu0) / (inf1 - inf0) * 1e6
+            point.batch = (inf1 - inf0) / max(1, exe1 - exe0)
     return point
 
 
 def show(p: Point) -> str:
     if p.error:
-        return f"  {p.server:9} {p.protocol:4} c={p.concurrency}: FAILED after {p.tries} tries: {p.error}"
+        return (
+            f"  {p.server:9} {p.protocol:4} c={p.concurrency}: FAILED after {p.tries} tries: {p.error}"
+            f"  (cpu {p.cpu_us:5.0f} us/inf  batch {p.batch:4.1f}  load {p.load:4.1f})"
+        )
     return (
         f"  {p.server:9} {p.protocol:4} c={p.concurrency}: {p.throughput:7.0f} infer/s  p50 {p.p50_us / 1e3:6.2f} ms"
         f"  p99 {p.p99_us / 1e3:6.2f} ms  cpu {p.cpu_us:5.0f} us/inf  batch {p.batch:4.1f}  load {p.load:4.1f}"
@@ -306,6 +312,7 @@ def main() -> None:
     p.add_argument("--retries", type=int, default=2, help="re-runs of a point perf_analyzer found unstable")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-triton", action="store_true")
+    p.add_argument("--serve-args", default="", help="more options for octacloud serve, e.g. '--grpc-threads 0'")
     args = p.parse_args()
     preferred = [args.max_batch] if args.preferred is None else args.preferred
 
@@ -323,7 +330,7 @@ def main() -> None:
         servers: dict[str, Server] = {}
         try:
             for kind in kinds:
-                servers[kind] = start(kind, repos[kind], args.threads, work)
+                servers[kind] = start(kind, repos[kind], args.threads, work, args.serve_args.split())
             for s in servers.values():
                 wait_ready(s.http, name, s.proc)
             print(
