@@ -33,6 +33,7 @@ from octacloud.observability.serving import serving_registry
 from octacloud.protocols.grpc import add_to_server
 from octacloud.protocols.grpc.h2 import GrpcServer
 from octacloud.protocols.rest.app import DEFAULT_MAX_BODY_BYTES, RestApp
+from octacloud.protocols.rest.h1 import OneWriteHttpToolsProtocol
 from octacloud.serving import ControlMode, DataPlane, ModelRepository, RuntimeFactory, VersionStats
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,9 @@ class ReplicaServer:
                 self.http_port = sock.getsockname()[1]
                 config = uvicorn.Config(
                     RestApp(self.dataplane, s.max_body_bytes),
-                    http="httptools",
+                    http=OneWriteHttpToolsProtocol,
+                    proxy_headers=False,  # replicas are reached directly or through the gateway
+                    server_header=False,
                     lifespan="off",
                     log_level="warning",
                     access_log=False,
