@@ -36,6 +36,7 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node, Request
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
 from octacloud.metering import Ledger, Meter, PriceSheet
+from octacloud.protocols.rest.h1 import OneWriteHttpToolsProtocol
 from octacloud.scheduler.actions.preempt import preempt
 from octacloud.scheduler.fragmentation import TargetWorkload
 from octacloud.scheduler.framework.runner import Scheduler
@@ -173,7 +174,7 @@ class Cloud:
             log_level="warning",
             access_log=False,
             lifespan="on",
-            http="httptools",
+            http=OneWriteHttpToolsProtocol,  # each response in one write
             **(tls.uvicorn_options() if tls is not None else {}),
         )
         self._http = uvicorn.Server(uv)
