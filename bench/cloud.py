@@ -11,7 +11,7 @@ gateway/direct ratio, the 1-minute load average and the CPU each process spent p
 
 Clients: HTTP is Triton's perf_analyzer (binary tensors, ``-H "Authorization: Bearer <key>"``). perf_analyzer
 2.51 sends ``-H`` headers over HTTP only, so gRPC is driven by a small closed-loop load generator in its own
-process (``--loadgen``: ``grpc.aio`` with pre-serialised requests and ``authorization`` metadata), for the
+process (``bench/loadgen.py``: ``grpc.aio``, pre-serialised requests, ``authorization`` metadata), for the
 direct and the gateway rows alike.
 
 Two CPU layouts, both measured by default (``--layout``):
@@ -198,57 +198,15 @@ def place(layout: str, gateway_pid: int, replica_pid: int, cores: int) -> None:
 
 
 def run_loadgen(target: str, model: str, c: int, seconds: float, shape: str, key: str) -> dict[str, float]:
-    """The gRPC load generator (below) in its own process, so that its CPU is not this process's."""
-    argv = [sys.executable, __file__, "--loadgen", target, model, str(c), str(seconds), shape, key]
+    """bench/loadgen.py (closed loop of ``c`` calls with authorization metadata) in its own process."""
+    argv = [sys.executable, str(ROOT / "bench" / "loadgen.py"), target, model, shape, "--concurrency", str(c),
+            "--seconds", str(seconds), "--key", key]  # fmt: skip
     run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if run.returncode != 0:
         print(f"  (load generator failed on {target}: {run.stderr.strip().splitlines()[-1:]})", flush=True)
         return {"throughput": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
     result: dict[str, float] = json.loads(run.stdout)
     return result
-
-
-def loadgen(target: str, model: str, c: int, seconds: float, shape: str, key: str) -> dict[str, float]:
-    """Closed loop of ``c`` concurrent ModelInfer calls (pre-serialised, ``authorization`` metadata) for a
-    warm-up second and then ``seconds``; throughput and p50/p99 of the measured calls."""
-    import asyncio
-
-    import grpc
-    import numpy as np
-    from tritonclient.grpc import service_pb2 as pb
-
-    name, dims = shape.split(":")
-    shape_ = [1, *(int(d) for d in dims.split(","))]
-    request = pb.ModelInferRequest(model_name=model)
-    request.inputs.add(name=name, datatype="FP32", shape=shape_)
-    request.raw_input_contents.append(np.random.default_rng(0).random(shape_, dtype=np.float32).tobytes())
-    body = request.SerializeToString()
-    metadata = (("authorization", f"Bearer {key}"),)
-
-    async def go() -> dict[str, float]:
-        async with grpc.aio.insecure_channel(target) as channel:
-            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-            loop = asyncio.get_running_loop()
-            start = loop.time() + 1.0
-            end = start + seconds
-            latencies: list[float] = []
-
-            async def worker() -> None:
-                while (t0 := loop.time()) < end:
-                    await call(body, metadata=metadata)
-                    if t0 >= start:
-                        latencies.append(loop.time() - t0)
-
-            await asyncio.gather(*(worker() for _ in range(c)))
-            latencies.sort()
-            n = len(latencies)
-            return {
-                "throughput": n / seconds,
-                "p50_ms": latencies[n // 2] * 1e3 if n else float("nan"),
-                "p99_ms": latencies[min(n - 1, int(n * 0.99))] * 1e3 if n else float("nan"),
-            }
-
-    return asyncio.run(go())
 
 
 def cpu_s(pid: int) -> float:
@@ -288,12 +246,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--layout", choices=["shared", "split", "both"], default="both", help="CPU layouts to run.")
     parser.add_argument("--protocols", nargs="+", default=["http", "grpc"], choices=["http", "grpc"])
-    parser.add_argument("--loadgen", nargs=6, metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.loadgen:
-        target, model_, c, seconds, shape_, key_ = args.loadgen
-        print(json.dumps(loadgen(target, model_, int(c), float(seconds), shape_, key_)))
-        return
 
     pa = perf_analyzer_path()
     work = Path(tempfile.mkdtemp(prefix="octacloud-bench-cloud-"))

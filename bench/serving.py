@@ -277,6 +277,23 @@ def measure(
     return point
 
 
+def open_loop(server: Server, model: str, rate: int, shape: str, seconds: float) -> dict[str, float]:
+    """Open-loop gRPC at ``rate``/s (Poisson, bench/loadgen.py): p99 of the answered calls, refusals per second."""
+    argv = [sys.executable, str(HERE / "loadgen.py"), f"127.0.0.1:{server.grpc}", model, shape, "--rate", str(rate),
+            "--seconds", str(seconds)]  # fmt: skip
+    load = os.getloadavg()[0]
+    cpu0, (inf0, _) = server.cpu_s(), server.counts(model)
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    cpu1, (inf1, _) = server.cpu_s(), server.counts(model)
+    if run.returncode != 0:
+        tail = run.stderr.strip().splitlines()
+        raise RuntimeError(f"the load generator failed: {tail[-1] if tail else run.returncode}")
+    result: dict[str, float] = json.loads(run.stdout)
+    result["cpu_us"] = (cpu1 - cpu0) / max(1, inf1 - inf0) * 1e6
+    result["load"] = load
+    return result
+
+
 def show(p: Point) -> str:
     if p.error:
         return (
@@ -312,6 +329,9 @@ def main() -> None:
     p.add_argument("--retries", type=int, default=2, help="re-runs of a point perf_analyzer found unstable")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-triton", action="store_true")
+    p.add_argument(
+        "--rates", type=int, nargs="*", default=[], help="open-loop gRPC points (requests/s, Poisson), both servers"
+    )
     p.add_argument("--serve-args", default="", help="more options for octacloud serve, e.g. '--grpc-threads 0'")
     args = p.parse_args()
     preferred = [args.max_batch] if args.preferred is None else args.preferred
@@ -350,6 +370,17 @@ def main() -> None:
                         for kind in order:
                             points.append(measure(servers[kind], name, protocol, c, shape, args, work))
                             print(show(points[-1]), flush=True)
+            opened: list[tuple[int, str, dict[str, float]]] = []
+            for i, rate in enumerate(args.rates):
+                for kind in kinds if i % 2 == 0 else kinds[::-1]:
+                    o = open_loop(servers[kind], name, rate, shape, args.window_ms / 1000)
+                    opened.append((rate, kind, o))
+                    print(
+                        f"  {kind:9} grpc open loop {rate}/s: answered {o['throughput']:6.0f}/s  p50 "
+                        f"{o['p50_ms']:6.2f} ms  p99 {o['p99_ms']:7.2f} ms  refused {o['refused']:5.0f}/s  "
+                        f"failed {o['failed']:4.0f}/s  cpu {o['cpu_us']:4.0f} us/inf  load {o['load']:4.1f}",
+                        flush=True,
+                    )
         finally:
             for s in servers.values():
                 stop(s.proc)

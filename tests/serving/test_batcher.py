@@ -140,3 +140,33 @@ async def test_a_cancelled_request_does_not_block_the_others() -> None:
     await first
     assert runner.batches == [1, 1]
     await b.close()
+
+
+async def test_beyond_max_pending_requests_are_refused_at_once_and_the_admitted_ones_stay_fast() -> None:
+    runner = Runner(delay=0.01)
+    b = DynamicBatcher(BatchingSettings(max_batch_size=4, max_queue_delay_us=0, max_pending=8), runner)
+    b.start()
+    outcomes = await asyncio.gather(*(b.submit(rows(i, 1)) for i in range(40)), return_exceptions=True)
+    refused = [o for o in outcomes if isinstance(o, QueueFullError)]
+    served = [o for o in outcomes if isinstance(o, dict)]
+    assert len(served) + len(refused) == 40
+    assert 8 <= len(served) <= 12 and refused  # the queue held 8, plus what was already running
+    assert "octacloud.max_pending" in str(refused[0]) and "retry later" in str(refused[0])
+    assert len(runner.batches) <= 4  # the admitted requests waited a few batches, not ten
+    await b.close()
+
+
+def test_max_pending_default_and_parameter() -> None:
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from octacloud.serving.errors import ModelConfigError
+
+    config = mc.ModelConfig(max_batch_size=32)
+    config.dynamic_batching.SetInParent()
+    assert BatchingSettings.from_config(config).max_pending == 256
+    assert BatchingSettings.from_config(mc.ModelConfig(max_batch_size=0)).max_pending == 64
+    config.parameters["octacloud.max_pending"].string_value = "0"
+    assert BatchingSettings.from_config(config).max_pending == 0  # unbounded
+    config.parameters["octacloud.max_pending"].string_value = "many"
+    with pytest.raises(ModelConfigError, match="octacloud.max_pending"):
+        BatchingSettings.from_config(config)

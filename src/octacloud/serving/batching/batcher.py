@@ -107,6 +107,11 @@ class DynamicBatcher:
     ) -> asyncio.Future[dict[str, npt.NDArray[Any]]]:
         s = self.settings
         level = s.level_of(priority)
+        if s.max_pending and len(self._queue) >= s.max_pending:
+            raise QueueFullError(
+                f"model {self.name!r} has {len(self._queue)} requests waiting, the most it queues "
+                f"(parameter octacloud.max_pending); retry later"
+            )
         limit = s.queue_policy(level).max_queue_size
         if limit and self._counts.get(level, 0) >= limit:
             raise QueueFullError(

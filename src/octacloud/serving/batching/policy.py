@@ -17,8 +17,18 @@ from dataclasses import dataclass, field
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from octacloud.serving.errors import ModelConfigError
+from octacloud.serving.repository.config import int_parameter
+
 MERGE_AFTER = 4
 """Dispatch once this many requests wait (the design: 'more than 3')."""
+PENDING_PARAMETER = "octacloud.max_pending"
+PENDING_PER_BATCH = 8
+MIN_PENDING = 64
+"""Unless the config's ``octacloud.max_pending`` parameter says otherwise (0: unbounded), a model queues at
+most max(64, 8 × max_batch_size) requests; more are refused at once (503 / UNAVAILABLE, "retry later"). Under
+open-loop load beyond capacity the queue, and with it the latency of every admitted request, then stays
+bounded (about eight batches' worth) instead of growing until clients time out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +62,22 @@ class BatchingSettings:
     default_priority: int = 0
     default_queue: QueuePolicy = QueuePolicy()
     queues: Mapping[int, QueuePolicy] = field(default_factory=dict)
+    max_pending: int = 0
+    """The most requests (chunks) waiting at once, over all levels; 0: unbounded."""
 
     @classmethod
     def from_config(cls, config: mc.ModelConfig) -> BatchingSettings:
+        given = int_parameter(config, PENDING_PARAMETER)
+        if given is not None and given < 0:
+            raise ModelConfigError(f"parameter {PENDING_PARAMETER} must be >= 0 (0: unbounded), got {given}")
+        pending = given if given is not None else max(MIN_PENDING, PENDING_PER_BATCH * max(0, config.max_batch_size))
         if config.max_batch_size <= 0 or not config.HasField("dynamic_batching"):
-            return cls(max_batch_size=max(0, config.max_batch_size), max_queue_delay_us=0, merge_after=1)
+            return cls(
+                max_batch_size=max(0, config.max_batch_size), max_queue_delay_us=0, merge_after=1, max_pending=pending
+            )
         db = config.dynamic_batching
         return cls(
+            max_pending=pending,
             max_batch_size=config.max_batch_size,
             preferred_batch_sizes=tuple(sorted(db.preferred_batch_size)),
             max_queue_delay_us=db.max_queue_delay_microseconds,
