@@ -4,7 +4,7 @@ Why not ``grpc.aio``: it hands every call event from grpc's poller thread to the
 (about five loop wake-ups and eleven system calls per unary call, measured); under load the loop spends its
 time being woken instead of batching, and the process burns two to three times Triton's CPU per inference.
 Here one read brings a request's frames, the servicer coroutine runs on the loop, and one write sends the
-response's HEADERS, DATA and trailers. HPACK comes from the maintained ``hpack`` package; the rest of HTTP/2
+response's HEADERS, DATA and trailers (the responses of one batch on one connection share that write). HPACK comes from the maintained ``hpack`` package; the rest of HTTP/2
 that a gRPC server needs (RFC 9113: settings, ping, flow control both ways, CONTINUATION, padding,
 RST_STREAM, GOAWAY) is here.
 
@@ -162,6 +162,7 @@ class Http2Connection(asyncio.Protocol):
         self._continuation: _Stream | None = None
         self._going_away = False
         self._peer = "unknown"
+        self._out = bytearray()  # frames to send at the end of this loop turn
 
     # ---- asyncio.Protocol --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -519,8 +520,17 @@ class Http2Connection(asyncio.Protocol):
             self._close()
 
     def _write(self, data: bytes) -> None:
-        if self._transport is not None:
-            self._transport.write(data)
+        """Queue ``data``; everything queued in one loop turn (the responses of one batch) is one write."""
+        if self._transport is None:
+            return
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush_out)
+        self._out += data
+
+    def _flush_out(self) -> None:
+        if self._out and self._transport is not None:
+            self._transport.write(bytes(self._out))
+        self._out.clear()
 
     def _goaway(self, code: int, reason: str) -> None:
         log.info("closing an HTTP/2 connection from %s: %s", self._peer, reason)
@@ -529,6 +539,7 @@ class Http2Connection(asyncio.Protocol):
 
     def _close(self) -> None:
         if self._transport is not None:
+            self._flush_out()
             self._transport.close()
 
     def shut_down(self) -> None:
