@@ -4,9 +4,9 @@ Why not ``grpc.aio``: it hands every call event from grpc's poller thread to the
 (about five loop wake-ups and eleven system calls per unary call, measured); under load the loop spends its
 time being woken instead of batching, and the process burns two to three times Triton's CPU per inference.
 Here one read brings a request's frames, the servicer coroutine runs on the loop, and one write sends the
-response's HEADERS, DATA and trailers (the responses of one batch on one connection share that write). HPACK comes from the maintained ``hpack`` package; the rest of HTTP/2
-that a gRPC server needs (RFC 9113: settings, ping, flow control both ways, CONTINUATION, padding,
-RST_STREAM, GOAWAY) is here.
+response's HEADERS, DATA and trailers (the responses of one batch on one connection share that write).
+HPACK comes from the maintained ``hpack`` package; the rest of HTTP/2 that a gRPC server needs (RFC 9113:
+settings, ping, flow control both ways, CONTINUATION, padding, RST_STREAM, GOAWAY) is here.
 
 The methods are :class:`~octacloud.protocols.grpc.servicer.InferenceServicer`'s, called with a context whose
 ``abort`` ends the call with that status; so both servers answer alike.
