@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import grpc
 import hpack
@@ -232,3 +233,40 @@ def test_the_aio_server_is_still_available(tmp_path: Path) -> None:
         client.close()
     finally:
         s.stop()
+
+
+def test_trailing_metadata_and_codes_reach_a_grpc_client() -> None:
+    async def limited(request: bytes, context: h2.CallContext) -> pb.ServerLiveResponse:
+        assert ("authorization", "Bearer k") in context.invocation_metadata()
+        context.set_trailing_metadata([("retry-after", "2")])
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "over the rate: retry in 2 s")
+        raise AssertionError("unreachable")
+
+    async def fine(request: bytes, context: h2.CallContext) -> pb.ServerLiveResponse:
+        context.set_trailing_metadata([("x-served-by", "replica-1"), ("x-blob-bin", b"\x00\x01")])
+        return pb.ServerLiveResponse(live=True)
+
+    async def go() -> None:
+        extra = {
+            "/t.T/Limited": h2.Method(bytes, limited, streaming=False),
+            "/t.T/Fine": h2.Method(bytes, fine, streaming=False),
+        }
+        server = h2.GrpcServer(cast(Any, None), extra=extra)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.unary_unary("/t.T/Limited")
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(b"", metadata=(("authorization", "Bearer k"),))
+                assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert e.value.details() == "over the rate: retry in 2 s"
+                assert ("retry-after", "2") in tuple(e.value.trailing_metadata() or ())
+                ok = channel.unary_unary("/t.T/Fine", response_deserializer=pb.ServerLiveResponse.FromString)
+                c = ok(b"")
+                assert (await c).live
+                trailing = tuple(await c.trailing_metadata())
+                assert ("x-served-by", "replica-1") in trailing and ("x-blob-bin", b"\x00\x01") in trailing
+        finally:
+            await server.stop(1)
+
+    asyncio.run(go())

@@ -68,30 +68,46 @@ def _int7(n: int) -> bytes:
     return bytes(out)
 
 
-def _trailers(code: grpc.StatusCode, message: str) -> bytes:
-    block = _literal(b"grpc-status", str(code.value[0]).encode())
+def _metadata_block(metadata: Any) -> bytes:
+    """Custom metadata as header fields (``-bin`` values base64, as gRPC sends them)."""
+    out = b""
+    for key, value in metadata or ():
+        raw = value if isinstance(value, bytes) else str(value).encode()
+        if key.endswith("-bin"):
+            raw = base64.b64encode(raw).rstrip(b"=")
+        out += _literal(key.lower().encode(), raw)
+    return out
+
+
+def _trailers(code: grpc.StatusCode, message: str, extra: bytes = b"") -> bytes:
+    block = extra + _literal(b"grpc-status", str(code.value[0]).encode())
     if message:
         block += _literal(b"grpc-message", quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode())
     return block
 
 
 class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Any = ()) -> None:
         super().__init__(details)
-        self.code, self.details = code, details
+        self.code, self.details, self.trailing = code, details, trailing
 
 
 class CallContext:
-    """The part of ``grpc.aio.ServicerContext`` the servicer uses: ``abort``, metadata, peer."""
+    """The part of ``grpc.aio.ServicerContext`` a servicer uses: ``abort``, ``invocation_metadata``, ``peer``,
+    ``set_code``/``set_details``, ``set_trailing_metadata``."""
 
     def __init__(self, metadata: tuple[tuple[str, str | bytes], ...], peer: str) -> None:
         self._metadata = metadata
         self._peer = peer
         self.code: grpc.StatusCode | None = None
         self.details = ""
+        self.trailing: Any = ()
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
-        raise _Abort(code, details)
+        raise _Abort(code, details, trailing_metadata or self.trailing)
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        self.trailing = tuple(metadata)
 
     def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
         return self._metadata
@@ -416,17 +432,18 @@ class Http2Connection(asyncio.Protocol):
             response = await method.call(method.parse(message), context)
             out = response.SerializeToString()
         except _Abort as a:
-            self._fail(s, a.code, a.details)
+            self._fail(s, a.code, a.details, extra=_metadata_block(a.trailing))
             return
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._fail_with(s, e)
             return
+        extra = _metadata_block(context.trailing)
         if context.code is not None and context.code is not grpc.StatusCode.OK:
-            self._fail(s, context.code, context.details)
+            self._fail(s, context.code, context.details, extra=extra)
             return
-        self._respond(s, b"\x00" + _U32.pack(len(out)) + out, _OK_TRAILERS)
+        self._respond(s, b"\x00" + _U32.pack(len(out)) + out, extra + _OK_TRAILERS)
 
     async def _streaming(self, s: _Stream) -> None:
         method = s.method
@@ -443,14 +460,14 @@ class Http2Connection(asyncio.Protocol):
                 out = response.SerializeToString()
                 self._respond(s, b"\x00" + _U32.pack(len(out)) + out, None)
         except _Abort as a:
-            self._fail(s, a.code, a.details)
+            self._fail(s, a.code, a.details, extra=_metadata_block(a.trailing))
             return
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._fail_with(s, e)
             return
-        self._respond(s, b"", _OK_TRAILERS)
+        self._respond(s, b"", _metadata_block(context.trailing) + _OK_TRAILERS)
 
     def _fail_with(self, s: _Stream, error: Exception) -> None:
         code = code_of(error)
@@ -495,7 +512,7 @@ class Http2Connection(asyncio.Protocol):
             if s.pending or s.pending_trailers is not None:
                 self._flush(s)
 
-    def _fail(self, s: _Stream, code: grpc.StatusCode, message: str, reset: bool = False) -> None:
+    def _fail(self, s: _Stream, code: grpc.StatusCode, message: str, reset: bool = False, extra: bytes = b"") -> None:
         """End the call with ``code``: trailers-only if nothing was sent yet (and RST_STREAM if asked, when the
         client is still sending)."""
         s.error = s.error or message or code.name
@@ -503,9 +520,9 @@ class Http2Connection(asyncio.Protocol):
             return
         s.pending.clear()
         if s.sent_headers:
-            out = frame(HEADERS, END_HEADERS | END_STREAM, s.id, _trailers(code, message))
+            out = frame(HEADERS, END_HEADERS | END_STREAM, s.id, _trailers(code, message, extra))
         else:
-            block = _RESPONSE_HEADERS + _trailers(code, message)
+            block = _RESPONSE_HEADERS + _trailers(code, message, extra)
             out = frame(HEADERS, END_HEADERS | END_STREAM, s.id, block)
         if reset and not s.remote_closed:
             out += frame(RST_STREAM, 0, s.id, _U32.pack(NO_ERROR))
