@@ -4,8 +4,9 @@
     python bench/loadgen.py TARGET MODEL NAME:DIMS --rate 2000 --seconds 3      # open loop, Poisson arrivals
 
 Prints one JSON object: ``throughput`` (answered calls per second), ``p50_ms``/``p99_ms`` of the answered
-calls, ``refused`` (calls answered UNAVAILABLE or RESOURCE_EXHAUSTED: shed load) and ``failed`` (any other
-error). Requests are serialised once; with ``--key`` every call carries ``authorization: Bearer KEY``
+calls, ``refused`` (calls answered UNAVAILABLE or RESOURCE_EXHAUSTED: shed load), ``failed`` (any other
+error) and, open loop, ``client_lag_p99_ms``: how late this client itself sent its requests (latencies are
+measured from the scheduled time, so a client that falls behind inflates them; a large lag voids the point). Requests are serialised once; with ``--key`` every call carries ``authorization: Bearer KEY``
 metadata (what perf_analyzer 2.51 cannot send over gRPC). The first second is a warm-up, not counted.
 """
 
@@ -37,6 +38,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
     body = request_bytes(args.model, args.shape)
     metadata = (("authorization", f"Bearer {args.key}"),) if args.key else ()
     latencies: list[float] = []
+    lags: list[float] = []  # open loop: how late this client sent each request (it must keep up with its schedule)
     counts = {"refused": 0, "failed": 0}
     async with grpc.aio.insecure_channel(args.target) as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
@@ -46,6 +48,8 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         end = start + args.seconds
 
         async def one(t0: float) -> None:
+            if args.rate and t0 >= start:
+                lags.append(loop.time() - t0)
             try:
                 await call(body, metadata=metadata, timeout=30)
             except grpc.aio.AioRpcError as e:
@@ -82,6 +86,7 @@ async def run(args: argparse.Namespace) -> dict[str, float]:
         "p99_ms": latencies[min(n - 1, int(n * 0.99))] * 1e3 if n else float("nan"),
         "refused": counts["refused"] / args.seconds,
         "failed": counts["failed"] / args.seconds,
+        "client_lag_p99_ms": sorted(lags)[int(len(lags) * 0.99)] * 1e3 if lags else 0.0,
     }
 
 

@@ -378,7 +378,8 @@ def main() -> None:
                     print(
                         f"  {kind:9} grpc open loop {rate}/s: answered {o['throughput']:6.0f}/s  p50 "
                         f"{o['p50_ms']:6.2f} ms  p99 {o['p99_ms']:7.2f} ms  refused {o['refused']:5.0f}/s  "
-                        f"failed {o['failed']:4.0f}/s  cpu {o['cpu_us']:4.0f} us/inf  load {o['load']:4.1f}",
+                        f"failed {o['failed']:4.0f}/s  cpu {o['cpu_us']:4.0f} us/inf  load {o['load']:4.1f}  "
+                        f"client lag p99 {o['client_lag_p99_ms']:5.1f} ms",
                         flush=True,
                     )
         finally:
