@@ -6,8 +6,9 @@
 Prints one JSON object: ``throughput`` (answered calls per second), ``p50_ms``/``p99_ms`` of the answered
 calls, ``refused`` (calls answered UNAVAILABLE or RESOURCE_EXHAUSTED: shed load), ``failed`` (any other
 error) and, open loop, ``client_lag_p99_ms``: how late this client itself sent its requests (latencies are
-measured from the scheduled time, so a client that falls behind inflates them; a large lag voids the point). Requests are serialised once; with ``--key`` every call carries ``authorization: Bearer KEY``
-metadata (what perf_analyzer 2.51 cannot send over gRPC). The first second is a warm-up, not counted.
+measured from the scheduled time, so a client that falls behind inflates them; a large lag voids the point).
+Requests are serialised once; with ``--key`` every call carries ``authorization: Bearer KEY`` metadata (what
+perf_analyzer 2.51 cannot send over gRPC). The first second is a warm-up, not counted.
 """
 
 from __future__ import annotations
