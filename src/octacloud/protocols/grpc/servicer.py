@@ -1,16 +1,17 @@
 """The Open Inference Protocol over gRPC: Triton's ``GRPCInferenceService`` (generated modules shipped in
 ``tritonclient.grpc``) on ``grpc.aio``, translating to and from the DataPlane.
 
-Errors abort the call with INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, FAILED_PRECONDITION, INTERNAL or
-UNIMPLEMENTED (shared memory, tracing and logging are not offered).
+Errors abort the call with the code :mod:`octacloud.serving.errors` gives them (one decorator,
+:func:`answers_errors`, on every method), or UNIMPLEMENTED (shared memory, tracing and logging are not offered).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator, Iterable
-from typing import Any, NoReturn, TypeAlias
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 from tritonclient.grpc import service_pb2 as pb
@@ -22,32 +23,15 @@ from octacloud.serving import (
     InferenceRequest,
     InferenceResponse,
     InvalidInputError,
-    ModelConfigError,
-    ModelExecutionError,
-    ModelNotFoundError,
-    ModelNotReadyError,
-    NotAllowedError,
-    QueueFullError,
-    QueueTimeoutError,
     RequestedOutput,
     Tensor,
+    status_of,
 )
 from octacloud.serving.stats import Duration
 from octacloud.serving.types import numpy_dtype, scheduling_parameters
 
 log = logging.getLogger(__name__)
 Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpc ships no type hints)
-
-_CODE: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (InvalidInputError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (ModelNotReadyError, grpc.StatusCode.UNAVAILABLE),
-    (QueueFullError, grpc.StatusCode.UNAVAILABLE),
-    (QueueTimeoutError, grpc.StatusCode.UNAVAILABLE),
-    (NotAllowedError, grpc.StatusCode.FAILED_PRECONDITION),
-    (ModelConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ModelExecutionError, grpc.StatusCode.INTERNAL),
-)
 
 _CONTENTS = {
     "BOOL": "bool_contents",
@@ -65,19 +49,31 @@ _CONTENTS = {
 }
 
 
-def code_of(error: Exception) -> grpc.StatusCode:
-    for kind, code in _CODE:
-        if isinstance(error, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
+def code_of(error: BaseException) -> grpc.StatusCode:
+    """The gRPC code of ``error``, read from the one table in :mod:`octacloud.serving.errors`."""
+    code: grpc.StatusCode = grpc.StatusCode[status_of(error).grpc]
+    return code
 
 
-async def _abort(context: Context, error: Exception) -> NoReturn:
-    code = code_of(error)
-    if code is grpc.StatusCode.INTERNAL and not isinstance(error, ModelExecutionError):
-        log.exception("internal error", exc_info=error)
-    await context.abort(code, str(error))
-    raise AssertionError("unreachable")  # context.abort raises
+_Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
+
+
+def answers_errors(method: _Handler) -> _Handler:
+    """Abort the call with the error's code (:func:`code_of`) and message; log only unexpected errors."""
+
+    @functools.wraps(method)
+    async def handler(self: Any, request: Any, context: Context) -> Any:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            answer = status_of(e)
+            if not answer.expected:
+                log.exception("internal error in %s", method.__name__)
+            await context.abort(grpc.StatusCode[answer.grpc], str(e))
+
+    return handler  # type: ignore[return-value]
 
 
 def _param(p: pb.InferParameter) -> Any:
@@ -135,24 +131,26 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
     def __init__(self, dataplane: DataPlane) -> None:
         self.dataplane = dataplane
 
+    @answers_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=self.dataplane.live())
 
+    @answers_errors
     async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.dataplane.server_ready())
 
+    @answers_errors
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
 
+    @answers_errors
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         m = self.dataplane.server_metadata()
         return pb.ServerMetadataResponse(name=m.name, version=m.version, extensions=m.extensions)
 
+    @answers_errors
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
-        try:
-            m = self.dataplane.model_metadata(request.name, request.version)
-        except Exception as e:
-            await _abort(context, e)
+        m = self.dataplane.model_metadata(request.name, request.version)
 
         def io(ts: Iterable[Any]) -> list[pb.ModelMetadataResponse.TensorMetadata]:
             return [
@@ -163,17 +161,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             name=m.name, versions=m.versions, platform=m.platform, inputs=io(m.inputs), outputs=io(m.outputs)
         )
 
+    @answers_errors
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
-        try:
-            return pb.ModelConfigResponse(config=self.dataplane.model_config(request.name, request.version))
-        except Exception as e:
-            await _abort(context, e)
+        return pb.ModelConfigResponse(config=self.dataplane.model_config(request.name, request.version))
 
+    @answers_errors
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
-        try:
-            stats = self.dataplane.model_statistics(request.name, request.version)
-        except Exception as e:
-            await _abort(context, e)
+        stats = self.dataplane.model_statistics(request.name, request.version)
         out = pb.ModelStatisticsResponse()
         for v in stats:
             s = v.stats
@@ -196,11 +190,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 )
         return out
 
+    @answers_errors
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        try:
-            response = await self.dataplane.infer(decode_infer(request))
-        except Exception as e:
-            await _abort(context, e)
+        response = await self.dataplane.infer(decode_infer(request))
         return encode_infer(response)
 
     async def ModelStreamInfer(
@@ -216,6 +208,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 response = await self.dataplane.infer(decode_infer(request))
                 done.put_nowait(pb.ModelStreamInferResponse(infer_response=encode_infer(response)))
             except Exception as e:
+                if not status_of(e).expected:
+                    log.exception("internal error in ModelStreamInfer")
                 done.put_nowait(
                     pb.ModelStreamInferResponse(
                         error_message=str(e), infer_response=pb.ModelInferResponse(id=request.id)
@@ -240,28 +234,25 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             for task in list(running):
                 task.cancel()
 
+    @answers_errors
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         out = pb.RepositoryIndexResponse()
         for e in self.dataplane.repository_index(request.ready):
             out.models.add(name=e.name, version=e.version, state=e.state, reason=e.reason)
         return out
 
+    @answers_errors
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
-        try:
-            await self.dataplane.load(request.model_name)
-        except Exception as e:
-            await _abort(context, e)
+        await self.dataplane.load(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
+    @answers_errors
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
-        try:
-            await self.dataplane.unload(request.model_name)
-        except Exception as e:
-            await _abort(context, e)
+        await self.dataplane.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
 
@@ -269,4 +260,4 @@ def add_to_server(dataplane: DataPlane, server: grpc.aio.Server) -> None:
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
 
 
-__all__ = ["InferenceServicer", "add_to_server", "code_of", "decode_infer", "encode_infer"]
+__all__ = ["InferenceServicer", "add_to_server", "answers_errors", "code_of", "decode_infer", "encode_infer"]
