@@ -16,7 +16,7 @@ from octacloud.serving.errors import (
     status_of,
 )
 from octacloud.serving.model import ModelState, ModelVersion
-from octacloud.serving.repository.repository import ControlMode, ModelRepository, RepositoryEntry
+from octacloud.serving.repository.repository import ControlMode, ModelRepository, RepositoryEntry, is_model_name
 from octacloud.serving.runtime import ModelRuntime, OnnxRuntime, RuntimeFactory, default_runtimes
 from octacloud.serving.types import (
     InferenceRequest,
@@ -57,5 +57,6 @@ __all__ = [
     "TensorMetadata",
     "VersionStats",
     "default_runtimes",
+    "is_model_name",
     "status_of",
 ]

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
@@ -56,6 +57,27 @@ def code_of(error: BaseException) -> grpc.StatusCode:
 
 
 _Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
+SERVICE = "inference.GRPCInferenceService"
+
+
+class Malformed:
+    """What a request that does not parse as its protobuf message becomes: the handler answers
+    INVALID_ARGUMENT (grpc itself would answer UNKNOWN and log a traceback per request)."""
+
+    id = ""
+
+    def __init__(self, kind: str, error: Exception) -> None:
+        self.message = f"the request is not a valid {kind} message: {error}"
+
+
+def _lenient(message: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except DecodeError as e:
+            return Malformed(message.DESCRIPTOR.name, e)
+
+    return parse
 
 
 def answers_errors(method: _Handler) -> _Handler:
@@ -64,6 +86,8 @@ def answers_errors(method: _Handler) -> _Handler:
     @functools.wraps(method)
     async def handler(self: Any, request: Any, context: Context) -> Any:
         try:
+            if isinstance(request, Malformed):
+                raise InvalidInputError(request.message)
             return await method(self, request, context)
         except grpc.aio.AbortError:
             raise
@@ -81,7 +105,9 @@ def _param(p: pb.InferParameter) -> Any:
     return getattr(p, which) if which else None
 
 
-def decode_infer(r: pb.ModelInferRequest) -> InferenceRequest:
+def decode_infer(r: pb.ModelInferRequest | Malformed) -> InferenceRequest:
+    if isinstance(r, Malformed):
+        raise InvalidInputError(r.message)
     raw = r.raw_input_contents
     if raw and len(raw) != len(r.inputs):
         raise InvalidInputError(
@@ -257,7 +283,18 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
 
 def add_to_server(dataplane: DataPlane, server: grpc.aio.Server) -> None:
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
+    """Register Triton's service, every method parsing its request leniently (see :class:`Malformed`)."""
+    servicer = InferenceServicer(dataplane)
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        kind = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = kind(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
 
 
 __all__ = ["InferenceServicer", "add_to_server", "answers_errors", "code_of", "decode_infer", "encode_infer"]
