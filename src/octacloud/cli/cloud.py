@@ -189,7 +189,10 @@ def deploy(
     max_replicas: int | None = typer.Option(None, "--max-replicas"),
     target_qps: float | None = typer.Option(None, "--target-qps"),
     slo_ms: float | None = typer.Option(None, "--slo-ms"),
-    priority: int = typer.Option(0, "--priority"),
+    priority_class: str | None = typer.Option(
+        None, "--priority-class", help="A priority class granted to the tenant (default: the tenant's default)."
+    ),
+    priority: int | None = typer.Option(None, "--priority", help="A raw priority (admin keys only)."),
     tenant: str | None = typer.Option(None, "--tenant", help="Owner (admin keys only; default: the key's)."),
     publish: bool = typer.Option(False, "--publish", help="Let every tenant infer on it."),
     url: str | None = typer.Option(None, "--url"),
@@ -209,9 +212,12 @@ def deploy(
         "max_replicas": max(min_replicas, 1) if max_replicas is None else max_replicas,
         "target_qps": target_qps,
         "slo_ms": slo_ms,
-        "priority": priority,
         "published": publish,
     }
+    if priority_class is not None:
+        body["priority_class"] = priority_class
+    if priority is not None:
+        body["priority"] = priority
     if tenant is not None:
         body["tenant"] = tenant
     data = _call("POST", _url(url), "/admin/deployments", body, key, cacert)
