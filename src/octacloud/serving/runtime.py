@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from octacloud.serving.errors import ModelConfigError
+from octacloud.serving.onnxops import couples_rows
 from octacloud.serving.repository.config import ONNX_BACKEND, ONNX_PLATFORM, ModelConfig
 from octacloud.serving.types import TensorMetadata
 
@@ -27,6 +28,9 @@ class ModelRuntime(Protocol):
     arrays already checked against the config, and returns every name in ``outputs`` with the batch dim
     first; it may raise any exception (the batch then fails, the server does not). :meth:`close` frees
     the model's memory; no call follows it.
+
+    A runtime may also have ``couples_rows: bool``: True when a row's result depends on the other rows of its
+    batch (dynamic quantization), so that requests must not share batches (absent means False).
     """
 
     @property
@@ -115,6 +119,10 @@ class OnnxRuntime:
         self._inputs = tuple(self._meta(x) for x in self._session.get_inputs())
         self._outputs = tuple(self._meta(x) for x in self._session.get_outputs())
         self._string_inputs = {t.name for t in self._inputs if t.datatype == "BYTES"}
+        try:
+            self.couples_rows = couples_rows(path)
+        except ValueError:  # onnxruntime loaded it, so it is ONNX; an odd encoding: assume the safe case
+            self.couples_rows = True
 
     @staticmethod
     def _meta(node: Any) -> TensorMetadata:
