@@ -103,3 +103,21 @@ def test_only_unexpected_errors_are_logged_with_a_traceback(caplog: pytest.LogCa
         asyncio.run(rest_answer(RestApp(Raising(error)), "GET", "/v2/models/m"))  # type: ignore[arg-type]
     logged = [r for r in caplog.records if r.exc_info]
     assert [str(r.exc_info[1]) for r in logged if r.exc_info] == ["bug"]
+
+
+def test_internal_errors_are_logged_boundedly(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from octacloud.protocols.errorlog import BoundedErrorLog
+
+    now = [0.0]
+    errors = BoundedErrorLog(logging.getLogger("octacloud.test"), burst=3, window_s=60, clock=lambda: now[0])
+    for _ in range(1000):
+        errors.exception("GET /v2/x", RuntimeError("bug"))
+    now[0] = 61.0
+    errors.exception("GET /v2/x", RuntimeError("bug"))
+    records = [r for r in caplog.records if r.name == "octacloud.test"]
+    assert sum(1 for r in records if r.exc_info) == 4
+    assert [r.getMessage() for r in records if not r.exc_info] == [
+        "997 more internal errors in the last 60 s were not logged"
+    ]

@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from octacloud.protocols.errorlog import BoundedErrorLog
 from octacloud.protocols.tensors import from_list, from_raw, to_raw
 from octacloud.serving import (
     DataPlane,
@@ -32,6 +33,7 @@ from octacloud.serving.stats import Duration
 from octacloud.serving.types import numpy_dtype, scheduling_parameters
 
 log = logging.getLogger(__name__)
+_errors = BoundedErrorLog(log)
 Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpc ships no type hints)
 
 _CONTENTS = {
@@ -94,7 +96,7 @@ def answers_errors(method: _Handler) -> _Handler:
         except Exception as e:
             answer = status_of(e)
             if not answer.expected:
-                log.exception("internal error in %s", method.__name__)
+                _errors.exception(method.__name__, e)
             await context.abort(grpc.StatusCode[answer.grpc], str(e))
 
     return handler  # type: ignore[return-value]
@@ -235,7 +237,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 done.put_nowait(pb.ModelStreamInferResponse(infer_response=encode_infer(response)))
             except Exception as e:
                 if not status_of(e).expected:
-                    log.exception("internal error in ModelStreamInfer")
+                    _errors.exception("ModelStreamInfer", e)
                 done.put_nowait(
                     pb.ModelStreamInferResponse(
                         error_message=str(e), infer_response=pb.ModelInferResponse(id=request.id)

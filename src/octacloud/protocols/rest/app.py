@@ -24,10 +24,12 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from octacloud.protocols.errorlog import BoundedErrorLog
 from octacloud.protocols.rest import codec
 from octacloud.serving import DataPlane, InvalidInputError, status_of
 
 log = logging.getLogger(__name__)
+_errors = BoundedErrorLog(log)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -68,7 +70,7 @@ class RestApp:
                 answer = status_of(e)
                 status = answer.http
                 if not answer.expected:
-                    log.exception("internal error on %s %s", scope["method"], scope["path"])
+                    _errors.exception(f"{scope['method']} {scope['path'][:200]}", e)
             await _reply(send, status, codec.dumps({"error": str(e)}))
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
