@@ -268,6 +268,9 @@ def bootstrap_admin_key(keys: KeyStore, path: Path) -> str | None:
 def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
     """The cloud on the Ray cluster at ``config.ray_address``: its fleet is Ray's node table (nodes started with
     ``octacloud node start``), its replicas Ray actors, and nodes that join or die are seen while it runs."""
+    from octacloud.core.extras import require
+
+    require("ray")
     from octacloud.cluster.ray_backend import RayFleet, RayLauncher, connect
 
     connect(config.ray_address)
