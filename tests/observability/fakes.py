@@ -45,6 +45,8 @@ class FakeCard:
     violations_ns: tuple[int, int] = (5_000_000, 0)  # power, thermal
     retired: tuple[int, int] = (2, 1)  # single-bit, double-bit
     remapped: tuple[int, int, int, int] = (4, 1, 0, 0)  # correctable, uncorrectable, pending, failure
+    processes: dict[int, tuple[int, int]] = field(default_factory=dict)  # pid -> (SM %, memory bytes)
+    sample_us: int = 1_000_000  # the timestamp of the newest process-utilisation sample
 
 
 class FakeNvml:
@@ -165,6 +167,19 @@ class FakeNvml:
 
     def nvmlDeviceGetFanSpeed(self, h: int) -> int:
         raise NVMLError_NotSupported()  # passively cooled, as data-centre cards are
+
+    # per-process accounting
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
+        return [SimpleNamespace(pid=pid, usedGpuMemory=mem) for pid, (_, mem) in self.cards[h].processes.items()]
+
+    def nvmlDeviceGetProcessUtilization(self, h: int, last_seen_us: int) -> list[Any]:
+        c = self.cards[h]
+        if c.sample_us <= last_seen_us:
+            raise self.NVMLError("Not Found")  # NVML's answer when no sample is newer than the one given
+        return [
+            SimpleNamespace(pid=pid, timeStamp=c.sample_us, smUtil=sm, memUtil=0, encUtil=0, decUtil=0)
+            for pid, (sm, _) in c.processes.items()
+        ]
 
     # XID events
     def nvmlEventSetCreate(self) -> str:

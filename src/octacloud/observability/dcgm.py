@@ -227,6 +227,17 @@ class CardIdentity:
     """One direction's bandwidth of the card's current PCIe link (None when NVML cannot say)."""
 
 
+@dataclass(frozen=True, slots=True)
+class ProcessUse:
+    """What NVML saw one process use on one card: its SM utilisation over the last sample period (NVML's process
+    utilisation samples; None when the card gives none) and its framebuffer memory (None when not reported)."""
+
+    pid: int
+    gpu: int
+    sm_percent: float | None
+    memory_bytes: int | None
+
+
 @dataclass(slots=True)
 class CardReading:
     """One card's fields at one moment (``values``: dcgm-exporter field name → value)."""
@@ -276,6 +287,8 @@ class NvmlCards:
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
         self.cards = [self._identity(i, h) for i, h in enumerate(self.handles)]
         self._nvlink_last: dict[tuple[int, str], tuple[float, float]] = {}
+        self._process_seen_us: dict[int, int] = {}
+        """Card index → the newest process-utilisation sample already read (NVML returns samples after it)."""
         self._xid: dict[int, int] = {}
         """Card index → last XID, for the cards whose XID events NVML delivers (others report no XID field)."""
         self._events: Any = None
@@ -366,6 +379,32 @@ class NvmlCards:
         if self._events is not None and card.index in self._xid:
             values[XID] = float(self._xid[card.index])
         return CardReading(card, values)
+
+    def _call(self, name: str, *args: Any) -> Any:
+        return getattr(self.nvml, name)(*args)  # AttributeError where this nvidia-ml-py lacks the call
+
+    def processes(self) -> list[ProcessUse]:
+        """Every compute process on every card (MPS clients included) with its SM utilisation since the last call
+        and its memory: what the ledger bills as GPU time actually used."""
+        out: list[ProcessUse] = []
+        for card, h in zip(self.cards, self.handles, strict=True):
+            memory: dict[int, int | None] = {}
+            for call in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses"):
+                for proc in self._supported(partial(self._call, call, h)) or ():
+                    used = getattr(proc, "usedGpuMemory", None)
+                    memory[int(proc.pid)] = int(used) if isinstance(used, int) else memory.get(int(proc.pid))
+            sm: dict[int, list[float]] = {}
+            since = self._process_seen_us.get(card.index, 0)
+            for sample in self._supported(partial(self.nvml.nvmlDeviceGetProcessUtilization, h, since)) or ():
+                if int(sample.timeStamp) <= since:
+                    continue
+                sm.setdefault(int(sample.pid), []).append(float(sample.smUtil))
+                self._process_seen_us[card.index] = max(self._process_seen_us.get(card.index, 0), int(sample.timeStamp))
+            for pid in sorted(memory.keys() | sm.keys()):
+                samples = sm.get(pid)
+                mean = sum(samples) / len(samples) if samples else None
+                out.append(ProcessUse(pid, card.index, mean, memory.get(pid)))
+        return out
 
     def _nvlink(self, index: int, h: Any, now: float, values: dict[str, float]) -> None:
         nvml = self.nvml
