@@ -136,6 +136,8 @@ _PCIE_LANE_BYTES_PER_S = {1: 250e6, 2: 500e6, 3: 984.6e6, 4: 1969e6, 5: 3938e6, 
 _ALL_LINKS = 0xFFFFFFFF
 """NVML field scope that sums a per-link counter over every NVLink of the card."""
 _MIB = 1024 * 1024
+_LOST_ERRORS = frozenset({"NVMLError_GpuIsLost", "NVMLError_GpuNotFound", "NVMLError_ResetRequired"})
+"""NVML errors that mean the card itself is gone, not that one field is unsupported."""
 
 
 def _first_of(nvml: Any, *names: str) -> Callable[..., Any]:
@@ -244,6 +246,10 @@ class CardReading:
 
     card: CardIdentity
     values: dict[str, float] = field(default_factory=dict)
+    xids: tuple[int, ...] = ()
+    """XID errors NVML delivered for this card since the previous reading, oldest first."""
+    lost: bool = False
+    """NVML says the GPU is lost (fallen off the bus, or needs a reset): nothing on it can be trusted."""
 
     def utilisation(self) -> dict[str, float]:
         """The card's share of the scheduler's telemetry terms (0..1 ratios) that NVML could measure."""
@@ -330,8 +336,11 @@ class NvmlCards:
 
     def read(self, now: float) -> list[CardReading]:
         """One reading per card; ``now`` (monotonic seconds) turns NVLink byte counters into rates."""
-        self._drain_xid_events()
-        return [self._read(card, h, now) for card, h in zip(self.cards, self.handles, strict=True)]
+        fresh = self._drain_xid_events()
+        readings = [self._read(card, h, now) for card, h in zip(self.cards, self.handles, strict=True)]
+        for reading in readings:
+            reading.xids = tuple(xid for index, xid in fresh if index == reading.card.index)
+        return readings
 
     def _read(self, card: CardIdentity, h: Any, now: float) -> CardReading:
         nvml, get = self.nvml, self._supported
@@ -339,7 +348,12 @@ class NvmlCards:
         util = get(lambda: nvml.nvmlDeviceGetUtilizationRates(h))
         if util is not None:
             values[GPU_UTIL], values[MEM_COPY_UTIL] = float(util.gpu), float(util.memory)
-        memory = get(lambda: nvml.nvmlDeviceGetMemoryInfo(h))
+        memory = None
+        lost = False
+        try:
+            memory = nvml.nvmlDeviceGetMemoryInfo(h)
+        except nvml.NVMLError as exc:
+            lost = type(exc).__name__ in _LOST_ERRORS
         if memory is not None:
             values[FB_USED], values[FB_FREE] = memory.used // _MIB, memory.free // _MIB
         for name, counter in ((PCIE_TX, nvml.NVML_PCIE_UTIL_TX_BYTES), (PCIE_RX, nvml.NVML_PCIE_UTIL_RX_BYTES)):
@@ -378,7 +392,7 @@ class NvmlCards:
                 values[name] = value
         if self._events is not None and card.index in self._xid:
             values[XID] = float(self._xid[card.index])
-        return CardReading(card, values)
+        return CardReading(card, values, lost=lost)
 
     def _call(self, name: str, *args: Any) -> Any:
         return getattr(self.nvml, name)(*args)  # AttributeError where this nvidia-ml-py lacks the call
@@ -424,22 +438,26 @@ class NvmlCards:
             if last is not None and now > last[0] and kib >= last[1]:
                 values[name] = (kib - last[1]) * 1024 / (now - last[0])
 
-    def _drain_xid_events(self) -> None:
+    def _drain_xid_events(self) -> list[tuple[int, int]]:
+        """(card index, XID) of every event waiting, oldest first."""
+        fresh: list[tuple[int, int]] = []
         if self._events is None:
-            return
+            return fresh
         nvml = self.nvml
         for _ in range(1024):  # bounded: a storm of events must not stall the sampler
             try:
                 event = nvml.nvmlEventSetWait_v2(self._events, 0)
             except nvml.NVMLError_Timeout:
-                return
+                return fresh
             except nvml.NVMLError as exc:
                 log.warning("NVML event wait failed (%s): XID reporting stops", exc)
                 self._events = None
-                return
+                return fresh
             index = self._supported(partial(nvml.nvmlDeviceGetIndex, event.device))
             if index is not None and int(index) in self._xid:
                 self._xid[int(index)] = int(event.eventData)
+                fresh.append((int(index), int(event.eventData)))
+        return fresh
 
     def close(self) -> None:
         if self._events is not None:
