@@ -131,7 +131,7 @@ class Cloud:
         self.admin_key = bootstrap_admin_key(self.keys, config.state_dir / "admin.key")
         """The admin key created by this start (None when one existed): the CLI shows it once."""
         self.ledger = Ledger(self.store.engine)
-        self.usage = ClusterUsage(self.controller)
+        self.usage = ClusterUsage(self.controller, gpu_use=self.monitoring.sampler.gpu_use)
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
         self.grpc_gateway = GrpcGateway(self.routes, ready=lambda: self._started, guard=self.guard)
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
@@ -268,6 +268,9 @@ def bootstrap_admin_key(keys: KeyStore, path: Path) -> str | None:
 def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
     """The cloud on the Ray cluster at ``config.ray_address``: its fleet is Ray's node table (nodes started with
     ``octacloud node start``), its replicas Ray actors, and nodes that join or die are seen while it runs."""
+    from octacloud.core.extras import require
+
+    require("ray")
     from octacloud.cluster.ray_backend import RayFleet, RayLauncher, connect
 
     connect(config.ray_address)
