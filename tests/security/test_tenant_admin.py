@@ -179,3 +179,34 @@ def test_admin_api_errors_come_from_one_table(cloud: CloudThread) -> None:
     assert deploy(cloud, a, name="lin").status_code == 201
     b = make_tenant(cloud, "b")
     assert deploy(cloud, b, name="lin").status_code == 409
+
+
+def test_the_cli_defines_grants_and_deploys_with_priority_classes(cloud: CloudThread) -> None:
+    from typer.testing import CliRunner
+
+    from octacloud.cli.main import app
+
+    runner = CliRunner()
+    a = make_tenant(cloud, "a")
+
+    def run(key: str, *args: str) -> str:
+        result = runner.invoke(app, [*args, "--url", cloud.url, "--key", key])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    run(cloud.key, "priority-class", "define", "prod", "--priority", "100", "--description", "customer-facing")
+    run(cloud.key, "priority-class", "define", "batch", "--priority", "1", "--global-default")
+    run(cloud.key, "tenant", "grant", "a", "prod", "--default")
+    listed = run(cloud.key, "priority-class", "list")
+    assert "prod" in listed and "a (default)" in listed and "every tenant" in listed
+    run(a, "deploy", "linear", "--name", "a-lin")
+    assert (spec(cloud, "a-lin")["priority_class"], spec(cloud, "a-lin")["priority"]) == ("prod", 100)
+    refused = runner.invoke(
+        app, ["deploy", "linear", "--name", "a-x", "--priority", "5", "--url", cloud.url, "--key", a]
+    )
+    assert refused.exit_code != 0 and "priority_class" in refused.output
+    run(cloud.key, "tenant", "revoke", "a", "prod")
+    run(a, "deploy", "linear", "--name", "a-next")
+    assert spec(cloud, "a-next")["priority_class"] == "batch" and spec(cloud, "a-lin")["priority"] == 100
+    run(cloud.key, "priority-class", "delete", "prod")
+    assert "prod" not in run(cloud.key, "priority-class", "list")
