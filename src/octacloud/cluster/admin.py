@@ -112,7 +112,7 @@ def build_admin_app(
             raise ForbiddenError("a tenant may only deploy for itself (leave 'tenant' out)")
         model = body.get("model")
         if not isinstance(model, str) or not is_model_name(model) or not (controller.repository / model).is_dir():
-            raise NotFoundError(f"no model named {str(model)[:64]!r} in the repository")
+            raise NotFoundError(f"model {str(model)[:64]!r} is not in the repository")
         if priorities is not None:
             body["priority_class"], body["priority"] = priorities.resolve(
                 p, str(tenant), body.get("priority_class"), body.get("priority")
