@@ -15,6 +15,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from tests.protocols.conftest import ThreadedServer, build_repository, start
+from octacloud.serving.testing import add_onnx, write_onnx_model
+from tests.protocols.conftest import ADD_CONFIG, build_repository, start
+from tests.serve_process import serve_process
 
 SEED = int(os.environ.get("OCTACLOUD_FUZZ_SEED", "20261201"))
 CASES = int(os.environ.get("OCTACLOUD_FUZZ_CASES", "2000"))
@@ -37,11 +40,33 @@ CLIENT_ERRORS = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadedServer]:
-    s = start(build_repository(tmp_path_factory.mktemp("models")))
-    yield s
-    s.stop()
+@dataclass(frozen=True)
+class Target:
+    name: str
+    http: str
+    grpc: str
+    process_log: Path | None = None
+    """``octacloud serve``'s log (None in-process: caplog sees the records)."""
+
+    def internal_errors(self, caplog: pytest.LogCaptureFixture) -> list[str]:
+        if self.process_log is None:
+            return [r.getMessage() for r in caplog.records if r.name.startswith("octacloud")]
+        lines = self.process_log.read_text().splitlines()
+        return [line for line in lines if "internal error" in line or "Traceback" in line or "Exception" in line]
+
+
+@pytest.fixture(scope="module", params=["in-process", "octacloud serve"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    root = tmp_path_factory.mktemp("models")
+    if request.param == "in-process":
+        s = start(build_repository(root))
+        yield Target(request.param, s.http, s.grpc)
+        s.stop()
+        return
+    write_onnx_model(root, "add", add_onnx(), ADD_CONFIG, versions=(1, 2))  # a real process serves real models
+    (root / "add" / "config.pbtxt").write_text(ADD_CONFIG + "version_policy: { all: {} }\n")
+    with serve_process(root) as p:
+        yield Target(request.param, f"127.0.0.1:{p.http}", f"127.0.0.1:{p.grpc}", p.log)
 
 
 def _base() -> dict[str, Any]:
@@ -125,7 +150,7 @@ def rest_case(rng: random.Random) -> tuple[str, bytes, dict[str, str]]:
     path = rng.choice(
         ["/v2/models/add/infer"] * 6
         + ["/v2/models/add/versions/2/infer", "/v2/models/add/versions/x/infer", "/v2/models/nope/infer"]
-        + ["/v2/repository/index", "/v2/models/echo_bytes/infer"]
+        + ["/v2/repository/index", "/v2/models/nope/versions/1/infer"]
     )
     doc: Any = _base()
     for _ in range(rng.randint(1, 3)):
@@ -152,7 +177,7 @@ def _check_rest_ok(body: bytes, headers: dict[str, str]) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_rest_fuzz_answers_only_clean_4xx_or_2xx(server: ThreadedServer, caplog: pytest.LogCaptureFixture) -> None:
+def test_rest_fuzz_answers_only_clean_4xx_or_2xx(server: Target, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR)
     rng = random.Random(SEED)
     host, port = server.http.rsplit(":", 1)
@@ -189,8 +214,8 @@ def test_rest_fuzz_answers_only_clean_4xx_or_2xx(server: ThreadedServer, caplog:
             counts[f"{r.status // 100}xx"] += 1
             bad.append(f"case {i}: {r.status} {answer[:200]!r} for {path} {body[:300]!r}")
     conn.close()
-    print(f"\nREST fuzz (seed {SEED}): {dict(counts)}")
-    internal = [r.getMessage() for r in caplog.records if r.name.startswith("octacloud")]
+    print(f"\nREST fuzz, {server.name} (seed {SEED}): {dict(counts)}")
+    internal = server.internal_errors(caplog)
     assert not bad, "\n".join(bad[:10])
     assert not internal, internal[:5]
     assert counts["tried"] >= min(CASES, 500)
@@ -199,7 +224,7 @@ def test_rest_fuzz_answers_only_clean_4xx_or_2xx(server: ThreadedServer, caplog:
 
 def _infer_request(rng: random.Random) -> pb.ModelInferRequest:
     r = pb.ModelInferRequest(
-        model_name=rng.choice(["add"] * 8 + ["nope", "", "../add", "echo_bytes"]),
+        model_name=rng.choice(["add"] * 8 + ["nope", "", "../add", "/etc"]),
         model_version=rng.choice(["", "", "", "1", "2", "3", "x"]),
         id=rng.choice(["", "id"]),
     )
@@ -242,9 +267,7 @@ def _infer_request(rng: random.Random) -> pb.ModelInferRequest:
 
 
 @pytest.mark.timeout(300)
-def test_grpc_fuzz_answers_only_client_error_codes_or_ok(
-    server: ThreadedServer, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_grpc_fuzz_answers_only_client_error_codes_or_ok(server: Target, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR)
     rng = random.Random(SEED + 1)
     counts: Counter[str] = Counter()
@@ -279,8 +302,8 @@ def test_grpc_fuzz_answers_only_client_error_codes_or_ok(
                 else:
                     counts[str(code)] += 1
                     bad.append(f"case {i}: {method} {code} {e.details()} for {data[:200]!r}")
-    print(f"\ngRPC fuzz (seed {SEED + 1}): {dict(counts)}")
-    internal = [r.getMessage() for r in caplog.records if r.name.startswith("octacloud")]
+    print(f"\ngRPC fuzz, {server.name} (seed {SEED + 1}): {dict(counts)}")
+    internal = server.internal_errors(caplog)
     assert not bad, "\n".join(bad[:10])
     assert not internal, internal[:5]
     assert counts["ok"] > 0 and counts["client errors"] > 0
