@@ -171,6 +171,9 @@ def test_admin_api_errors_come_from_one_table(cloud: CloudThread) -> None:
         (cloud.key, "GET", "/admin/usage?by=nope", None, 400),
         (cloud.key, "POST", "/admin/priority-classes", {"name": "p", "priority": 1.5}, 400),
         (cloud.key, "DELETE", "/admin/priority-classes/nope", None, 404),
+        (cloud.key, "POST", "/admin/priority-classes", {"name": "p", "priority": 1, "global_default": "no"}, 400),
+        (cloud.key, "POST", "/admin/tenants/a/priority-classes", {"class": "nope"}, 404),
+        (cloud.key, "POST", "/admin/tenants/nope/priority-classes", {"class": "p"}, 404),
     ]
     for key, method, path, body, status in cases:
         r = call(cloud, key, method, path, body)  # type: ignore[arg-type]

@@ -149,6 +149,13 @@ def _quota(body: dict[str, Any]) -> Quota:
     return Quota(body.get("octants"), body.get("deployments"), rate, body.get("burst") or 50)
 
 
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise InvalidSpecError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
 def class_json(c: PriorityClass) -> dict[str, Any]:
     return {"name": c.name, "priority": c.priority, "description": c.description, "global_default": c.global_default}
 
@@ -243,7 +250,7 @@ def tenant_routes(
         if "name" not in body or "priority" not in body:
             raise InvalidSpecError('body must be {"name": <class>, "priority": <integer>, ...}')
         c = priorities.define(
-            body["name"], body["priority"], body.get("description", ""), bool(body.get("global_default", False))
+            body["name"], body["priority"], body.get("description", ""), _flag(body, "global_default")
         )
         return JSONResponse(class_json(c), status_code=201)
 
@@ -259,7 +266,7 @@ def tenant_routes(
         unknown = sorted(set(body) - {"class", "default"})
         if unknown or not isinstance(body.get("class"), str):
             raise InvalidSpecError('body must be {"class": <priority class>, "default": <bool>}')
-        g = priorities.grant(tenant, body["class"], bool(body.get("default", False)))
+        g = priorities.grant(tenant, body["class"], _flag(body, "default"))
         return JSONResponse({"tenant": g.tenant, "class": g.priority_class, "default": g.default}, status_code=201)
 
     async def revoke_grant(request: Request) -> JSONResponse:
