@@ -29,7 +29,7 @@ from typing import Protocol
 
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.cluster.gateway.routing import Endpoint, Owner, RouteTable
-from octacloud.cluster.launcher import LaunchFailedError, LaunchSpec, ReplicaAddress, ReplicaLauncher
+from octacloud.cluster.launcher import LaunchFailedError, LaunchSpec, ReplicaAddress, ReplicaLauncher, check_version
 from octacloud.cluster.sizing import Autoscaler, LoadSample, ModelFootprint, size_deployment
 from octacloud.cluster.slices import Slice, slice_environment, thread_budget
 from octacloud.cluster.store import StateStore
@@ -119,6 +119,7 @@ class Controller:
         """Create or update a deployment. Validates against the repository and the fleet before accepting."""
         if not (self.repository / spec.model).is_dir():
             raise NotFoundError(f"model {spec.model!r} is not in the repository {self.repository}")
+        check_version(self.repository / spec.model, spec.version)
         octants, replicas = self._resolve_size(spec)
         try:
             old = self.store.get_deployment(spec.name)
