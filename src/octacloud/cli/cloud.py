@@ -217,6 +217,8 @@ def deploy(
     data = _call("POST", _url(url), "/admin/deployments", body, key, cacert)
     spec = data["spec"]
     console.print(f"deployed [bold]{spec['name']}[/]: {data['replicas']} replica(s) × {data['octants']} octant(s)")
+    if data.get("sizing"):
+        console.print(f"  sizing: {data['sizing']}", soft_wrap=True, highlight=False)
 
 
 def status(
