@@ -144,7 +144,11 @@ class Controller:
                     self.store.delete_replica(r.id)
         self.store.put_deployment(d)
         self.routes.owners[spec.name] = Owner(spec.tenant, spec.published)
-        self.store.add_event("deploy", spec.name, f"{spec.model} × {replicas} on {octants} octant(s): {sizing.reason}")
+        self.store.add_event(
+            "deploy",
+            spec.name,
+            f"{spec.model} × {replicas} on {octants} octant(s)" + (f": {sizing.reason}" if sizing.reason else ""),
+        )
         self.poke()
         return d
 

@@ -212,7 +212,7 @@ def plan_size(spec: DeploymentSpec, footprint: Callable[[], ModelFootprint], cap
         except (NotFoundError, InvalidSpecError):
             memory = 0
         replicas = max(spec.min_replicas, 1) if spec.max_replicas else 0
-        sizing = Sizing(spec.octants, replicas, memory, f"{spec.octants} octant(s) per replica as asked")
+        sizing = Sizing(spec.octants, replicas, memory)
     else:
         if not capacity.card_count:
             raise InvalidSpecError("the fleet has no cards to size a deployment for")
