@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,20 @@ def _url(url: str | None) -> str:
     return (url or os.environ.get("OCTACLOUD_URL") or DEFAULT_URL).rstrip("/")
 
 
-KEY: Any = typer.Option(None, "--key", envvar="OCTACLOUD_KEY", help="API key (see <state-dir>/admin.key).")
+URL: Any = typer.Option(None, "--url", help=f"The cloud's gateway (default: $OCTACLOUD_URL, else {DEFAULT_URL}).")
+KEY: Any = typer.Option(
+    None, "--key", envvar="OCTACLOUD_KEY", help="API key (default: $OCTACLOUD_KEY, else var/admin.key if present)."
+)
 CACERT: Any = typer.Option(None, "--cacert", envvar="OCTACLOUD_CACERT", help="CA certificate to trust (https).")
+
+
+def _saved_key(state_dir: Path = Path("var")) -> str | None:
+    """The admin key the first ``octacloud up`` saved in its state dir, when this is where it ran."""
+    path = state_dir / "admin.key"
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _call(
@@ -49,6 +62,7 @@ def _call(
     key: str | None = None,
     cacert: Path | None = None,
 ) -> dict[str, Any]:
+    key = key or _saved_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(cacert)) if cacert is not None else True
@@ -73,14 +87,22 @@ def deploy(
     octants: str = typer.Option(
         "1", "--octants", help="Octants per replica (1-8; multiples of 8: whole cards) or auto."
     ),
-    min_replicas: int = typer.Option(1, "--min-replicas"),
-    max_replicas: int | None = typer.Option(None, "--max-replicas"),
-    target_qps: float | None = typer.Option(None, "--target-qps"),
-    slo_ms: float | None = typer.Option(None, "--slo-ms"),
-    priority: int = typer.Option(0, "--priority"),
+    min_replicas: int = typer.Option(1, "--min-replicas", help="Fewest replicas (also the autoscaler's floor)."),
+    max_replicas: int | None = typer.Option(
+        None, "--max-replicas", help="Most replicas `scale` and the autoscaler may reach (default: --min-replicas)."
+    ),
+    target_qps: float | None = typer.Option(
+        None, "--target-qps", help="Requests/s to size for (with --octants auto) and to autoscale towards."
+    ),
+    slo_ms: float | None = typer.Option(
+        None, "--slo-ms", help="Latency objective (ms): the autoscaler adds a replica while it is broken."
+    ),
+    priority: int = typer.Option(
+        0, "--priority", help="Higher preempts lower when the fleet is full; >= 100 may use the failover reserve."
+    ),
     tenant: str | None = typer.Option(None, "--tenant", help="Owner (admin keys only; default: the key's)."),
     publish: bool = typer.Option(False, "--publish", help="Let every tenant infer on it."),
-    url: str | None = typer.Option(None, "--url"),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -110,8 +132,8 @@ def deploy(
 
 
 def status(
-    url: str | None = typer.Option(None, "--url"),
-    as_json: bool = typer.Option(False, "--json"),
+    url: str | None = URL,
+    as_json: bool = typer.Option(False, "--json", help="Print the admin API's JSON instead of a table."),
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -143,9 +165,9 @@ def status(
 
 
 def scale(
-    name: str = typer.Argument(...),
-    replicas: int = typer.Argument(...),
-    url: str | None = typer.Option(None, "--url"),
+    name: str = typer.Argument(..., help="The deployment."),
+    replicas: int = typer.Argument(..., help="Replicas wanted (within the deployment's min..max)."),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -155,8 +177,8 @@ def scale(
 
 
 def undeploy(
-    name: str = typer.Argument(...),
-    url: str | None = typer.Option(None, "--url"),
+    name: str = typer.Argument(..., help="The deployment."),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -166,18 +188,19 @@ def undeploy(
 
 
 def events(
-    url: str | None = typer.Option(None, "--url"),
-    limit: int = typer.Option(30, "--limit"),
+    url: str | None = URL,
+    limit: int = typer.Option(30, "--limit", help="How many of the latest events."),
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
     """Recent controller events (placements, failures, restarts, preemptions)."""
     data = _call("GET", _url(url), f"/admin/events?limit={limit}", None, key, cacert)
     table = Table(title="events")
-    for col in ("kind", "subject", "message"):
+    for col in ("time", "kind", "subject", "message"):
         table.add_column(col)
     for e in reversed(data["events"]):
-        table.add_row(e["kind"], e["subject"], e["message"])
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e["at"])))
+        table.add_row(when, e["kind"], e["subject"], e["message"])
     console.print(table)
 
 
