@@ -41,7 +41,7 @@ def admin(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeAdmin:
 def _deployments(n: int) -> dict[str, Any]:
     spec = {"name": "a-deployment-with-a-long-name", "model": "a-model-with-a-long-name-too"}
     instance = {"id": "a-deployment-with-a-long-name-0f0f0f", "state": "ready", "node": "demo-a", "gpus": [3],
-                "milli_per_gpu": 125, "message": "a message that is long enough to pass the eighty columns"}  # fmt: skip
+                "milli_per_gpu": 125, "message": "a message long enough to pass the eighty columns"}  # fmt: skip
     return {"deployments": [{"spec": spec, "replicas": n, "octants": 1, "instances": [instance] * n}]}
 
 
