@@ -166,9 +166,9 @@ def size_deployment(
     top = max(octants, min(OCTANTS_PER_GPU, largest_octants))
     activations = footprint.bytes_per_sample * max(1, footprint.max_batch)
     memory = (
-        f"needs {need} MiB ({footprint.weights_bytes / MIB:.0f} MiB weights + {activations / MIB:.0f} MiB "
-        f"activations at batch {max(1, footprint.max_batch)}): {octants} octant(s) of a {card_memory_mib} MiB card "
-        "hold it"
+        f"needs {need} MiB ({footprint.weights_bytes / MIB:.1f} MiB weights + {activations / MIB:.1f} MiB "
+        f"activations at batch {max(1, footprint.max_batch)}); the smallest slice that holds it: {octants} octant(s) "
+        f"of a {card_memory_mib} MiB card"
     )
     per_card = footprint.samples_per_second_per_card
     if target_qps is None or not per_card:
