@@ -116,11 +116,10 @@ class _Lines(logging.Formatter):
 
 
 def configure_logging() -> None:
+    """Timed lines on stderr, unless logging is configured already (as basicConfig: a host's handlers stay)."""
     handler = logging.StreamHandler()
     handler.setFormatter(_Lines())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per metrics scrape and probe
 
 
@@ -256,7 +255,6 @@ def up(
     if deploy_max_replicas < 1:
         err.print(f"[red]error:[/] --deploy-max-replicas must be at least 1, got {deploy_max_replicas}")
         raise typer.Exit(2)
-    configure_logging()
     config = CloudConfig(
         repository=repository,
         state_dir=state_dir,
@@ -281,6 +279,7 @@ def up(
     scheme = "https" if config.tls is not None else "http"
 
     async def main() -> None:
+        configure_logging()
         try:
             cloud = ray_cloud(config) if on_ray else Cloud(config)
         except OctacloudError as exc:
