@@ -58,6 +58,9 @@ class CloudConfig:
     grpc_port: int = 8001
     policy: str = PRODUCT_DEFAULT
     cpu_cards: int = 1
+    """Without GPUs or a fleet file: CPU "cards" per node."""
+    cpu_nodes: int = 1
+    """Without GPUs or a fleet file: 1 = this host as one node; more = a demo fleet of that many nodes."""
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     ray_address: str | None = None
     """Run on the Ray cluster at this address ("auto": the one this machine belongs to) instead of locally."""
@@ -95,7 +98,11 @@ class Cloud:
         prices = PriceSheet.load(config.prices) if config.prices is not None else None
         config.state_dir.mkdir(parents=True, exist_ok=True)
         clock = clock or SystemClock()
-        self.nodes = nodes if nodes is not None else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards)
+        self.nodes = (
+            nodes
+            if nodes is not None
+            else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards, cpu_nodes=config.cpu_nodes)
+        )
         self.store = StateStore.at(config.state_dir / "octacloud.db")
         self.monitoring = CloudMonitoring(
             lambda: self.controller, self.nodes, slice_prior(), clock, interval_s=config.telemetry_interval_s
