@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -146,10 +147,19 @@ def model_view(spec: LaunchSpec, root: Path) -> Path:
 class LocalProcessLauncher:
     """Replicas as local ``octacloud serve`` processes, one per slice."""
 
-    def __init__(self, workdir: Path, host: str = "127.0.0.1", python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        host: str = "127.0.0.1",
+        python: str = sys.executable,
+        environment: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:
         self.workdir = workdir
         self.host = host
         self.python = python
+        self.environment = environment
+        """The node's environment for every replica it starts (e.g. its MPS daemon's pipe folder), asked at each
+        launch; the slice's own variables come after it."""
         self._addresses: dict[str, ReplicaAddress] = {}
 
     def launch(self, spec: LaunchSpec) -> Launched:
@@ -170,7 +180,8 @@ class LocalProcessLauncher:
             "--metrics-port", str(ports[2]),
             "--threads", str(spec.threads),
         ]  # fmt: skip
-        env = {**os.environ, **spec.env, "OCTACLOUD_REPLICA_ID": spec.replica_id, "PYTHONUNBUFFERED": "1"}
+        node_env = self.environment() if self.environment is not None else {}
+        env = {**os.environ, **node_env, **spec.env, "OCTACLOUD_REPLICA_ID": spec.replica_id, "PYTHONUNBUFFERED": "1"}
         log = root / "replica.log"
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
