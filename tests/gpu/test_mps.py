@@ -122,3 +122,33 @@ def test_cards_go_exclusive_where_allowed_and_come_back(tmp_path: Path, allowed:
     assert nvml.modes == ([EXCLUSIVE_PROCESS] * 2 if allowed else [0, 0])
     d.stop()
     assert nvml.modes == [0, 0]
+
+
+def test_every_local_replica_gets_its_nodes_mps_folders(tmp_path: Path, daemon: MpsDaemon) -> None:
+    """The launcher asks the node's environment at each launch: after the daemon starts, replicas reach it; the
+    slice's own variables (its thread percentage, its memory) still come on top."""
+    import json
+    import sys
+    import time
+
+    from octacloud.cluster.launcher import LaunchSpec, LocalProcessLauncher
+    from tests.cluster.conftest import write_linear_model
+
+    dump = tmp_path / "env.json"
+    fake_python = tmp_path / "python"  # stands in for `python -m octacloud serve`: records what it was given
+    fake_python.write_text(
+        f"#!{sys.executable}\nimport json, os\nopen({str(dump)!r}, 'w').write(json.dumps(dict(os.environ)))\n"
+    )
+    fake_python.chmod(0o755)
+    launcher = LocalProcessLauncher(tmp_path / "replicas", python=str(fake_python), environment=daemon.environment)
+    folder = write_linear_model(tmp_path / "repo")
+    slice_env = {"CUDA_VISIBLE_DEVICES": "0", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
+    daemon.start()
+    launcher.launch(LaunchSpec("linear-abcdef", "linear", folder, "1", slice_env, 1))
+    deadline = time.monotonic() + 10
+    while not dump.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    env = json.loads(dump.read_text())
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(daemon.pipe_dir)
+    assert env["CUDA_MPS_LOG_DIRECTORY"] == str(daemon.log_dir)
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"

@@ -131,7 +131,9 @@ def build_admin_app(
         if keys is not None:
             admit(spec, spec.octants if spec.octants is not None else controller.resolve_size(spec)[0])
         d = controller.deploy(spec)
-        return JSONResponse(deployment_json(d, controller.store.replicas(d.spec.name)), status_code=201)
+        created = deployment_json(d, controller.store.replicas(d.spec.name))
+        created["sizing"] = controller.sizing(d.spec).reason  # how the size was chosen, for the operator
+        return JSONResponse(created, status_code=201)
 
     async def get_deployment(request: Request) -> JSONResponse:
         name = request.path_params["name"]

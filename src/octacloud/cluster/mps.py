@@ -31,7 +31,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -257,3 +257,30 @@ class MpsDaemon:
                 self.compute_modes.set(index, mode)
         self._saved_modes.clear()
         self.mode, self.reason = SharingMode.TIME_SLICING, "stopped"
+
+
+class SharingCollector:
+    """Prometheus collector: ``octacloud_gpu_sharing{node, mode, reason}`` = 1 for each GPU node's sharing mode,
+    and ``octacloud_mps_daemon_restarts_total{node}``."""
+
+    def __init__(self, daemons: Mapping[str, MpsDaemon]) -> None:
+        self.daemons = daemons
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        mode = GaugeMetricFamily(
+            "octacloud_gpu_sharing",
+            "How a GPU node's cards are shared: mode mps (CUDA MPS enforces compute shares) or time-slicing "
+            "(MPS unavailable: memory budgets only), with the reason",
+            labels=["node", "mode", "reason"],
+        )
+        restarts = CounterMetricFamily(
+            "octacloud_mps_daemon_restarts", "Times the node's MPS control daemon was found dead and started again",
+            labels=["node"],
+        )  # fmt: skip
+        for node, daemon in sorted(self.daemons.items()):
+            mode.add_metric([node, daemon.mode.value, daemon.reason], 1.0)
+            restarts.add_metric([node], float(daemon.restarts))
+        yield mode
+        yield restarts

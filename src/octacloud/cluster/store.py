@@ -8,8 +8,9 @@ controller adopts live replicas instead of starting them twice.
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -20,6 +21,11 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.core.errors import NotFoundError
+
+log = logging.getLogger("octacloud.store")
+
+EventListener = Callable[[dict[str, object]], None]
+"""Called with each event once it is stored (``at``, ``kind``, ``subject``, ``message``); must not block."""
 
 _FLEET_KINDS = frozenset({"node"})
 """Event kinds about the fleet, not a deployment: admins only, whatever the subject is named."""
@@ -73,6 +79,7 @@ class StateStore:
         _add_missing_columns(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._removed: dict[str, str] = {}  # deployment → tenant, for the events of its removal
+        self._listeners: list[EventListener] = []
 
     @classmethod
     def at(cls, path: Path) -> StateStore:
@@ -146,6 +153,7 @@ class StateStore:
         with the deployment and tenant the subject belongs to now (a replica's row, else a deployment's, else
         the deployment just removed under that name), so that a tenant's events are selected by owner, never
         by matching names (one tenant's name may be a prefix of another's)."""
+        at = time.time() if at is None else at
         with self._tx() as s:
             deployment = tenant = None
             replica = s.get(_ReplicaRow, subject) if kind not in _FLEET_KINDS else None
@@ -158,16 +166,16 @@ class StateStore:
             if deployment is not None:
                 row = s.get(_DeploymentRow, deployment)
                 tenant = _deployment(row).spec.tenant if row is not None else self._removed.pop(deployment, None)
-            s.add(
-                _EventRow(
-                    at=time.time() if at is None else at,
-                    kind=kind,
-                    subject=subject,
-                    message=message,
-                    deployment=deployment,
-                    tenant=tenant,
-                )
-            )
+            s.add(_EventRow(at=at, kind=kind, subject=subject, message=message, deployment=deployment, tenant=tenant))
+        for listener in self._listeners:
+            try:
+                listener({"at": at, "kind": kind, "subject": subject, "message": message})
+            except Exception:  # a failing subscriber must not fail the controller's step
+                log.exception("event listener failed")
+
+    def subscribe(self, listener: EventListener) -> None:
+        """Call ``listener`` with every event stored from now on (``octacloud up`` logs them)."""
+        self._listeners.append(listener)
 
     def events(self, limit: int = 100, tenant: str | None = None) -> list[dict[str, object]]:
         """The latest events, newest first; only those of ``tenant``'s deployments when it is given."""
