@@ -97,8 +97,14 @@ def deploy(
     slo_ms: float | None = typer.Option(
         None, "--slo-ms", help="Latency objective (ms): the autoscaler adds a replica while it is broken."
     ),
-    priority: int = typer.Option(
-        0, "--priority", help="Higher preempts lower when the fleet is full; >= 100 may use the failover reserve."
+    priority_class: str | None = typer.Option(
+        None, "--priority-class", help="A priority class granted to the tenant (default: the tenant's default)."
+    ),
+    priority: int | None = typer.Option(
+        None,
+        "--priority",
+        help="A raw priority (admin keys only): higher preempts lower when the fleet is full; >= 100 may use the "
+        "failover reserve.",
     ),
     tenant: str | None = typer.Option(None, "--tenant", help="Owner (admin keys only; default: the key's)."),
     publish: bool = typer.Option(False, "--publish", help="Let every tenant infer on it."),
@@ -119,9 +125,12 @@ def deploy(
         "max_replicas": max(min_replicas, 1) if max_replicas is None else max_replicas,
         "target_qps": target_qps,
         "slo_ms": slo_ms,
-        "priority": priority,
         "published": publish,
     }
+    if priority_class is not None:
+        body["priority_class"] = priority_class
+    if priority is not None:
+        body["priority"] = priority
     if tenant is not None:
         body["tenant"] = tenant
     data = _call("POST", _url(url), "/admin/deployments", body, key, cacert)

@@ -1,4 +1,5 @@
-"""``octacloud tenant create|list|disable|enable`` and ``octacloud key create|list|revoke`` (admin API)."""
+"""``octacloud tenant create|list|set|disable|enable|grant|revoke``, ``octacloud key create|list|revoke`` and
+``octacloud priority-class define|list|delete`` (admin API)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from octacloud.cli.cloud import CACERT, KEY, URL, _call, _url, console, err
 
 tenant_app = typer.Typer(help="Tenants: who uses the cloud, with which quotas.", no_args_is_help=True)
 key_app = typer.Typer(help="API keys: shown once when created, stored hashed.", no_args_is_help=True)
+class_app = typer.Typer(
+    help="Priority classes: the scheduling priorities an admin defines and grants to tenants.", no_args_is_help=True
+)
 
 
 def _quota(q: dict[str, Any]) -> str:
@@ -159,6 +163,82 @@ def key_revoke(
     console.print(f"revoked key {data['id']} of {data['tenant']}")
 
 
+@tenant_app.command("grant")
+def tenant_grant(
+    name: str = typer.Argument(..., help="The tenant."),
+    priority_class: str = typer.Argument(..., help="The priority class it may deploy with."),
+    default: bool = typer.Option(False, "--default", help="Make it the class of its deploys that name none."),
+    url: str | None = URL,
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Let a tenant deploy with a priority class (admin)."""
+    body = {"class": priority_class, "default": default}
+    data = _call("POST", _url(url), f"/admin/tenants/{name}/priority-classes", body, key, cacert)
+    console.print(f"tenant {data['tenant']} may use {data['class']}" + (" (its default)" if data["default"] else ""))
+
+
+@tenant_app.command("revoke")
+def tenant_revoke(
+    name: str = typer.Argument(..., help="The tenant."),
+    priority_class: str = typer.Argument(..., help="The priority class to take back."),
+    url: str | None = URL,
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Take a priority class back from a tenant (its running deployments keep their priority)."""
+    _call("DELETE", _url(url), f"/admin/tenants/{name}/priority-classes/{priority_class}", None, key, cacert)
+    console.print(f"tenant {name} may no longer use {priority_class}")
+
+
+@class_app.command("define")
+def class_define(
+    name: str = typer.Argument(..., help="Class name (lowercase letters, digits, '-', '_')."),
+    priority: int = typer.Option(..., "--priority", help="Its scheduling priority: higher preempts lower."),
+    description: str = typer.Option("", "--description", help="What the class is for (shown by list)."),
+    global_default: bool = typer.Option(
+        False, "--global-default", help="The class of deploys whose tenant has no default class."
+    ),
+    url: str | None = URL,
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Create or change a priority class (admin)."""
+    body = {"name": name, "priority": priority, "description": description, "global_default": global_default}
+    data = _call("POST", _url(url), "/admin/priority-classes", body, key, cacert)
+    console.print(f"priority class [bold]{data['name']}[/]: {data['priority']}")
+
+
+@class_app.command("list")
+def class_list(url: str | None = URL, key: str | None = KEY, cacert: Path | None = CACERT) -> None:
+    """Priority classes and grants (a tenant key sees those granted to it)."""
+    data = _call("GET", _url(url), "/admin/priority-classes", None, key, cacert)
+    table = Table(title="priority classes")
+    for col in ("class", "priority", "granted to", "description"):
+        table.add_column(col)
+    for c in data["classes"]:
+        granted = [
+            g["tenant"] + (" (default)" if g["default"] else "") for g in data["grants"] if g["class"] == c["name"]
+        ]
+        if c["global_default"]:
+            granted.insert(0, "every tenant (cloud default)")
+        table.add_row(c["name"], str(c["priority"]), ", ".join(granted), c["description"])
+    console.print(table)
+
+
+@class_app.command("delete")
+def class_delete(
+    name: str = typer.Argument(..., help="The priority class to delete."),
+    url: str | None = URL,
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Delete a priority class and its grants (deployments that have its priority keep it)."""
+    _call("DELETE", _url(url), f"/admin/priority-classes/{name}", None, key, cacert)
+    console.print(f"deleted priority class {name}")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(tenant_app, name="tenant")
     app.add_typer(key_app, name="key")
+    app.add_typer(class_app, name="priority-class")

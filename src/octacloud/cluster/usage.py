@@ -5,7 +5,8 @@
 - work: each replica's own Triton counters, scraped from its metrics endpoint
   (``nv_inference_compute_infer_duration_us``, ``nv_inference_count``): the execution-time share of a shared
   card, measured where the work runs;
-- storage: the bytes of each deployment's model folder in the repository (re-measured at most every minute).
+- storage: the bytes of each deployment's model folder in the repository (re-measured at most every minute,
+  in the meter's worker thread, counting at most :data:`MAX_FILES` files).
 """
 
 from __future__ import annotations
@@ -49,14 +50,25 @@ def parse_work(text: str) -> tuple[int, int]:
     return exec_us, inferences
 
 
-def folder_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path, followlinks=False):
+MAX_FILES = 100_000
+"""Storage measurement stops counting a folder after this many entries (a model folder has a handful)."""
+
+
+def folder_bytes(path: Path, max_files: int = MAX_FILES) -> int:
+    """Bytes of the files under ``path`` (links not followed), counting at most ``max_files`` entries.
+    Blocking: the meter calls it from a worker thread."""
+    total = seen = 0
+    for root, dirs, files in os.walk(path, followlinks=False):
         for name in files:
+            seen += 1
+            if seen > max_files:
+                log.warning("storage of %s: more than %d files; counted the first %d", path, max_files, max_files)
+                return total
             try:
-                total += os.stat(os.path.join(root, name)).st_size
+                total += os.lstat(os.path.join(root, name)).st_size
             except OSError:
                 continue
+        seen += len(dirs)
     return total
 
 

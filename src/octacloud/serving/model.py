@@ -4,6 +4,7 @@ unloaded or replaced without dropping the requests it is running."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import math
 import time
@@ -38,6 +39,9 @@ from octacloud.serving.runtime import ModelRuntime, RuntimeFactory
 from octacloud.serving.stats import ModelStats
 from octacloud.serving.types import numpy_dtype
 
+PARAM_BATCH_ISOLATION = "batch_isolation"
+"""Config parameter: "none" lets requests of a row-coupled (dynamically quantized) model share batches again,
+trading isolation between requests (and tenants) for throughput; by default they never do."""
 CAP_REFRESH_S = 1.0
 WARMUP_MEASURE_ROWS = 8
 
@@ -94,8 +98,14 @@ class ModelVersion:
         self._cap_value = max(1, self.max_batch_size)
         self._cap_at = -math.inf
         self._clock = clock
+        settings = BatchingSettings.from_config(config)
+        param = config.parameters.get(PARAM_BATCH_ISOLATION)
+        isolation = param.string_value if param is not None else ""
+        if getattr(runtime, "couples_rows", False) and isolation != "none":
+            settings = dataclasses.replace(settings, isolate_requests=True)
+        self.isolates_requests = settings.isolate_requests
         self.batcher = DynamicBatcher(
-            BatchingSettings.from_config(config),
+            settings,
             self._run,
             name=name,
             instances=instances,

@@ -13,6 +13,7 @@ import numpy.typing as npt
 
 from octacloud.serving.errors import ModelConfigError
 from octacloud.serving.memory import MEMORY_ENV
+from octacloud.serving.onnxops import couples_rows
 from octacloud.serving.providers import CPU, ProviderChoice, choose_providers, gpu_visible
 from octacloud.serving.repository.config import ONNX_BACKEND, ONNX_PLATFORM, ModelConfig
 from octacloud.serving.types import TensorMetadata
@@ -30,6 +31,9 @@ class ModelRuntime(Protocol):
     arrays already checked against the config, and returns every name in ``outputs`` with the batch dim
     first; it may raise any exception (the batch then fails, the server does not). :meth:`close` frees
     the model's memory; no call follows it.
+
+    A runtime may also have ``couples_rows: bool``: True when a row's result depends on the other rows of its
+    batch (dynamic quantization), so that requests must not share batches (absent means False).
     """
 
     @property
@@ -124,6 +128,10 @@ class OnnxRuntime:
         self._outputs = tuple(self._meta(x) for x in self._session.get_outputs())
         self._string_inputs = {t.name for t in self._inputs if t.datatype == "BYTES"}
         self._bind = self._device == "cuda" and not self._string_inputs
+        try:
+            self.couples_rows = couples_rows(path)
+        except ValueError:  # onnxruntime loaded it, so it is ONNX; an odd encoding: assume the safe case
+            self.couples_rows = True
 
     @staticmethod
     def _meta(node: Any) -> TensorMetadata:
