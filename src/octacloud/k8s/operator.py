@@ -44,6 +44,8 @@ GROUP, VERSION, PLURAL, KIND = "octacloud.io", "v1alpha1", "inferencedeployments
 API_VERSION = f"{GROUP}/{VERSION}"
 NAME_LABEL = "octacloud.io/inference-deployment"
 DEFAULT_IMAGE = "ghcr.io/octacloud/octacloud:0.1.0"
+SCHEDULER_NAME = "octacloud"
+"""The kube-scheduler profile that calls octacloud's extender (deploy/k8s/scheduler-config.yaml)."""
 MODELS_MOUNT = "/models"
 SPEC_KEYS = (
     "model",
@@ -55,6 +57,7 @@ SPEC_KEYS = (
     "targetQPS",
     "sloMs",
     "priorityClassName",
+    "schedulerName",
     "tenant",
     "image",
     "modelsClaim",
@@ -81,6 +84,7 @@ class Desired:
     priority_class: str
     image: str
     models_claim: str
+    scheduler_name: str = SCHEDULER_NAME
 
 
 def parse(obj: Mapping[str, Any], footprint: FootprintSource | None, card_memory_mib: int | None) -> Desired:
@@ -153,6 +157,7 @@ def parse(obj: Mapping[str, Any], footprint: FootprintSource | None, card_memory
         str(spec.get("priorityClassName", "")),
         str(spec.get("image", DEFAULT_IMAGE)),
         str(spec.get("modelsClaim", "octacloud-models")),
+        str(spec.get("schedulerName", SCHEDULER_NAME)),
     )
 
 
@@ -199,6 +204,7 @@ def deployment_for(d: Desired, owner: Obj) -> Obj:
         "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}],
     }
     pod_spec: Obj = {
+        "schedulerName": d.scheduler_name,
         "containers": [container],
         "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": d.models_claim, "readOnly": True}}],
     }
