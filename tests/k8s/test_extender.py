@@ -54,8 +54,8 @@ async def test_filter_prioritize_bind_on_the_wire(http: httpx.AsyncClient, api_s
     result = r.json()
     assert set(result) == {"NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
     (node,) = result["NodeNames"]
-    assert set(result["FailedNodes"]) == set(NAMES) - {node, "cpu-1"}
-    assert "cpu-1" in result["FailedAndUnresolvableNodes"]  # no card: preemption cannot help
+    assert set(result["FailedNodes"]) == set(NAMES) - {node}
+    assert result["FailedAndUnresolvableNodes"] == {}
     assert all(node in why for why in result["FailedNodes"].values())
     scores = (await http.post("/prioritize", json=args_names(p, NAMES))).json()
     assert scores == [{"Host": n, "Score": 10 if n == node else 0} for n in NAMES]
@@ -272,7 +272,11 @@ async def test_preempt_keeps_the_fewest_victims(
     for k in range(4):  # the failover headroom, taken by work of priority >= 100
         await schedule(http, api_server, pod(f"mid{k}", 8, priority=100))
     high = pod("vip", 8, priority=1000)
-    assert (await http.post("/filter", json=args_names(high, NAMES))).json()["NodeNames"] == []
+    nowhere = (await http.post("/filter", json=args_names(high, NAMES))).json()
+    assert nowhere["NodeNames"] == []
+    assert set(nowhere["FailedAndUnresolvableNodes"]) == {"cpu-1"}  # no card: preemption cannot help there
+    assert set(nowhere["FailedNodes"]) == {"a100-1", "a100-2", "t4-1"}
+    assert all("does not fit" in why for why in nowhere["FailedNodes"].values())
     on_node: dict[str, list[str]] = {}
     for p in low:
         on_node.setdefault(extender.placements()[p["metadata"]["uid"]].node, []).append(p["metadata"]["uid"])

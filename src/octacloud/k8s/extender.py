@@ -143,22 +143,21 @@ class Extender:
         known = [n for n in names if n in self.state.index]
         unresolvable = {n: self._unknown(n) for n in names if n not in self.state.index}
         failed: dict[str, str] = {}
-        if request.name in self._bound:  # filtered again after its bind: it stays where it is
+        if request.name in self.state.allocations:  # filtered again after its bind: it stays where it is
             node = self.state.allocations[request.name].placement.node
             failed = {n: f"pod {pod_key(pod)} is bound to node {node}" for n in known if n != node}
             return self._filtered(names, node_objs, [node] if node in known else [], failed, unresolvable)
-        decision = self._scheduler.decide(request, [self.state.index[n] for n in known])
+        everywhere = len(known) == len(self.state) and len(set(known)) == len(known)
+        decision = self._scheduler.decide(request, None if everywhere else [self.state.index[n] for n in known])
         if decision.placement is not None:
             p = decision.placement
             self._scheduler.commit(decision.request, p)
             self._assumed[request.name] = _Assumed(
                 decision.request, p, self.clock.monotonic() + self.settings.assume_ttl_s
             )
-            why = f"octacloud places pod {pod_key(pod)} on node {p.node} cards {list(p.gpus)}"
-            for n in known:
-                if n != p.node:
-                    never = self._never_fits(request, self.state.nodes[self.state.index[n]])
-                    (unresolvable if never else failed)[n] = why
+            # A node passes, so kube-scheduler will not preempt for this pod: the other nodes need no diagnosis.
+            why = f"octacloud chose node {p.node}"
+            failed = dict.fromkeys((n for n in known if n != p.node), why)
             return self._filtered(names, node_objs, [p.node], failed, unresolvable)
         for n in known:
             reason = _why_not(self._scheduler.decide(request, [self.state.index[n]]), pod)
@@ -466,6 +465,13 @@ class Extender:
         for name in [n for n, a in self._assumed.items() if a.expires_at <= now]:
             log.info("pod %s was filtered but never bound: its placement is released", name)
             self._forget(name)
+
+    def forget(self, uid: str) -> None:
+        """Give back what pod ``uid`` holds (it was deleted, or never bound); a no-op for an unknown pod."""
+        self._assumed.pop(uid, None)
+        self._bound.pop(uid, None)
+        if uid in self.state.allocations:
+            self.state.release(uid)
 
     def placements(self) -> dict[str, Placement]:
         """Every pod octacloud holds cards for (bound or assumed), by UID."""
