@@ -140,15 +140,16 @@ class Extender:
             return self._filtered(names, node_objs, names, {}, {})
         self._expire()
         self._forget(request.name)
-        known = [n for n in names if n in self.state.index]
-        unresolvable = {n: self._unknown(n) for n in names if n not in self.state.index}
+        index = self.state.index
+        known = [n for n in names if n in index]
+        unresolvable = {n: self._unknown(n) for n in names if n not in index} if len(known) < len(names) else {}
         failed: dict[str, str] = {}
         if request.name in self.state.allocations:  # filtered again after its bind: it stays where it is
             node = self.state.allocations[request.name].placement.node
             failed = {n: f"pod {pod_key(pod)} is bound to node {node}" for n in known if n != node}
             return self._filtered(names, node_objs, [node] if node in known else [], failed, unresolvable)
         everywhere = len(known) == len(self.state) and len(set(known)) == len(known)
-        decision = self._scheduler.decide(request, None if everywhere else [self.state.index[n] for n in known])
+        decision = self._scheduler.decide(request, None if everywhere else [index[n] for n in known])
         if decision.placement is not None:
             p = decision.placement
             self._scheduler.commit(decision.request, p)
@@ -157,7 +158,8 @@ class Extender:
             )
             # A node passes, so kube-scheduler will not preempt for this pod: the other nodes need no diagnosis.
             why = f"octacloud chose node {p.node}"
-            failed = dict.fromkeys((n for n in known if n != p.node), why)
+            failed = dict.fromkeys(known, why)
+            failed.pop(p.node, None)
             return self._filtered(names, node_objs, [p.node], failed, unresolvable)
         for n in known:
             reason = _why_not(self._scheduler.decide(request, [self.state.index[n]]), pod)
