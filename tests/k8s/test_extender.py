@@ -54,9 +54,7 @@ async def test_filter_prioritize_bind_on_the_wire(http: httpx.AsyncClient, api_s
     result = r.json()
     assert set(result) == {"NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
     (node,) = result["NodeNames"]
-    assert set(result["FailedNodes"]) == set(NAMES) - {node}
-    assert result["FailedAndUnresolvableNodes"] == {}
-    assert all(node in why for why in result["FailedNodes"].values())
+    assert result["FailedNodes"] == result["FailedAndUnresolvableNodes"] == {}  # left out: no diagnosis needed
     scores = (await http.post("/prioritize", json=args_names(p, NAMES))).json()
     assert scores == [{"Host": n, "Score": 10 if n == node else 0} for n in NAMES]
     assert (await http.post("/bind", json=binding(p, node))).json() == {"Error": ""}
@@ -72,6 +70,13 @@ async def test_filter_prioritize_bind_on_the_wire(http: httpx.AsyncClient, api_s
         "metadata": {"name": "share", "namespace": "default", "uid": p["metadata"]["uid"]},
         "target": {"apiVersion": "v1", "kind": "Node", "name": node},
     }
+
+
+async def test_explain_placed_lists_the_other_nodes(extender: Extender) -> None:
+    extender.settings.explain_placed = True
+    result = await extender.filter(args_names(pod("p", 2), NAMES))
+    (node,) = result["NodeNames"]
+    assert result["FailedNodes"] == {n: f"octacloud chose node {node}" for n in NAMES if n != node}
 
 
 async def test_node_list_mode_returns_a_node_list(http: httpx.AsyncClient, extender: Extender) -> None:

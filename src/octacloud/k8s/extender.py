@@ -5,8 +5,9 @@ Go's ``encoding/json`` without tags, so the keys are the Go field names: ``Pod``
 decodes them case-insensitively, and so does this extender):
 
 - ``filter`` (``ExtenderArgs`` → ``ExtenderFilterResult``): octacloud decides the pod's node and card(s) among the
-  candidates, exactly as ``octacloud up`` does with the same profile, and returns that one node; every other
-  candidate comes back in ``FailedNodes`` with the reason (``FailedAndUnresolvableNodes`` when no preemption could
+  candidates, exactly as ``octacloud up`` does with the same profile, and returns that one node (the others are
+  left out: kube-scheduler neither preempts nor explains when a node passes). When the pod fits nowhere, every
+  candidate comes back in ``FailedNodes`` with its reason (``FailedAndUnresolvableNodes`` when no preemption could
   make the pod fit there). The decision is *assumed* (held in the state) until the pod is bound, so the next
   pod's filter sees it, and expires if no bind follows;
 - ``prioritize`` (``ExtenderArgs`` → ``HostPriorityList``): 10 (``MaxExtenderPriority``) for octacloud's node, 0 for
@@ -90,6 +91,8 @@ class ExtenderSettings:
     """A filtered pod's placement is held this long for its bind; then released."""
     resync_s: float = 10.0
     """How often the state is rebuilt from the API's pods (pods that finished give their cards back)."""
+    explain_placed: bool = False
+    """When a pod is placed, also list every other candidate in ``FailedNodes`` ("octacloud chose node X")."""
 
 
 @dataclass(slots=True)
@@ -156,10 +159,11 @@ class Extender:
             self._assumed[request.name] = _Assumed(
                 decision.request, p, self.clock.monotonic() + self.settings.assume_ttl_s
             )
-            # A node passes, so kube-scheduler will not preempt for this pod: the other nodes need no diagnosis.
-            why = f"octacloud chose node {p.node}"
-            failed = dict.fromkeys(known, why)
-            failed.pop(p.node, None)
+            # A node passes, so kube-scheduler will not preempt for this pod and shows no diagnosis: the other
+            # nodes are left out (dropped without a reason), which saves encoding a reason per node.
+            if self.settings.explain_placed:
+                failed = dict.fromkeys(known, f"octacloud chose node {p.node}")
+                failed.pop(p.node, None)
             return self._filtered(names, node_objs, [p.node], failed, unresolvable)
         for n in known:
             reason = _why_not(self._scheduler.decide(request, [self.state.index[n]]), pod)
