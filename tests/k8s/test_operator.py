@@ -178,3 +178,26 @@ async def test_kopf_handlers_patch_status(cluster: tuple[FakeApiServer, KubeClie
         await on_change(body=bad, patch=(p := kopf.Patch()))
     assert p["status"]["phase"] == "Invalid"
     assert resource_path("ml", "bert", "status") == f"{CR_PREFIX}/namespaces/ml/{PLURAL}/bert/status"
+
+
+async def test_two_tenants_and_a_foreign_deployment(cluster: tuple[FakeApiServer, KubeClient]) -> None:
+    server, api = cluster
+    mine = server.put(CR_PREFIX, PLURAL, inference())
+    theirs = inference(tenant="globex")
+    theirs["metadata"]["namespace"] = "other"
+    theirs = server.put(CR_PREFIX, PLURAL, theirs)
+    await reconcile(api, mine)
+    await reconcile(api, theirs)
+    a = server.get("/apis/apps/v1", "deployments", "ml", "bert")
+    b = server.get("/apis/apps/v1", "deployments", "other", "bert")
+    assert a["spec"]["template"]["metadata"]["labels"]["octacloud.io/tenant"] == "acme"
+    assert b["spec"]["template"]["metadata"]["labels"]["octacloud.io/tenant"] == "globex"
+    # someone's own Deployment of the same name is never taken over
+    server.put(
+        "/apis/apps/v1", "deployments", {"metadata": {"name": "web", "namespace": "ml"}, "spec": {"replicas": 9}}
+    )
+    web = server.put(CR_PREFIX, PLURAL, inference("web"))
+    with pytest.raises(InvalidSpecError, match="does not belong to InferenceDeployment web"):
+        await reconcile(api, web)
+    assert server.get("/apis/apps/v1", "deployments", "ml", "web")["spec"] == {"replicas": 9}
+    assert not server.sent("PATCH", "/deployments/web")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import kopf
 import pytest
 
@@ -59,9 +60,11 @@ async def test_kopf_reconciles_an_inference_deployment(kmock: Any) -> None:
     registry = kopf.OperatorRegistry()
     register_handlers(lambda: KubeClient(url), registry=registry)
 
+    session = aiohttp.ClientSession()  # ours, so that it is closed when the test ends
+
     @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=url, insecure=True)
+    def login(**_: Any) -> kopf.AiohttpSession:
+        return kopf.AiohttpSession(server=url, aiohttp_session=session)
 
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False
@@ -92,3 +95,4 @@ async def test_kopf_reconciles_an_inference_deployment(kmock: Any) -> None:
     finally:
         stop.set_result(None)
         await asyncio.wait_for(task, 30)
+        await session.close()

@@ -251,6 +251,13 @@ async def apply(api: KubeClient, collection: str, desired: Obj) -> str:
             raise
         await api.create(collection, desired)
         return "created"
+    owner = desired["metadata"]["ownerReferences"][0]
+    owners = (live.get("metadata") or {}).get("ownerReferences") or []
+    if not any(o.get("uid") == owner["uid"] and o.get("kind") == owner["kind"] for o in owners):
+        raise InvalidSpecError(
+            f"{live.get('kind', 'object')} {desired['metadata']['namespace']}/{name} exists and does not belong to "
+            f"{owner['kind']} {name}; octacloud will not take it over (rename one of them)"
+        )
     if _contains(live, {"metadata": {"labels": desired["metadata"]["labels"]}, "spec": desired["spec"]}):
         return "unchanged"
     await api.patch(
