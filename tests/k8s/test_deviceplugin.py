@@ -195,3 +195,19 @@ async def test_reregisters_after_a_kubelet_restart(kubelet: FakeKubelet, plugin_
         stop.set()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def test_waits_for_a_kubelet_that_starts_later(plugin_dir: Path) -> None:
+    server = PluginServer(DevicePlugin(NODE, OCTANTS, StaticHealth(NODE)), plugin_dir, poll_s=0.05)
+    stop, task = await serve(server)
+    kubelet = FakeKubelet(plugin_dir)
+    try:
+        await asyncio.sleep(0.3)  # several failed registrations: the plugin keeps serving and retrying
+        assert not task.done() and server.registrations == 0
+        await kubelet.start()
+        plugin = await kubelet.wait(OCTANTS)
+        assert len(plugin.devices) == 32 and server.registrations == 1
+    finally:
+        stop.set()
+        await task
+        await kubelet.stop()

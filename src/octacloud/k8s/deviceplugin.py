@@ -399,6 +399,11 @@ class PluginServer:
         return self.directory / socket_name(self.plugin.resource)
 
     async def start(self) -> None:
+        """Serve on the socket and register with kubelet (raises when kubelet refuses or is not there)."""
+        await self.serve()
+        await self.register()
+
+    async def serve(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.socket.unlink()
         server = grpc.aio.server()
@@ -406,7 +411,6 @@ class PluginServer:
         server.add_insecure_port(f"unix://{self.socket}")
         await server.start()
         self._server = server
-        await self.register()
 
     async def register(self) -> None:
         """Call kubelet's ``Registration.Register`` for this plugin's resource and socket."""
@@ -429,24 +433,30 @@ class PluginServer:
             self.socket.unlink()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop``: health is re-read, and the plugin re-registers after a kubelet restart."""
-        await self.start()
+        """Serve until ``stop``: health is re-read every ``poll_s``; registration is retried until kubelet accepts
+        it (kubelet may start after the plugin), and done again after a kubelet restart removed the socket."""
+        registered = False
         try:
             while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.poll_s)
+                if self._server is None or not self.socket.exists():
+                    if self._server is not None:
+                        log.info("socket %s is gone (kubelet restarted): serving and registering again", self.socket)
+                        await self._server.stop(grace=0)
+                    await self.serve()
+                    registered = False
+                if not registered:
+                    try:
+                        await self.register()
+                        registered = True
+                    except grpc.aio.AioRpcError as exc:
+                        log.warning("kubelet did not take the registration (%s); retrying", exc.details())
                 if await self.plugin.refresh_health() and self.on_health is not None:
                     try:
                         await self.on_health(self.plugin.health)
                     except ApiError as exc:
                         log.warning("cannot publish card health (%s)", exc)
-                if not self.socket.exists() and not stop.is_set():
-                    log.info("socket %s is gone (kubelet restarted): serving and registering again", self.socket)
-                    await self._server.stop(grace=0)
-                    try:
-                        await self.start()
-                    except grpc.aio.AioRpcError as exc:
-                        log.warning("registration failed (%s); retrying", exc.details())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.poll_s)
         finally:
             await self.stop()
 
