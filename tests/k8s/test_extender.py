@@ -199,6 +199,20 @@ async def test_a_node_that_joins_is_learnt_from_the_api(http: httpx.AsyncClient,
     assert result["NodeNames"] == ["h100-9"]
 
 
+async def test_nodes_without_cards_do_not_make_every_filter_list_nodes(
+    http: httpx.AsyncClient, api_server: FakeApiServer, clock: ManualClock
+) -> None:
+    names = [*NAMES, "web-1"]  # kube-scheduler also sends nodes octacloud's device plugin never labelled
+    before = len(api_server.sent("GET", "/api/v1/nodes"))  # the fixture's resync
+    for k in range(5):
+        result = (await http.post("/filter", json=args_names(pod(f"p{k}", 1), names))).json()
+        assert "web-1" in result["FailedAndUnresolvableNodes"] or result["NodeNames"]
+    assert len(api_server.sent("GET", "/api/v1/nodes")) == before + 1
+    clock.advance(10)
+    await http.post("/filter", json=args_names(pod("later", 1), names))
+    assert len(api_server.sent("GET", "/api/v1/nodes")) == before + 2
+
+
 async def test_restart_rebuilds_the_state_from_annotations(
     http: httpx.AsyncClient, api_server: FakeApiServer, api: KubeClient, extender: Extender
 ) -> None:

@@ -91,6 +91,8 @@ class ExtenderSettings:
     """A filtered pod's placement is held this long for its bind; then released."""
     resync_s: float = 10.0
     """How often the state is rebuilt from the API's pods (pods that finished give their cards back)."""
+    refresh_s: float = 5.0
+    """A filter naming a node octacloud does not know re-reads the nodes, at most this often."""
     explain_placed: bool = False
     """When a pod is placed, also list every other candidate in ``FailedNodes`` ("octacloud chose node X")."""
 
@@ -116,6 +118,7 @@ class Extender:
     _scheduler: Scheduler = field(init=False)
     _assumed: dict[str, _Assumed] = field(default_factory=dict, init=False)
     _bound: dict[str, Request] = field(default_factory=dict, init=False)
+    _next_refresh: float = field(default=float("-inf"), init=False)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
     """Held by the HTTP front around each verb and by :meth:`resync`: one change of the state at a time."""
 
@@ -346,8 +349,15 @@ class Extender:
             if not isinstance(names_field, list) or not all(isinstance(n, str) for n in names_field):
                 raise ExtenderError("ExtenderArgs.NodeNames: expected a list of node names")
             names = list(names_field)
-            if self.api is not None and not self.fixed_fleet and any(n not in self.state.index for n in names):
-                self._set_nodes(await self._api_nodes())  # a node joined since the last resync
+            now = self.clock.monotonic()
+            if (
+                self.api is not None
+                and not self.fixed_fleet
+                and now >= self._next_refresh
+                and any(n not in self.state.index for n in names)
+            ):  # a node joined since the last resync (or a node without cards: asked again only after a while)
+                self._next_refresh = now + self.settings.refresh_s
+                self._set_nodes(await self._api_nodes())
             return pod, names, None
         if nodes_field is not None:
             items = field_of(_object(nodes_field, "ExtenderArgs.Nodes"), "items") or []
