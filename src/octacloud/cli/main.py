@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "top",
     "usage",
     "certs",
+    "k8s",
 )
 """Modules under ``octacloud.cli`` whose ``register(app)`` adds their commands."""
 
