@@ -17,12 +17,15 @@ from pathlib import Path
 import grpc
 import uvicorn
 
+from octacloud.cluster import internal_auth
 from octacloud.cluster.admin import build_admin_app
 from octacloud.cluster.auth import Guard, KeyStore, server_secret
 from octacloud.cluster.controller import Controller, ControllerSettings, NodeChange
 from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer
 from octacloud.cluster.fleet import discover_fleet
-from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
+from octacloud.cluster.gateway.grpc_proxy import GrpcGateway, server_options
+from octacloud.cluster.gateway.http_server import bounded_protocol
+from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import RouteTable
 from octacloud.cluster.health import HttpProber, RepositoryFootprints
@@ -73,6 +76,8 @@ class CloudConfig:
     meter_interval_s: float = 10.0
     prices: Path | None = None
     """Price sheet (YAML) for usage reports' cost column."""
+    limits: GatewayLimits = field(default_factory=GatewayLimits)
+    """The gateway's bounds: body and message size, header/body/idle time, connections, load shedding."""
 
 
 class Cloud:
@@ -97,8 +102,17 @@ class Cloud:
         clock = clock or SystemClock()
         self.nodes = nodes if nodes is not None else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards)
         self.store = StateStore.at(config.state_dir / "octacloud.db")
+        secret_file = config.state_dir / internal_auth.FILE_NAME
+        self.internal_secret = internal_auth.ensure_secret(secret_file)
+        """Proves to replicas that a request comes from this cloud (see ``cluster.internal_auth``)."""
+        internal = {internal_auth.HEADER: self.internal_secret}
         self.monitoring = CloudMonitoring(
-            lambda: self.controller, self.nodes, slice_prior(), clock, interval_s=config.telemetry_interval_s
+            lambda: self.controller,
+            self.nodes,
+            slice_prior(),
+            clock,
+            interval_s=config.telemetry_interval_s,
+            replica_headers=internal,
         )
         """Telemetry (the scheduler's telemetry source), the cloud's ``/metrics`` and the dashboard."""
         profile = build_profile(
@@ -106,12 +120,16 @@ class Cloud:
         )
         scheduler = Scheduler(ClusterState(self.nodes), profile)
         self.routes = RouteTable()
-        self._prober = HttpProber()
+        self._prober = HttpProber(headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())],
+                                  on_ready=self.routes.readmit)  # fmt: skip
         self.controller = Controller(
             store=self.store,
             nodes=self.nodes,
             scheduler=scheduler,
-            launcher=launcher or LocalProcessLauncher(config.state_dir / "replicas", host=config.host),
+            launcher=launcher
+            or LocalProcessLauncher(
+                config.state_dir / "replicas", env={internal_auth.ENV_VAR: str(secret_file.resolve())}
+            ),
             repository=config.repository.resolve(),
             routes=self.routes,
             clock=clock,
@@ -131,9 +149,15 @@ class Cloud:
         self.admin_key = bootstrap_admin_key(self.keys, config.state_dir / "admin.key")
         """The admin key created by this start (None when one existed): the CLI shows it once."""
         self.ledger = Ledger(self.store.engine)
-        self.usage = ClusterUsage(self.controller)
+        self.usage = ClusterUsage(self.controller, replica_headers=internal)
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
-        self.grpc_gateway = GrpcGateway(self.routes, ready=lambda: self._started, guard=self.guard)
+        self.grpc_gateway = GrpcGateway(
+            self.routes,
+            ready=lambda: self._started,
+            guard=self.guard,
+            limits=config.limits,
+            internal_secret=self.internal_secret,
+        )
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
         cache_stats = getattr(self.controller.launcher, "cache_stats", None)  # the Ray launcher's node caches
         dashboard, metrics = self.monitoring.apps(
@@ -148,14 +172,15 @@ class Cloud:
             guard=self.guard,
             dashboard=dashboard,
             metrics=metrics,
+            limits=config.limits,
+            internal_secret=self.internal_secret,
         )
         self.http_port = config.http_port
         self.grpc_port = config.grpc_port
 
     async def start(self) -> None:
-        self._grpc = grpc.aio.server(
-            options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-        )
+        limits = self.config.limits
+        self._grpc = grpc.aio.server(options=server_options(limits), maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
         self._grpc.add_generic_rpc_handlers((self.grpc_gateway.handler(),))
         address = f"{self.config.host}:{self.config.grpc_port}"
         tls = self.config.tls
@@ -173,7 +198,8 @@ class Cloud:
             log_level="warning",
             access_log=False,
             lifespan="on",
-            http="httptools",
+            http=bounded_protocol(limits),
+            timeout_keep_alive=max(1, round(limits.keep_alive_s)),
             **(tls.uvicorn_options() if tls is not None else {}),
         )
         self._http = uvicorn.Server(uv)

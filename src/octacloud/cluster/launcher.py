@@ -123,10 +123,19 @@ def model_view(spec: LaunchSpec, root: Path) -> Path:
 class LocalProcessLauncher:
     """Replicas as local ``octacloud serve`` processes, one per slice."""
 
-    def __init__(self, workdir: Path, host: str = "127.0.0.1", python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        host: str = "127.0.0.1",
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.workdir = workdir
         self.host = host
+        """Where replicas listen: loopback, since the gateway runs on this machine."""
         self.python = python
+        self.env = env or {}
+        """Set for every replica (the cloud's internal-secret file: see ``cluster.internal_auth``)."""
         self._addresses: dict[str, ReplicaAddress] = {}
 
     def launch(self, spec: LaunchSpec) -> Launched:
@@ -147,7 +156,7 @@ class LocalProcessLauncher:
             "--metrics-port", str(ports[2]),
             "--threads", str(spec.threads),
         ]  # fmt: skip
-        env = {**os.environ, **spec.env, "OCTACLOUD_REPLICA_ID": spec.replica_id, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **self.env, **spec.env, "OCTACLOUD_REPLICA_ID": spec.replica_id, "PYTHONUNBUFFERED": "1"}
         log = root / "replica.log"
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:

@@ -69,8 +69,11 @@ class ClusterUsage:
         scrape_timeout_s: float = 1.0,
         storage_ttl_s: float = 60.0,
         now: Callable[[], float] = time.monotonic,
+        replica_headers: dict[str, str] | None = None,
     ) -> None:
         self.controller = controller
+        self.replica_headers = replica_headers
+        """Sent with every scrape of a replica (the cloud's internal secret)."""
         self.scrape_timeout_s = scrape_timeout_s
         self.storage_ttl_s = storage_ttl_s
         self._now = now
@@ -93,7 +96,7 @@ class ClusterUsage:
 
     async def work(self) -> Mapping[str, Work]:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.scrape_timeout_s)
+            self._client = httpx.AsyncClient(timeout=self.scrape_timeout_s, headers=self.replica_headers)
         owners = {a.replica: a for a in self.allocations()}
         live = [
             r

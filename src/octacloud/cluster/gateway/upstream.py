@@ -19,7 +19,6 @@ gateway answers by retrying on another replica: OIP inference is idempotent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -58,18 +57,18 @@ class _Connection(asyncio.Protocol):
     """One connection to a replica; parses the answer to the request in flight as its bytes arrive."""
 
     __slots__ = (
-        "label",
-        "transport",
-        "closed",
-        "_parser",
-        "_waiter",
-        "_head_only",
-        "_status",
-        "_headers",
         "_chunks",
-        "_keep_alive",
         "_done",
         "_extra",
+        "_head_only",
+        "_headers",
+        "_keep_alive",
+        "_parser",
+        "_status",
+        "_waiter",
+        "closed",
+        "label",
+        "transport",
     )
 
     def __init__(self, label: str) -> None:
@@ -214,9 +213,7 @@ class _Connection(asyncio.Protocol):
             await asyncio.sleep(0.001)
 
 
-def encode_request(
-    host: str, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
-) -> bytes:
+def encode_request(host: str, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
     """The request as it goes on the wire: the caller's end-to-end headers, a Host and the body's length."""
     head = [method, b" ", target, b" HTTP/1.1\r\nHost: ", host.encode(), b"\r\n"]
     for name, value in headers:
