@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import httptools
 
@@ -88,8 +89,7 @@ class _Connection(asyncio.Protocol):
     # ---- asyncio protocol -------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport
 
     def data_received(self, data: bytes) -> None:
         if self._parser is None or self._done:
