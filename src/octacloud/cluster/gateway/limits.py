@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from octacloud.core.errors import InvalidSpecError
+from octacloud.protocols.asgi import DEFAULT_MAX_BODY_BYTES
 
 MIB = 2**20
-DEFAULT_MAX_BODY_BYTES = 64 * MIB
-"""The largest request body replicas accept (``octacloud serve --max-body-mb``'s default): more is refused at
-the gateway from its Content-Length, so the gateway never buffers what no replica would take."""
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "MIB", "GatewayLimits"]
+# DEFAULT_MAX_BODY_BYTES: the largest request body replicas accept (``octacloud serve --max-body-mb``'s
+# default); more is refused at the gateway from its Content-Length, so it never buffers what no replica takes.
 
 
 @dataclass(frozen=True, slots=True)
