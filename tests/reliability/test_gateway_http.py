@@ -201,3 +201,19 @@ async def test_a_replica_that_went_away_is_ejected_then_taken_back_without_the_c
             assert gw.routes.routes["m"][0].failures == 0
     finally:
         await gw.close()
+
+
+def test_limits_from_the_command_line_and_bad_ones_refused() -> None:
+    import pytest
+
+    from octacloud.core.errors import InvalidSpecError
+
+    limits = GatewayLimits.parse(["max_inflight_per_replica=32", "header-timeout-s=2.5"])
+    assert (limits.max_inflight_per_replica, limits.header_timeout_s) == (32, 2.5)
+    for bad, why in (
+        (["nope=1"], "NAME=VALUE"),
+        (["max_connections=x"], "needs a number"),
+        (["keep_alive_s=0"], "positive"),
+    ):
+        with pytest.raises(InvalidSpecError, match=why):
+            GatewayLimits.parse(bad)

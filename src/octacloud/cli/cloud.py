@@ -89,6 +89,7 @@ def up(
         None, "--model-storage", help="On Ray: the repository as nodes reach it (shared path or fsspec URL)."
     ),
     model_cache: Path | None = typer.Option(None, "--model-cache", help="On Ray: each node's model cache folder."),
+    limit: list[str] = typer.Option([], "--limit", help="Gateway bound NAME=VALUE (docs/security.md); repeatable."),
 ) -> None:
     """Run the cloud: fleet, controller, replicas on slices, and the OIP gateway (on this machine, or on Ray)."""
     from octacloud.app import Cloud, CloudConfig, ray_cloud
@@ -104,6 +105,13 @@ def up(
         if not value > 0:
             err.print(f"[red]error:[/] {flag} must be a positive number of seconds, got {value:g}")
             raise typer.Exit(2)
+    from octacloud.cluster.gateway.limits import GatewayLimits
+
+    try:
+        limits = GatewayLimits.parse(limit)
+    except OctacloudError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
     if not repository.is_dir():
         err.print(f"[red]error:[/] model repository {repository} does not exist (build the examples: make models)")
         raise typer.Exit(2)
@@ -125,6 +133,7 @@ def up(
         ray_address=ray_address,
         model_storage=model_storage,
         model_cache=model_cache,
+        limits=limits,
     )
     if backend not in ("local", "ray"):
         err.print(f"[red]error:[/] --backend must be local or ray, got {backend!r}")

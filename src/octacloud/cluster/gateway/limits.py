@@ -8,7 +8,8 @@ message's length prefix, and the deployment's requests in flight before a replic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.protocols.asgi import DEFAULT_MAX_BODY_BYTES
@@ -49,3 +50,19 @@ class GatewayLimits:
                 raise InvalidSpecError(f"gateway limit {name} must be a positive number of seconds")
         if self.max_inflight_per_replica < 0:
             raise InvalidSpecError("gateway limit max_inflight_per_replica must be 0 (no bound) or positive")
+
+    @classmethod
+    def parse(cls, items: Iterable[str]) -> GatewayLimits:
+        """Defaults changed by ``NAME=VALUE`` items (``octacloud up --limit max_inflight_per_replica=32``)."""
+        kinds = {f.name: f.type for f in fields(cls)}
+        changes: dict[str, int | float] = {}
+        for item in items:
+            name, sep, text = item.partition("=")
+            name = name.strip().replace("-", "_")
+            if not sep or name not in kinds:
+                raise InvalidSpecError(f"--limit takes NAME=VALUE with NAME one of {', '.join(kinds)}; got {item!r}")
+            try:
+                changes[name] = float(text) if kinds[name] in (float, "float") else int(text)
+            except ValueError:
+                raise InvalidSpecError(f"--limit {name} needs a number, got {text!r}") from None
+        return replace(cls(), **changes)  # type: ignore[arg-type]
