@@ -277,3 +277,19 @@ async def test_a_timed_out_exchange_closes_its_connection() -> None:
             await pool.request("127.0.0.1", port, b"GET", b"/", [], b"", timeout=0.2)
         assert pool.idle_connections() == 0
         await pool.close()
+
+
+def test_the_pool_works_on_uvloop() -> None:
+    """``octacloud up`` runs on uvloop, whose transports are not asyncio.Transport instances."""
+    import uvloop
+
+    async def run() -> tuple[bytes, bytes]:
+        scripted = _Scripted([b"HTTP/1.1 100 Continue\r\n\r\n" + _ok(b"uv"), _ok(b"loop")])
+        async with scripted as port:
+            pool = UpstreamPool()
+            first = await pool.request("127.0.0.1", port, b"POST", b"/", [], b"x", timeout=5)
+            second = await pool.request("127.0.0.1", port, b"GET", b"/", [], b"", timeout=5)
+            await pool.close()
+        return first.body, second.body
+
+    assert uvloop.run(run()) == (b"uv", b"loop")

@@ -12,6 +12,8 @@ from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.routing import OutlierPolicy
 from tests.reliability.harness import SECRET, answers, complete, exchange, gateway, parse, read, serve
 
+INFER = b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\n"
+
 
 async def test_100_continue_is_answered_by_the_gateway_and_every_answer_reaches_its_own_client() -> None:
     gw = await gateway()
@@ -217,3 +219,29 @@ def test_limits_from_the_command_line_and_bad_ones_refused() -> None:
     ):
         with pytest.raises(InvalidSpecError, match=why):
             GatewayLimits.parse(bad)
+
+
+async def test_admin_bodies_are_bounded_before_they_are_read() -> None:
+    from octacloud.cluster.gateway.rest import ADMIN_MAX_BODY_BYTES
+
+    gw = await gateway()
+    reached: list[str] = []
+
+    async def admin(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def,type-arg]
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    gw.app.admin = admin
+    try:
+        big = INFER.replace(b"/v2/models/m/infer", b"/admin/tenants") + b"Content-Length: %d\r\n\r\n" % (
+            ADMIN_MAX_BODY_BYTES + 1
+        )
+        assert answers(await exchange(gw.port, big, complete(1)))[0][0] == 413
+        chunked = INFER.replace(b"/v2/models/m/infer", b"/admin/tenants") + b"Transfer-Encoding: chunked\r\n\r\n"
+        assert answers(await exchange(gw.port, chunked, complete(1)))[0][0] == 411
+        assert reached == []
+        ok = INFER.replace(b"/v2/models/m/infer", b"/admin/tenants") + b"Content-Length: 2\r\n\r\n{}"
+        assert answers(await exchange(gw.port, ok, complete(1)))[0][0] == 200
+    finally:
+        await gw.close()

@@ -163,7 +163,8 @@ def counts(target: Target) -> Counter[str]:
             else:
                 direct_metadata = (*((k, v) for k, v in metadata if k != HEADER), (HEADER, target.secret))
                 direct, _ = invoke(replica, method, wire, direct_metadata)
-                who = "replica" if direct == code else "gateway"
+                answered_by_gateway = method.startswith("Server")  # the gateway answers server-level calls itself
+                who = "replica" if direct == code and not answered_by_gateway else "gateway"
                 counts[f"server error ({who})"] += 1
                 print(f"server error ({who}) case {i}: {method} {code.name} {answer[:160]!r} <- {wire[:80]!r}")
     return counts

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from octacloud import __version__
@@ -163,32 +164,32 @@ class GrpcGateway:
         return _Handler(self)
 
     def public_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
-        return {
-            "ServerLive": grpc.unary_unary_rpc_method_handler(
-                self._server_live,
-                request_deserializer=service_pb2.ServerLiveRequest.FromString,
-                response_serializer=service_pb2.ServerLiveResponse.SerializeToString,
+        """Server-level calls the gateway answers itself; a message that is not protobuf is INVALID_ARGUMENT."""
+        answers: dict[str, tuple[Any, Callable[[], Any]]] = {
+            "ServerLive": (service_pb2.ServerLiveRequest, lambda: service_pb2.ServerLiveResponse(live=True)),
+            "ServerReady": (
+                service_pb2.ServerReadyRequest,
+                lambda: service_pb2.ServerReadyResponse(ready=self.ready()),
             ),
-            "ServerReady": grpc.unary_unary_rpc_method_handler(
-                self._server_ready,
-                request_deserializer=service_pb2.ServerReadyRequest.FromString,
-                response_serializer=service_pb2.ServerReadyResponse.SerializeToString,
-            ),
-            "ServerMetadata": grpc.unary_unary_rpc_method_handler(
-                self._server_metadata,
-                request_deserializer=service_pb2.ServerMetadataRequest.FromString,
-                response_serializer=service_pb2.ServerMetadataResponse.SerializeToString,
+            "ServerMetadata": (
+                service_pb2.ServerMetadataRequest,
+                lambda: service_pb2.ServerMetadataResponse(
+                    name="octacloud", version=__version__, extensions=SERVER_EXTENSIONS
+                ),
             ),
         }
 
-    async def _server_live(self, _req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
-        return service_pb2.ServerLiveResponse(live=True)
+        def handler(kind: Any, answer: Callable[[], Any]) -> grpc.RpcMethodHandler:
+            async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+                try:
+                    kind.FromString(request)
+                except DecodeError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {exc}")
+                return bytes(answer().SerializeToString())
 
-    async def _server_ready(self, _req: Any, _ctx: grpc.aio.ServicerContext) -> Any:
-        return service_pb2.ServerReadyResponse(ready=self.ready())
+            return grpc.unary_unary_rpc_method_handler(call)
 
-    async def _server_metadata(self, _req: Any, _context: grpc.aio.ServicerContext) -> Any:
-        return service_pb2.ServerMetadataResponse(name="octacloud", version=__version__, extensions=SERVER_EXTENSIONS)
+        return {name: handler(kind, answer) for name, (kind, answer) in answers.items()}
 
     def refusal(
         self, metadata: Sequence[tuple[str, Any]]

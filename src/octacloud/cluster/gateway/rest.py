@@ -84,6 +84,18 @@ def _unread_body_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
     return []
 
 
+ADMIN_MAX_BODY_BYTES = 1 * 2**20
+"""Admin API bodies are small JSON documents."""
+
+
+def _small_body(scope: Scope) -> None:
+    """An admin request's body must announce its length, at most ``ADMIN_MAX_BODY_BYTES`` (411/413 otherwise)."""
+    if content_length(scope["headers"], ADMIN_MAX_BODY_BYTES) is None and header(
+        scope["headers"], b"transfer-encoding"
+    ):
+        raise HttpError(411, "admin requests must send a Content-Length")
+
+
 class RestGateway:
     """ASGI app. ``ready`` is a callable so the gateway reports not-ready until the controller has started."""
 
@@ -147,6 +159,11 @@ class RestGateway:
         elif path in ("/v2", "/v2/"):
             await json_reply(send, 200, {"name": "octacloud", "version": __version__, "extensions": SERVER_EXTENSIONS})
         elif path.startswith("/admin") and self.admin is not None:
+            try:
+                _small_body(scope)
+            except HttpError as exc:
+                await error_reply(send, exc, [_CLOSE])
+                return
             scope.setdefault("state", {})["principal"] = principal
             await self.admin(scope, receive, send)
         else:
