@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -350,6 +351,7 @@ def main() -> None:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ def server_options(limits: GatewayLimits) -> list[tuple[str, int]]:
         ("grpc.max_connection_idle_ms", int(limits.keep_alive_s * 1000) * 60),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.max_concurrent_streams", 256),
+        ("grpc.server_handshake_timeout_ms", int(limits.header_timeout_s * 1000)),
     ]
 
 

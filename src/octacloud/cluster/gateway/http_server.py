@@ -5,7 +5,8 @@ body, that is after the gateway checked the key on the headers). It has a keep-a
 the time to send headers and none on the number of connections, so a client that opens connections and
 sends nothing (or one byte every few seconds) holds file descriptors forever. This protocol adds both:
 
-- a connection over ``max_connections`` is closed as soon as it is accepted;
+- a connection over ``max_connections`` (or over what the process's file limit leaves, less a reserve for
+  connections to replicas and files) is closed as soon as it is accepted;
 - a request's headers must be complete within ``header_timeout_s`` of the connection's start (or of the
   previous answer on it); otherwise the connection is closed.
 """
@@ -13,15 +14,28 @@ sends nothing (or one byte every few seconds) holds file descriptors forever. Th
 from __future__ import annotations
 
 import asyncio
+import resource
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from octacloud.cluster.gateway.limits import GatewayLimits
 
+FD_RESERVE = 512
+"""File descriptors kept for what is not a client connection (replica connections, the store, logs)."""
+
+
+def connection_cap(limits: GatewayLimits) -> int:
+    """``max_connections``, or fewer when the process's file limit would run out first."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return limits.max_connections
+    return max(16, min(limits.max_connections, soft - FD_RESERVE))
+
 
 def bounded_protocol(limits: GatewayLimits) -> type[asyncio.Protocol]:
     """A uvicorn ``http`` protocol class enforcing ``limits``' connection count and header time."""
+    cap = connection_cap(limits)
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
@@ -30,7 +44,7 @@ def bounded_protocol(limits: GatewayLimits) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            if len(self.connections) > limits.max_connections:
+            if len(self.connections) > cap:
                 type(self).refused += 1
                 transport.abort()
                 return
