@@ -62,3 +62,42 @@ def test_a_stalled_replica_is_ejected_then_serves_again(cloud: CloudThread) -> N
     for _ in range(20):
         assert httpx.post(url, json=BODY, headers=headers, timeout=10).status_code == 200
     assert cloud.deployment("lin")["instances"][0]["pid"] == instance["pid"]  # the same replica, not a new one
+
+
+def test_kill_9_of_a_replica_under_load_answers_every_request_cleanly(cloud: CloudThread) -> None:
+    """Requests in flight on the killed replica are retried on the other; none hangs, none gets a 5xx other than
+    a 503 with Retry-After, and no answer names a replica's address."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = make_tenant(cloud, "a")
+    spec = {"name": "lin", "model": "linear", "min_replicas": 2, "max_replicas": 2}
+    assert call(cloud, key, "POST", "/admin/deployments", spec).status_code == 201
+    wait_until("two ready replicas", lambda: len(ready_ids(cloud, "lin")) == 2)
+    instances = cloud.deployment("lin")["instances"]
+    victim = instances[0]
+    ports = {str(i["http_port"]) for i in instances}
+    stop = threading.Event()
+    outcomes: list[tuple[int, str, str | None]] = []
+
+    def load() -> None:
+        with httpx.Client(timeout=20) as client:
+            while not stop.is_set():
+                r = client.post(
+                    f"{cloud.url}/v2/models/lin/infer", json=BODY, headers={"Authorization": f"Bearer {key}"}
+                )
+                outcomes.append((r.status_code, r.text, r.headers.get("retry-after")))
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(load) for _ in range(6)]
+        time.sleep(0.5)
+        os.kill(victim["pid"], signal.SIGKILL)
+        time.sleep(2.0)
+        stop.set()
+        for f in futures:
+            f.result(timeout=30)  # nothing hangs, no client error
+    statuses = [s for s, _, _ in outcomes]
+    assert statuses.count(200) > 20
+    refused = [(s, text, retry) for s, text, retry in outcomes if s != 200]
+    assert all(s == 503 and retry for s, _, retry in refused), refused[:3]
+    assert not any(port in text for _, text, _ in refused for port in ports)
