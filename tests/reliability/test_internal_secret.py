@@ -42,7 +42,9 @@ def test_local_replicas_get_the_secret_file_and_bind_loopback(tmp_path: Path) ->
     write_linear_model(repo)
     secret_file = tmp_path / internal_auth.FILE_NAME
     internal_auth.ensure_secret(secret_file)
-    launcher = LocalProcessLauncher(tmp_path / "replicas", env={internal_auth.ENV_VAR: str(secret_file)})
+    launcher = LocalProcessLauncher(
+        tmp_path / "replicas", environment=lambda: {internal_auth.ENV_VAR: str(secret_file)}
+    )
     launched = launcher.launch(LaunchSpec("r1", "linear", repo / "linear", "", {}, 1))
     try:
         assert launched.address is not None and launched.address.host == "127.0.0.1"

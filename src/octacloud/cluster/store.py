@@ -8,8 +8,9 @@ controller adopts live replicas instead of starting them twice.
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -20,6 +21,11 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.core.errors import NotFoundError
+
+log = logging.getLogger("octacloud.store")
+
+EventListener = Callable[[dict[str, object]], None]
+"""Called with each event once it is stored (``at``, ``kind``, ``subject``, ``message``); must not block."""
 
 
 class _Base(DeclarativeBase):
@@ -66,6 +72,7 @@ class StateStore:
             event.listen(self.engine, "connect", _sqlite_pragmas)
         _Base.metadata.create_all(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._listeners: list[EventListener] = []
 
     @classmethod
     def at(cls, path: Path) -> StateStore:
@@ -134,8 +141,18 @@ class StateStore:
     # ---- events ------------------------------------------------------------------------------------------
 
     def add_event(self, kind: str, subject: str, message: str, at: float | None = None) -> None:
+        at = time.time() if at is None else at
         with self._tx() as s:
-            s.add(_EventRow(at=time.time() if at is None else at, kind=kind, subject=subject, message=message))
+            s.add(_EventRow(at=at, kind=kind, subject=subject, message=message))
+        for listener in self._listeners:
+            try:
+                listener({"at": at, "kind": kind, "subject": subject, "message": message})
+            except Exception:  # a failing subscriber must not fail the controller's step
+                log.exception("event listener failed")
+
+    def subscribe(self, listener: EventListener) -> None:
+        """Call ``listener`` with every event stored from now on (``octacloud up`` logs them)."""
+        self._listeners.append(listener)
 
     def events(self, limit: int = 100) -> list[dict[str, object]]:
         with self._tx() as s:
