@@ -137,3 +137,12 @@ def test_dropped_endpoints_are_reported() -> None:
     table.update("m", [Endpoint("b", "127.0.0.1", 3, 4)])
     table.drop_endpoint("b")
     assert dropped == ["a", "b"]
+
+
+def test_the_in_flight_bound_scales_with_ready_replicas_and_can_be_set_per_deployment() -> None:
+    table = RouteTable()
+    table.update("m", [Endpoint("a", "127.0.0.1", 1, 2), Endpoint("b", "127.0.0.1", 3, 4)])
+    assert table.inflight_bound("m", 16) == 32
+    table.inflight_per_replica["m"] = 128
+    assert table.inflight_bound("m", 16) == 256
+    assert table.inflight_bound("m", 0) == 256 and table.inflight_bound("none", 16) == 0

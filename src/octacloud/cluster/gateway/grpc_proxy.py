@@ -251,7 +251,7 @@ class GrpcGateway:
             if not endpoints:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"deployment '{deployment}' has no ready replica yet")
             counters = self.routes.counter(deployment)
-            bound = self.limits.max_inflight_per_replica * len(endpoints)
+            bound = self.routes.inflight_bound(deployment, self.limits.max_inflight_per_replica)
             if bound and counters.outstanding >= bound:
                 counters.shed += 1
                 context.set_trailing_metadata((("retry-after", "1"),))

@@ -212,7 +212,7 @@ class RestGateway:
         if not endpoints:
             raise HttpError(503, f"deployment '{deployment}' has no ready replica yet", [(b"retry-after", b"1")])
         counters = self.routes.counter(deployment)
-        bound = self.limits.max_inflight_per_replica * len(endpoints)
+        bound = self.routes.inflight_bound(deployment, self.limits.max_inflight_per_replica)
         if bound and counters.outstanding >= bound:
             counters.shed += 1
             raise HttpError(

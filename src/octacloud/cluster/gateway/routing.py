@@ -102,6 +102,10 @@ class RouteTable:
     outlier: OutlierPolicy = field(default_factory=OutlierPolicy)
     now: Callable[[], float] = time.monotonic
     """The clock ejections are timed on (injected in tests)."""
+    inflight_per_replica: dict[str, int] = field(default_factory=dict)
+    """Deployment → its in-flight bound per ready replica, where it differs from the gateway's default
+    (``GatewayLimits.max_inflight_per_replica``): e.g. twice a model's ``max_batch_size``, so that shedding
+    never keeps the batcher from filling its batches."""
     on_drop: list[Callable[[Endpoint], None]] = field(default_factory=list)
     """Called with each endpoint the table stops routing to (the front ends close their connections to it)."""
 
@@ -167,6 +171,11 @@ class RouteTable:
                 if e.replica_id == replica_id:
                     e.failures = 0
                     e.ejected_until = 0.0
+
+    def inflight_bound(self, deployment: str, default_per_replica: int) -> int:
+        """How many requests ``deployment`` may have in flight now (0: no bound)."""
+        per_replica = self.inflight_per_replica.get(deployment, default_per_replica)
+        return per_replica * len(self.routes.get(deployment, ()))
 
     def retry_after(self, deployment: str) -> int:
         """Whole seconds until the first ejected endpoint of ``deployment`` may be tried again (at least 1)."""
