@@ -135,8 +135,9 @@ class Cloud:
         )
         scheduler = Scheduler(ClusterState(self.nodes), profile)
         self.routes = RouteTable()
-        self._prober = HttpProber(headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())],
-                                  on_ready=self.routes.readmit)  # fmt: skip
+        self._prober = HttpProber(
+            headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())], on_ready=self.routes.readmit
+        )
         self.controller = Controller(
             store=self.store,
             nodes=self.nodes,
