@@ -348,7 +348,8 @@ def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
         )
     storage = config.model_storage or str(config.repository.resolve())
     cache = config.model_cache or config.state_dir.resolve() / "model-cache"
-    launcher = RayLauncher(fleet, storage, cache)
+    secret = internal_auth.ensure_secret(config.state_dir / internal_auth.FILE_NAME)
+    launcher = RayLauncher(fleet, storage, cache, internal_secret=secret)
     return Cloud(config, nodes=nodes, launcher=launcher, clock=clock, watcher=fleet.poll)
 
 
