@@ -245,3 +245,17 @@ async def test_admin_bodies_are_bounded_before_they_are_read() -> None:
         assert answers(await exchange(gw.port, ok, complete(1)))[0][0] == 200
     finally:
         await gw.close()
+
+
+async def test_headers_are_bounded_in_size_and_a_large_body_is_not_mistaken_for_them() -> None:
+    gw = await gateway(GatewayLimits(max_header_bytes=8 * 1024))
+    try:
+        huge = INFER + b"X-Filler: " + b"a" * 20_000 + b"\r\nContent-Length: 1\r\n\r\nx"
+        raw = await exchange(gw.port, huge, complete(1))
+        assert answers(raw)[0][0] == 431
+        body = b"b" * 200_000  # headers and a big body in one write: only the headers count
+        raw = await exchange(gw.port, INFER + b"Content-Length: %d\r\n\r\n" % len(body) + body, complete(1))
+        assert answers(raw) == [(200, body[::-1])]
+        assert gw.replicas[0][0].seen[-1]["body"] == body
+    finally:
+        await gw.close()

@@ -8,7 +8,7 @@ sends nothing (or one byte every few seconds) holds file descriptors forever. Th
 - a connection over ``max_connections`` (or over what the process's file limit leaves, less a reserve for
   connections to replicas and files) is closed as soon as it is accepted;
 - a request's headers must be complete within ``header_timeout_s`` of the connection's start (or of the
-  previous answer on it); otherwise the connection is closed.
+  previous answer on it), and within ``max_header_bytes`` (431); otherwise the connection is closed.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from octacloud.cluster.gateway.limits import GatewayLimits
 
+_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 FD_RESERVE = 512
 """File descriptors kept for what is not a client connection (replica connections, the store, logs)."""
 
@@ -39,6 +40,8 @@ def bounded_protocol(limits: GatewayLimits) -> type[asyncio.Protocol]:
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _header_bytes = 0
+        """Bytes received since the current request began, while its headers are incomplete."""
         refused = 0
         """Connections closed on arrival because ``max_connections`` were open (for tests and metrics)."""
 
@@ -54,6 +57,17 @@ def bounded_protocol(limits: GatewayLimits) -> type[asyncio.Protocol]:
             self._disarm_header_timer()
             super().connection_lost(exc)
 
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is not None:  # waiting for a request's headers
+                room = limits.max_header_bytes - self._header_bytes
+                if len(data) > room and data.find(b"\r\n\r\n", 0, max(room, 0) + 4) == -1:
+                    self._disarm_header_timer()
+                    self.transport.write(_TOO_LARGE)
+                    self.transport.close()
+                    return
+                self._header_bytes += len(data)
+            super().data_received(data)
+
         def on_headers_complete(self) -> None:
             self._disarm_header_timer()
             super().on_headers_complete()
@@ -66,6 +80,7 @@ def bounded_protocol(limits: GatewayLimits) -> type[asyncio.Protocol]:
 
         def _arm_header_timer(self) -> None:
             self._disarm_header_timer()
+            self._header_bytes = 0
             self._header_timer = self.loop.call_later(limits.header_timeout_s, self._headers_too_slow)
 
         def _disarm_header_timer(self) -> None:

@@ -26,6 +26,8 @@ class GatewayLimits:
     """Largest REST request body; 413 when Content-Length says more (before reading) or the body grows past it."""
     max_message_bytes: int = DEFAULT_MAX_BODY_BYTES + MIB
     """Largest gRPC message received (the body limit plus room for the message's own fields)."""
+    max_header_bytes: int = 64 * 1024
+    """A request's line and headers together; 431 and the connection closed beyond it."""
     header_timeout_s: float = 10.0
     """From a connection's start (or the end of its previous answer) to the end of the request's headers."""
     body_timeout_s: float = 60.0
@@ -42,7 +44,13 @@ class GatewayLimits:
     bounded. 0: no bound."""
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_message_bytes", "max_connections", "max_concurrent_rpcs"):
+        for name in (
+            "max_body_bytes",
+            "max_message_bytes",
+            "max_header_bytes",
+            "max_connections",
+            "max_concurrent_rpcs",
+        ):
             if getattr(self, name) <= 0:
                 raise InvalidSpecError(f"gateway limit {name} must be positive, got {getattr(self, name)}")
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
