@@ -17,12 +17,15 @@ from pathlib import Path
 import grpc
 import uvicorn
 
+from octacloud.cluster import internal_auth
 from octacloud.cluster.admin import build_admin_app
 from octacloud.cluster.auth import Guard, KeyStore, server_secret
 from octacloud.cluster.controller import Controller, ControllerSettings, NodeChange
 from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer, local_nvml_node
 from octacloud.cluster.fleet import discover_fleet
-from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
+from octacloud.cluster.gateway.grpc_proxy import GrpcGateway, server_options
+from octacloud.cluster.gateway.http_server import bounded_protocol
+from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import RouteTable
 from octacloud.cluster.health import HttpProber, RepositoryFootprints
@@ -77,6 +80,8 @@ class CloudConfig:
     meter_interval_s: float = 10.0
     prices: Path | None = None
     """Price sheet (YAML) for usage reports' cost column."""
+    limits: GatewayLimits = field(default_factory=GatewayLimits)
+    """The gateway's bounds: body and message size, header/body/idle time, connections, load shedding."""
 
 
 class Cloud:
@@ -105,6 +110,10 @@ class Cloud:
             else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards, cpu_nodes=config.cpu_nodes)
         )
         self.store = StateStore.at(config.state_dir / "octacloud.db")
+        secret_file = config.state_dir / internal_auth.FILE_NAME
+        self.internal_secret = internal_auth.ensure_secret(secret_file)
+        """Proves to replicas that a request comes from this cloud (see ``cluster.internal_auth``)."""
+        internal = {internal_auth.HEADER: self.internal_secret}
         gpu_node = local_nvml_node(self.nodes)
         self.mps: dict[str, MpsDaemon] = (
             {gpu_node: MpsDaemon(config.state_dir, cards=tuple(g.index for g in _node(self.nodes, gpu_node).gpus))}
@@ -113,7 +122,12 @@ class Cloud:
         )
         """This host's GPU node's MPS control daemon (none on a host without NVIDIA GPUs)."""
         self.monitoring = CloudMonitoring(
-            lambda: self.controller, self.nodes, slice_prior(), clock, interval_s=config.telemetry_interval_s
+            lambda: self.controller,
+            self.nodes,
+            slice_prior(),
+            clock,
+            interval_s=config.telemetry_interval_s,
+            replica_headers=internal,
         )
         """Telemetry (the scheduler's telemetry source), the cloud's ``/metrics`` and the dashboard."""
         profile = build_profile(
@@ -121,7 +135,9 @@ class Cloud:
         )
         scheduler = Scheduler(ClusterState(self.nodes), profile)
         self.routes = RouteTable()
-        self._prober = HttpProber()
+        self._prober = HttpProber(
+            headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())], on_ready=self.routes.readmit
+        )
         self.controller = Controller(
             store=self.store,
             nodes=self.nodes,
@@ -146,9 +162,15 @@ class Cloud:
         self.admin_key = bootstrap_admin_key(self.keys, config.state_dir / "admin.key")
         """The admin key created by this start (None when one existed): the CLI shows it once."""
         self.ledger = Ledger(self.store.engine)
-        self.usage = ClusterUsage(self.controller, gpu_use=self.monitoring.sampler.gpu_use)
+        self.usage = ClusterUsage(self.controller, gpu_use=self.monitoring.sampler.gpu_use, replica_headers=internal)
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
-        self.grpc_gateway = GrpcGateway(self.routes, ready=lambda: self._started, guard=self.guard)
+        self.grpc_gateway = GrpcGateway(
+            self.routes,
+            ready=lambda: self._started,
+            guard=self.guard,
+            limits=config.limits,
+            internal_secret=self.internal_secret,
+        )
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
         cache_stats = getattr(self.controller.launcher, "cache_stats", None)  # the Ray launcher's node caches
         dashboard, metrics = self.monitoring.apps(
@@ -166,17 +188,20 @@ class Cloud:
             guard=self.guard,
             dashboard=dashboard,
             metrics=metrics,
+            limits=config.limits,
+            internal_secret=self.internal_secret,
         )
         self.http_port = config.http_port
         self.grpc_port = config.grpc_port
 
     def _local_launcher(self) -> LocalProcessLauncher:
         workdir = self.config.state_dir / "replicas"
-        return LocalProcessLauncher(workdir, host=self.config.host, environment=self._node_environment)
+        return LocalProcessLauncher(workdir, environment=self._node_environment)  # replicas bind loopback
 
     def _node_environment(self) -> dict[str, str]:
-        """What every local replica gets from its node: the MPS daemon's folders (under time-slicing, nothing)."""
-        env: dict[str, str] = {}
+        """What every local replica gets from its node: the internal secret's file, and the MPS daemon's folders
+        (under time-slicing, none)."""
+        env = {internal_auth.ENV_VAR: str((self.config.state_dir / internal_auth.FILE_NAME).resolve())}
         for daemon in self.mps.values():
             env.update(daemon.environment())
         return env
@@ -190,9 +215,8 @@ class Cloud:
 
     async def start(self) -> None:
         await self._start_mps()
-        self._grpc = grpc.aio.server(
-            options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-        )
+        limits = self.config.limits
+        self._grpc = grpc.aio.server(options=server_options(limits), maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
         self._grpc.add_generic_rpc_handlers((self.grpc_gateway.handler(),))
         address = f"{self.config.host}:{self.config.grpc_port}"
         tls = self.config.tls
@@ -210,7 +234,8 @@ class Cloud:
             log_level="warning",
             access_log=False,
             lifespan="on",
-            http="httptools",
+            http=bounded_protocol(limits),
+            timeout_keep_alive=max(1, round(limits.keep_alive_s)),
             **(tls.uvicorn_options() if tls is not None else {}),
         )
         self._http = uvicorn.Server(uv)
@@ -323,7 +348,8 @@ def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
         )
     storage = config.model_storage or str(config.repository.resolve())
     cache = config.model_cache or config.state_dir.resolve() / "model-cache"
-    launcher = RayLauncher(fleet, storage, cache)
+    secret = internal_auth.ensure_secret(config.state_dir / internal_auth.FILE_NAME)
+    launcher = RayLauncher(fleet, storage, cache, internal_secret=secret)
     return Cloud(config, nodes=nodes, launcher=launcher, clock=clock, watcher=fleet.poll)
 
 

@@ -231,6 +231,7 @@ def up(
         None, "--model-storage", help="On Ray: the repository as nodes reach it (shared path or fsspec URL)."
     ),
     model_cache: Path | None = typer.Option(None, "--model-cache", help="On Ray: each node's model cache folder."),
+    limit: list[str] = typer.Option([], "--limit", help="Gateway bound NAME=VALUE (docs/security.md); repeatable."),
 ) -> None:
     """Run the cloud: fleet, controller, replicas on slices, and the OIP gateway (on this machine, or on Ray)."""
     from octacloud.app import Cloud, CloudConfig, ray_cloud
@@ -252,6 +253,13 @@ def up(
     if (tls_cert is None) != (tls_key is None):
         err.print("[red]error:[/] --tls-cert and --tls-key go together")
         raise typer.Exit(2)
+    from octacloud.cluster.gateway.limits import GatewayLimits
+
+    try:
+        limits = GatewayLimits.parse(limit)
+    except OctacloudError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
     if deploy_max_replicas < 1:
         err.print(f"[red]error:[/] --deploy-max-replicas must be at least 1, got {deploy_max_replicas}")
         raise typer.Exit(2)
@@ -274,6 +282,7 @@ def up(
         ray_address=ray_address,
         model_storage=model_storage,
         model_cache=model_cache,
+        limits=limits,
     )
     on_ray = backend == "ray" or ray_address is not None
     scheme = "https" if config.tls is not None else "http"

@@ -156,6 +156,7 @@ class LocalProcessLauncher:
     ) -> None:
         self.workdir = workdir
         self.host = host
+        """Where replicas listen: loopback, since the gateway runs on this machine."""
         self.python = python
         self.environment = environment
         """The node's environment for every replica it starts (e.g. its MPS daemon's pipe folder), asked at each

@@ -82,9 +82,12 @@ class ClusterUsage:
         storage_ttl_s: float = 60.0,
         now: Callable[[], float] = time.monotonic,
         gpu_use: Callable[[], Mapping[str, int]] | None = None,
+        replica_headers: dict[str, str] | None = None,
     ) -> None:
         self.controller = controller
         self._gpu_use = gpu_use
+        self.replica_headers = replica_headers
+        """Sent with every scrape of a replica (the cloud's internal secret)."""
         self.scrape_timeout_s = scrape_timeout_s
         self.storage_ttl_s = storage_ttl_s
         self._now = now
@@ -107,7 +110,7 @@ class ClusterUsage:
 
     async def work(self) -> Mapping[str, Work]:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.scrape_timeout_s)
+            self._client = httpx.AsyncClient(timeout=self.scrape_timeout_s, headers=self.replica_headers)
         owners = {a.replica: a for a in self.allocations()}
         live = [
             r

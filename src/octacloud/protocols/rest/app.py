@@ -24,6 +24,8 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from octacloud.protocols.asgi import DEFAULT_MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
+from octacloud.protocols.asgi import HttpError, content_length, read_body
 from octacloud.protocols.errorlog import BoundedErrorLog
 from octacloud.protocols.rest import codec
 from octacloud.serving import DataPlane, InvalidInputError, status_of
@@ -36,16 +38,11 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 HEADER_LENGTH = b"inference-header-content-length"
 _JSON = (b"content-type", b"application/json")
 _OCTET = (b"content-type", b"application/octet-stream")
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class RestApp:
@@ -151,24 +148,8 @@ class RestApp:
             await _reply(send, 200, out, _OCTET, (HEADER_LENGTH, str(json_length).encode()))
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.max_body_bytes
-        for key, value in scope["headers"]:
-            if key == b"content-length" and value.isdigit() and int(value) > limit:
-                raise HttpError(413, f"request body of {int(value)} bytes is over the limit of {limit} bytes")
-        chunks = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise HttpError(400, "the client disconnected")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise HttpError(413, f"request body is over the limit of {limit} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        content_length(scope["headers"], self.max_body_bytes)  # 413 before reading a body over the limit
+        return await read_body(receive, self.max_body_bytes)
 
 
 async def _reply(
