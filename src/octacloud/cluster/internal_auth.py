@@ -10,19 +10,17 @@ key never becomes a replica's.
 
 from __future__ import annotations
 
-import hmac
 import os
 import secrets
 from pathlib import Path
 
-from octacloud.core.errors import InvalidSpecError
+from octacloud.protocols import internal
+from octacloud.protocols.internal import ENV_VAR as ENV_VAR
+from octacloud.protocols.internal import HEADER as HEADER
 
-ENV_VAR = "OCTACLOUD_INTERNAL_SECRET_FILE"
-"""Environment variable naming the file that holds the secret (read by replicas at start)."""
-HEADER = "x-octacloud-internal"
-"""HTTP header and gRPC metadata key (lower case, as gRPC requires) carrying the secret."""
 HEADER_BYTES = HEADER.encode()
 FILE_NAME = "internal.secret"
+"""The secret's file in the cloud's state directory."""
 
 
 def ensure_secret(path: Path) -> str:
@@ -40,25 +38,16 @@ def ensure_secret(path: Path) -> str:
 
 
 def read_secret(path: Path) -> str:
-    """The secret in ``path``; refuses a file others may read, or one too short to be a secret."""
-    mode = path.stat().st_mode
-    if mode & 0o077:
-        raise InvalidSpecError(f"internal secret {path} is readable by others (mode {mode & 0o777:o}); chmod 600 it")
-    secret = path.read_text().strip()
-    if len(secret) < 32:
-        raise InvalidSpecError(f"internal secret {path} is shorter than 32 characters")
-    return secret
+    """The secret in ``path`` (the replicas' own reader: refuses a file others may read, or a short one)."""
+    return internal.read_secret(path).decode()
 
 
 def secret_from_env() -> str | None:
     """The secret a launcher gave this process (None when it was started without one)."""
-    name = os.environ.get(ENV_VAR)
-    return read_secret(Path(name)) if name else None
+    path = internal.secret_file_from_env()
+    return read_secret(path) if path is not None else None
 
 
 def matches(secret: str, presented: str | bytes | None) -> bool:
     """Constant-time comparison of what a request presented with the secret."""
-    if presented is None:
-        return False
-    value = presented.encode("latin-1") if isinstance(presented, str) else presented
-    return hmac.compare_digest(value, secret.encode())
+    return internal.matches(secret.encode(), presented)

@@ -43,8 +43,6 @@ _JSON = (b"content-type", b"application/json")
 _OCTET = (b"content-type", b"application/octet-stream")
 
 
-
-
 class RestApp:
     """ASGI application over one :class:`DataPlane`."""
 
