@@ -55,8 +55,8 @@ lock: dev
 	scripts/lock $(BIN)/uv
 
 lint: dev
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff format --check src tests bench examples
 
 types: dev build-tools ray plots
 	$(BIN)/mypy

@@ -20,6 +20,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from octacloud.core.clock import Clock
 from octacloud.serving.batching.batcher import Arrays, DynamicBatcher
 from octacloud.serving.batching.policy import BatchingSettings
+from octacloud.serving.classification import load_labels
 from octacloud.serving.errors import ModelConfigError, ModelNotReadyError
 from octacloud.serving.memory import (
     MemoryProbe,
@@ -37,6 +38,7 @@ from octacloud.serving.repository.config import (
 )
 from octacloud.serving.runtime import ModelRuntime, RuntimeFactory
 from octacloud.serving.stats import ModelStats
+from octacloud.serving.text import TextInput
 from octacloud.serving.types import numpy_dtype
 
 PARAM_BATCH_ISOLATION = "batch_isolation"
@@ -115,6 +117,8 @@ class ModelVersion:
         )
         self._inflight = 0
         self._drained: asyncio.Event | None = None
+        self.text: TextInput | None = None  # raw text in (serving/text.py), set by load
+        self.labels: dict[str, tuple[str, ...]] = {}  # class labels by output (serving/classification.py)
 
     @classmethod
     async def load(
@@ -147,6 +151,8 @@ class ModelVersion:
         if not model.bytes_per_sample:  # the config's parameter wins, then the toolchain's profile
             model.bytes_per_sample = profile_bytes_per_sample(version_dir) or 0
         try:
+            model.text = TextInput.load(version_dir, full)
+            model.labels = load_labels(version_dir.parent, full)
             await asyncio.to_thread(model._warm_up, version_dir.parent)
         except Exception as e:
             model._executor.shutdown(wait=False)
