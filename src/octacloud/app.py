@@ -17,16 +17,20 @@ from pathlib import Path
 import grpc
 import uvicorn
 
+from octacloud.cluster import internal_auth
 from octacloud.cluster.admin import build_admin_app
 from octacloud.cluster.auth import Guard, KeyStore, server_secret
 from octacloud.cluster.controller import Controller, ControllerSettings, NodeChange
-from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer
+from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer, local_nvml_node
 from octacloud.cluster.fleet import discover_fleet
-from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
+from octacloud.cluster.gateway.grpc_proxy import GrpcGateway, server_options
+from octacloud.cluster.gateway.http_server import bounded_protocol
+from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import RouteTable
 from octacloud.cluster.health import HttpProber, RepositoryFootprints
 from octacloud.cluster.launcher import LocalProcessLauncher, ReplicaLauncher
+from octacloud.cluster.mps import MpsDaemon, SharingCollector
 from octacloud.cluster.storage import FleetCacheStats, ModelCacheCollector
 from octacloud.cluster.store import StateStore
 from octacloud.cluster.tls import TlsConfig, check_exposure
@@ -36,7 +40,6 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node, Request
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
 from octacloud.metering import Ledger, Meter, PriceSheet
-from octacloud.protocols.rest.h1 import OneWriteHttpToolsProtocol
 from octacloud.scheduler.actions.preempt import preempt
 from octacloud.scheduler.fragmentation import TargetWorkload
 from octacloud.scheduler.framework.runner import Scheduler
@@ -59,6 +62,9 @@ class CloudConfig:
     grpc_port: int = 8001
     policy: str = PRODUCT_DEFAULT
     cpu_cards: int = 1
+    """Without GPUs or a fleet file: CPU "cards" per node."""
+    cpu_nodes: int = 1
+    """Without GPUs or a fleet file: 1 = this host as one node; more = a demo fleet of that many nodes."""
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     ray_address: str | None = None
     """Run on the Ray cluster at this address ("auto": the one this machine belongs to) instead of locally."""
@@ -74,6 +80,8 @@ class CloudConfig:
     meter_interval_s: float = 10.0
     prices: Path | None = None
     """Price sheet (YAML) for usage reports' cost column."""
+    limits: GatewayLimits = field(default_factory=GatewayLimits)
+    """The gateway's bounds: body and message size, header/body/idle time, connections, load shedding."""
 
 
 class Cloud:
@@ -96,10 +104,30 @@ class Cloud:
         prices = PriceSheet.load(config.prices) if config.prices is not None else None
         config.state_dir.mkdir(parents=True, exist_ok=True)
         clock = clock or SystemClock()
-        self.nodes = nodes if nodes is not None else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards)
+        self.nodes = (
+            nodes
+            if nodes is not None
+            else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards, cpu_nodes=config.cpu_nodes)
+        )
         self.store = StateStore.at(config.state_dir / "octacloud.db")
+        secret_file = config.state_dir / internal_auth.FILE_NAME
+        self.internal_secret = internal_auth.ensure_secret(secret_file)
+        """Proves to replicas that a request comes from this cloud (see ``cluster.internal_auth``)."""
+        internal = {internal_auth.HEADER: self.internal_secret}
+        gpu_node = local_nvml_node(self.nodes)
+        self.mps: dict[str, MpsDaemon] = (
+            {gpu_node: MpsDaemon(config.state_dir, cards=tuple(g.index for g in _node(self.nodes, gpu_node).gpus))}
+            if gpu_node is not None
+            else {}
+        )
+        """This host's GPU node's MPS control daemon (none on a host without NVIDIA GPUs)."""
         self.monitoring = CloudMonitoring(
-            lambda: self.controller, self.nodes, slice_prior(), clock, interval_s=config.telemetry_interval_s
+            lambda: self.controller,
+            self.nodes,
+            slice_prior(),
+            clock,
+            interval_s=config.telemetry_interval_s,
+            replica_headers=internal,
         )
         """Telemetry (the scheduler's telemetry source), the cloud's ``/metrics`` and the dashboard."""
         profile = build_profile(
@@ -107,12 +135,14 @@ class Cloud:
         )
         scheduler = Scheduler(ClusterState(self.nodes), profile)
         self.routes = RouteTable()
-        self._prober = HttpProber()
+        self._prober = HttpProber(
+            headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())], on_ready=self.routes.readmit
+        )
         self.controller = Controller(
             store=self.store,
             nodes=self.nodes,
             scheduler=scheduler,
-            launcher=launcher or LocalProcessLauncher(config.state_dir / "replicas", host=config.host),
+            launcher=launcher or self._local_launcher(),
             repository=config.repository.resolve(),
             routes=self.routes,
             clock=clock,
@@ -132,15 +162,24 @@ class Cloud:
         self.admin_key = bootstrap_admin_key(self.keys, config.state_dir / "admin.key")
         """The admin key created by this start (None when one existed): the CLI shows it once."""
         self.ledger = Ledger(self.store.engine)
-        self.usage = ClusterUsage(self.controller)
+        self.usage = ClusterUsage(self.controller, gpu_use=self.monitoring.sampler.gpu_use, replica_headers=internal)
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
-        self.grpc_gateway = GrpcGateway(self.routes, ready=lambda: self._started, guard=self.guard)
+        self.grpc_gateway = GrpcGateway(
+            self.routes,
+            ready=lambda: self._started,
+            guard=self.guard,
+            limits=config.limits,
+            internal_secret=self.internal_secret,
+        )
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
         cache_stats = getattr(self.controller.launcher, "cache_stats", None)  # the Ray launcher's node caches
         dashboard, metrics = self.monitoring.apps(
             admin_authorizer(self.guard),
             ledger=self.ledger,
-            extra=[ModelCacheCollector(cache_stats)] if isinstance(cache_stats, FleetCacheStats) else [],
+            extra=[
+                SharingCollector(self.mps),
+                *([ModelCacheCollector(cache_stats)] if isinstance(cache_stats, FleetCacheStats) else []),
+            ],
         )
         self.rest_gateway = RestGateway(
             self.routes,
@@ -149,14 +188,35 @@ class Cloud:
             guard=self.guard,
             dashboard=dashboard,
             metrics=metrics,
+            limits=config.limits,
+            internal_secret=self.internal_secret,
         )
         self.http_port = config.http_port
         self.grpc_port = config.grpc_port
 
+    def _local_launcher(self) -> LocalProcessLauncher:
+        workdir = self.config.state_dir / "replicas"
+        return LocalProcessLauncher(workdir, environment=self._node_environment)  # replicas bind loopback
+
+    def _node_environment(self) -> dict[str, str]:
+        """What every local replica gets from its node: the internal secret's file, and the MPS daemon's folders
+        (under time-slicing, none)."""
+        env = {internal_auth.ENV_VAR: str((self.config.state_dir / internal_auth.FILE_NAME).resolve())}
+        for daemon in self.mps.values():
+            env.update(daemon.environment())
+        return env
+
+    async def _start_mps(self) -> None:
+        """Start (or adopt) each GPU node's MPS daemon before any replica starts; say how cards are shared."""
+        for node, daemon in self.mps.items():
+            mode = await asyncio.to_thread(daemon.start)
+            self.store.add_event("node", node, f"GPU sharing: {mode.value} ({daemon.reason})")
+            log.info("node %s shares its GPUs by %s (%s)", node, mode.value, daemon.reason)
+
     async def start(self) -> None:
-        self._grpc = grpc.aio.server(
-            options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-        )
+        await self._start_mps()
+        limits = self.config.limits
+        self._grpc = grpc.aio.server(options=server_options(limits), maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
         self._grpc.add_generic_rpc_handlers((self.grpc_gateway.handler(),))
         address = f"{self.config.host}:{self.config.grpc_port}"
         tls = self.config.tls
@@ -174,7 +234,8 @@ class Cloud:
             log_level="warning",
             access_log=False,
             lifespan="on",
-            http=OneWriteHttpToolsProtocol,  # each response in one write
+            http=bounded_protocol(limits),
+            timeout_keep_alive=max(1, round(limits.keep_alive_s)),
             **(tls.uvicorn_options() if tls is not None else {}),
         )
         self._http = uvicorn.Server(uv)
@@ -215,6 +276,9 @@ class Cloud:
         await self._prober.close()
         await self.usage.close()
         await self.monitoring.close()
+        if stop_replicas:  # replicas that keep running keep their MPS daemon (the next start adopts both)
+            for daemon in self.mps.values():
+                await asyncio.to_thread(daemon.stop)
         self.store.close()
 
     async def serve_forever(self) -> None:
@@ -269,6 +333,9 @@ def bootstrap_admin_key(keys: KeyStore, path: Path) -> str | None:
 def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
     """The cloud on the Ray cluster at ``config.ray_address``: its fleet is Ray's node table (nodes started with
     ``octacloud node start``), its replicas Ray actors, and nodes that join or die are seen while it runs."""
+    from octacloud.core.extras import require
+
+    require("ray")
     from octacloud.cluster.ray_backend import RayFleet, RayLauncher, connect
 
     connect(config.ray_address)
@@ -281,7 +348,8 @@ def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
         )
     storage = config.model_storage or str(config.repository.resolve())
     cache = config.model_cache or config.state_dir.resolve() / "model-cache"
-    launcher = RayLauncher(fleet, storage, cache)
+    secret = internal_auth.ensure_secret(config.state_dir / internal_auth.FILE_NAME)
+    launcher = RayLauncher(fleet, storage, cache, internal_secret=secret)
     return Cloud(config, nodes=nodes, launcher=launcher, clock=clock, watcher=fleet.poll)
 
 
@@ -291,6 +359,10 @@ def slice_prior() -> TargetWorkload:
     sizes = [Request("prior", num_gpu=1, gpu_milli=k * MILLI_PER_OCTANT) for k in range(1, OCTANTS_PER_GPU + 1)]
     sizes.append(Request("prior", num_gpu=2, gpu_milli=MILLI_PER_GPU))
     return TargetWorkload.from_requests(sizes, coverage=1.0)
+
+
+def _node(nodes: list[Node], name: str) -> Node:
+    return next(n for n in nodes if n.name == name)
 
 
 def _preempt_names(scheduler: Scheduler, request: Request) -> list[str] | None:

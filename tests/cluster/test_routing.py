@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from octacloud.cluster.gateway.grpc_proxy import model_name
-from octacloud.cluster.gateway.routing import MAX_CONSECUTIVE_FAILURES, Endpoint, RouteTable
+from octacloud.cluster.gateway.routing import MAX_CONSECUTIVE_FAILURES, Endpoint, OutlierPolicy, RouteTable
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def test_prefers_less_loaded_and_skips_failed() -> None:
@@ -14,7 +24,8 @@ def test_prefers_less_loaded_and_skips_failed() -> None:
     table.update("m", [busy, idle])
     assert all(table.choose("m") is idle for _ in range(20))
     assert table.choose("m", exclude=["b"]) is busy
-    idle.failures = MAX_CONSECUTIVE_FAILURES
+    for _ in range(MAX_CONSECUTIVE_FAILURES):
+        table.failed(idle)
     assert table.choose("m") is busy
     assert table.choose("unknown") is None
 
@@ -36,3 +47,102 @@ def test_model_name_reads_field_one() -> None:
     assert model_name(msg.SerializeToString()) == "resnet"
     assert model_name(service_pb2.ModelReadyRequest(name="bert").SerializeToString()) == "bert"
     assert model_name(b"") == ""
+
+
+def test_model_name_is_the_last_occurrence_as_protobuf_reads_it() -> None:
+    """Two model_name fields: protobuf (and so the replica) takes the last; routing on the first would send
+    the request to one deployment and have it served as another's."""
+    from tritonclient.grpc import service_pb2
+
+    first = service_pb2.ModelInferRequest(model_name="mine", id="a").SerializeToString()
+    second = service_pb2.ModelInferRequest(model_name="theirs").SerializeToString()
+    wire = first + second  # concatenated messages merge: the last scalar wins
+    assert service_pb2.ModelInferRequest.FromString(wire).model_name == "theirs"
+    assert model_name(wire) == "theirs"
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"\x0a\x05ab",  # length past the end
+        b"\x0a\x02\xff\xfe",  # not UTF-8
+        b"\x08\x01",  # field 1 as a varint
+        b"\x0b",  # a group start
+        b"\x12" + b"\xff" * 11,  # a varint longer than 10 bytes
+    ],
+)
+def test_malformed_messages_are_refused_not_guessed(wire: bytes) -> None:
+    with pytest.raises(ValueError, match="."):
+        model_name(wire)
+
+
+def test_ejection_expires_doubles_and_lets_one_trial_in() -> None:
+    clock = FakeClock()
+    table = RouteTable(outlier=OutlierPolicy(base_ejection_s=1.0, max_ejection_s=8.0), now=clock)
+    e = Endpoint("a", "127.0.0.1", 1, 2)
+    table.update("m", [e])
+    for _ in range(MAX_CONSECUTIVE_FAILURES):
+        table.failed(e)
+    assert table.choose("m") is None and table.retry_after("m") == 1
+    clock.t += 1.01  # the ejection is over: one trial request at a time
+    assert table.choose("m") is e
+    e.outstanding = 1
+    assert table.choose("m") is None
+    e.outstanding = 0
+    table.failed(e)  # the trial failed: ejected again, twice as long
+    clock.t += 1.01
+    assert table.choose("m") is None
+    clock.t += 1.0
+    assert table.choose("m") is e
+    table.succeeded(e)
+    assert e.failures == 0 and table.choose("m") is e
+    for _ in range(10):  # repeated ejections never exceed the maximum
+        for _ in range(MAX_CONSECUTIVE_FAILURES):
+            table.failed(e)
+        clock.t += 8.0
+    assert table.choose("m") is e
+
+
+def test_the_stalled_replica_of_the_issue_comes_back() -> None:
+    """The controller's update keeps the same endpoint object: a mark that never expired blackholed it."""
+    clock = FakeClock()
+    table = RouteTable(now=clock)
+    table.update("m", [Endpoint("a", "127.0.0.1", 1, 2)])
+    [e] = table.routes["m"]
+    for _ in range(MAX_CONSECUTIVE_FAILURES):
+        table.failed(e)
+    table.update("m", [Endpoint("a", "127.0.0.1", 1, 2)])  # same replica, same object kept
+    assert table.routes["m"][0] is e and table.choose("m") is None
+    clock.t += OutlierPolicy().max_ejection_s
+    assert table.choose("m") is e
+
+
+def test_readiness_from_the_controller_ends_an_ejection() -> None:
+    clock = FakeClock()
+    table = RouteTable(now=clock)
+    e = Endpoint("a", "127.0.0.1", 1, 2)
+    table.update("m", [e])
+    for _ in range(MAX_CONSECUTIVE_FAILURES):
+        table.failed(e)
+    assert table.choose("m") is None
+    table.readmit("a")
+    assert table.choose("m") is e
+
+
+def test_dropped_endpoints_are_reported() -> None:
+    table = RouteTable()
+    dropped: list[str] = []
+    table.on_drop.append(lambda e: dropped.append(e.replica_id))
+    table.update("m", [Endpoint("a", "127.0.0.1", 1, 2), Endpoint("b", "127.0.0.1", 3, 4)])
+    table.update("m", [Endpoint("b", "127.0.0.1", 3, 4)])
+    table.drop_endpoint("b")
+    assert dropped == ["a", "b"]
+
+
+def test_the_in_flight_bound_scales_with_ready_replicas_and_can_be_set_per_deployment() -> None:
+    table = RouteTable()
+    table.update("m", [Endpoint("a", "127.0.0.1", 1, 2), Endpoint("b", "127.0.0.1", 3, 4)])
+    assert table.inflight_bound("m", 16) == 32
+    table.inflight_per_replica["m"] = 128
+    assert table.inflight_bound("m", 16) == 256
+    assert table.inflight_bound("m", 0) == 256 and table.inflight_bound("none", 16) == 0

@@ -37,6 +37,7 @@ class FakeSource:
     counters: dict[tuple[str, str], Traffic] = field(default_factory=dict)
     replicas: dict[str, Work] = field(default_factory=dict)
     stored: list[Stored] = field(default_factory=list)
+    used: dict[str, int] = field(default_factory=dict)
 
     def allocations(self) -> list[Allocation]:
         return list(self.allocs)
@@ -49,6 +50,9 @@ class FakeSource:
 
     def storage(self) -> list[Stored]:
         return list(self.stored)
+
+    def gpu_use(self) -> Mapping[str, int]:
+        return dict(self.used)
 
     def send(self, tenant: str, deployment: str, requests: int, bytes_in: int, bytes_out: int) -> None:
         t = self.counters.get((tenant, deployment), Traffic())
@@ -251,3 +255,81 @@ def test_the_database_sums_as_the_reports_do(ledger: Ledger, by: str) -> None:
     assert sorted(ledger.totals(by, "a", since, until), key=repr) == sorted(totals_of(window, by), key=repr)
     assert report_totals(ledger.totals(by), by) == report(records, by)
     assert ledger.totals(by, deployments=["api"]) == totals_of([r for r in records if r.deployment == "api"], by)
+
+
+def _requests_in(ledger: Ledger, start_s: float) -> int:
+    start_ms = int(start_s * 1000)
+    return sum(r.quantity for r in ledger.records() if r.metric is Metric.REQUESTS and r.interval_start_ms == start_ms)
+
+
+async def test_requests_after_an_interval_ends_count_in_the_next_interval(ledger: Ledger) -> None:
+    """The meter closes an interval at its first tick after the end (up to a tick late): what the gateway
+    counted in between belongs to the next interval."""
+    clock = ManualClock(epoch=EPOCH)
+    source = FakeSource()
+    meter = Meter(ledger, source, clock, interval_s=10)
+    await run_for(meter, clock, 9.0)
+    source.send("a", "d", 3, 30, 30)
+    clock.advance(0.9)
+    await meter.tick()  # 9.9 s: inside the interval
+    clock.advance(0.9)  # 10.8 s: the interval ended 0.8 s ago; the meter has not ticked yet
+    source.send("a", "d", 5, 50, 50)
+    await meter.tick()
+    assert meter.closed == 1
+    assert _requests_in(ledger, EPOCH) == 3
+    await run_for(meter, clock, 10.0)
+    assert _requests_in(ledger, EPOCH + 10) == 5
+    await meter.flush()
+    assert total(ledger, Metric.REQUESTS) == 8
+
+
+async def test_the_run_loop_marks_just_before_each_end(ledger: Ledger) -> None:
+    clock = ManualClock(epoch=EPOCH + 3.0)
+    meter = Meter(ledger, FakeSource(), clock, interval_s=10)
+    assert meter._wait_s(1.0) == 1.0
+    clock.advance(6.5)  # 9.5 s into the interval
+    assert meter._wait_s(1.0) == pytest.approx(0.495)
+    clock.advance(0.497)
+    assert meter._wait_s(1.0) == pytest.approx(0.003)
+
+
+async def test_storage_is_measured_off_the_event_loop(ledger: Ledger) -> None:
+    import asyncio
+    import threading
+    import time
+
+    loop_thread = threading.get_ident()
+    seen: list[int] = []
+
+    class SlowStorage(FakeSource):
+        def storage(self) -> list[Stored]:
+            seen.append(threading.get_ident())
+            time.sleep(0.3)
+            return [Stored("a", "d", 1)]
+
+    clock = ManualClock(epoch=EPOCH)
+    meter = Meter(ledger, SlowStorage(), clock, interval_s=10)
+    clock.advance(10)
+    beats = 0
+
+    async def heartbeat() -> None:
+        nonlocal beats
+        while True:
+            await asyncio.sleep(0.01)
+            beats += 1
+
+    beating = asyncio.ensure_future(heartbeat())
+    await meter.tick()
+    beating.cancel()
+    assert seen and seen[0] != loop_thread
+    assert beats >= 10  # the loop kept running while storage was measured
+    assert total(ledger, Metric.STORAGE) == 10_000
+
+
+def test_folder_measurement_is_bounded(tmp_path: Path) -> None:
+    from octacloud.cluster.usage import folder_bytes
+
+    for i in range(30):
+        (tmp_path / f"f{i}").write_bytes(b"x" * 10)
+    assert folder_bytes(tmp_path) == 300
+    assert folder_bytes(tmp_path, max_files=5) == 50

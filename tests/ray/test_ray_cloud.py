@@ -93,6 +93,9 @@ def test_replicas_run_where_the_scheduler_placed_them(cloud: CloudThread) -> Non
         assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
         assert env["OCTACLOUD_THREADS"] == "1" and env["OCTACLOUD_REPLICA_ID"] == r.id
+        secret_file = Path(env["OCTACLOUD_INTERNAL_SECRET_FILE"])  # the cloud's internal secret, private to the node
+        assert secret_file.stat().st_mode & 0o777 == 0o600
+        assert secret_file.read_text().strip() == cloud.cloud.internal_secret
         assert inside["pid"] == r.pid
     assert state.allocated_gpu_milli == REPLICAS * 250
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -115,15 +114,7 @@ def check_model_memory_rule(state: ClusterState, percent: int = 80) -> None:
             assert a.request.gpu_memory_mib <= card.memory_mib * percent // 100
 
 
-def traces_dir() -> Path:
-    env = os.environ.get("OCTACLOUD_TRACES")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "traces" / "openb"
-
-
 def require_traces() -> Path:
-    import pytest
+    from ..traces import require_traces as require
 
-    folder = traces_dir()
-    if not (folder / "openb_node_list_gpu_node.csv").exists():
-        pytest.skip(f"openb traces not found in {folder} (set OCTACLOUD_TRACES to the folder that holds them)")
-    return folder
+    return require()

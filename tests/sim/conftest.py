@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from ..traces import require_traces
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def traces_dir() -> Path | None:
-    """The openb traces: ``$OCTACLOUD_TRACES`` or ``../shared/traces/openb`` next to the repository."""
-    env = os.environ.get("OCTACLOUD_TRACES")
-    path = Path(env) if env else REPO_ROOT.parent / "shared" / "traces" / "openb"
-    return path if (path / "openb_node_list_gpu_node.csv").is_file() else None
 
 
 @pytest.fixture
 def openb() -> Path:
-    path = traces_dir()
-    if path is None:
-        pytest.skip("openb traces not found: set OCTACLOUD_TRACES or put them in ../shared/traces/openb")
-    return path
+    return require_traces()
 
 
 NODES_CSV = """sn,cpu_milli,memory_mib,gpu,model

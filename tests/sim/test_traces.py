@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from octacloud.core import InvalidSpecError
 from octacloud.sim.traces import GPU_MEMORY_MIB, TraceFormatError, TracePod, read_nodes, read_pods
+
+from ..traces import require_traces
 
 FULL_HEADER = (
     "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time"
@@ -79,16 +80,9 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
         read_pods(tmp_path / "absent.csv")
 
 
-def _traces_dir() -> Path:
-    env = os.environ.get("OCTACLOUD_TRACES")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "traces" / "openb"
-
-
 @pytest.mark.traces
 def test_real_openb_files_parse() -> None:
-    folder = _traces_dir()
-    if not (folder / "openb_node_list_gpu_node.csv").exists():
-        pytest.skip(f"openb traces not found in {folder} (set OCTACLOUD_TRACES)")
+    folder = require_traces()
     nodes = read_nodes(folder / "openb_node_list_gpu_node.csv")
     assert len(nodes) == 1213
     assert sum(n.gpu_count for n in nodes) == 6212

@@ -121,6 +121,36 @@ def test_static_int8_with_a_calibration_set(mlp_file: Path, tmp_path: Path) -> N
     assert variant.parity.passed
 
 
+def int8_weight_range(path: Path) -> tuple[int, int]:
+    """The smallest and largest stored int8 weight of a quantized graph."""
+    values = [
+        onnx.numpy_helper.to_array(t)
+        for t in onnx.load(str(path)).graph.initializer
+        if t.data_type == onnx.TensorProto.INT8 and len(t.dims) >= 2
+    ]
+    assert values, f"{path} holds no int8 weights"
+    return min(int(v.min()) for v in values), max(int(v.max()) for v in values)
+
+
+def test_int8_weights_use_seven_bits_so_results_do_not_depend_on_vnni(
+    converted: tuple[ConversionResult, Path], mlp_file: Path, tmp_path: Path
+) -> None:
+    # Full-range int8 weights overflow the int16 pair sums of x86 CPUs without VNNI (variants.py); 7-bit ones
+    # cannot. Both the dynamic and the static (calibrated) path must keep weights within [-64, 64].
+    _, repo = converted
+    lo, hi = int8_weight_range(repo / "tiny_int8" / "1" / "model.onnx")
+    assert lo >= -64 and hi <= 64 and max(-lo, hi) >= 60, (lo, hi)
+    cal = tmp_path / "cal.npz"
+    np.savez(cal, input=np.random.default_rng(1).standard_normal((16, 16)).astype(np.float32))
+    static = convert(
+        load_source(mlp_file, MLP_SOURCE),
+        ModelRepository(tmp_path / "repo"),
+        fast_options(precisions=("int8",), calibration=cal),
+    )
+    lo, hi = int8_weight_range(tmp_path / "repo" / "tiny_int8" / "1" / "model.onnx")
+    assert static.published and lo >= -64 and hi <= 64 and max(-lo, hi) >= 60, (lo, hi)
+
+
 def test_a_variant_outside_tolerance_is_not_published_unless_forced(mlp_file: Path, tmp_path: Path) -> None:
     impossible = dict(DEFAULT_TOLERANCES) | {"int8": DEFAULT_TOLERANCES["fp32"]}
     source = load_source(mlp_file, MLP_SOURCE)

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from octacloud.toolchain.examples import SENTENCES, example_models, fingerprint
+from octacloud.toolchain.examples import SENTENCES, example_models, fingerprint, read_state
 from octacloud.toolchain.profile import read_profile
 
 pytestmark = pytest.mark.models
@@ -24,6 +24,10 @@ EXPECTED_IO = {
 }
 
 
+OUTSIDE_TOLERANCE = {"bert_base_int8"}
+"""Seeded BERT-base's int8 misses the cosine tolerance (its logits are ~0.01): checked, reported, not published."""
+
+
 def latest(repo: Path, name: str) -> Path:
     return max((p for p in (repo / name).iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
 
@@ -34,6 +38,8 @@ def test_every_example_variant_is_published_with_config_profile_and_parity(
     built_models: Path, base: str, suffix: str
 ) -> None:
     name = base + suffix
+    if name in OUTSIDE_TOLERANCE:
+        pytest.skip(f"{name} is outside parity tolerance by design (test_bert_base_int8_is_rejected_with_its_figure)")
     config = text_format.Parse((built_models / name / "config.pbtxt").read_text(), mc.ModelConfig())
     inputs, outputs = EXPECTED_IO[base]
     assert {i.name: list(i.dims) for i in config.input} == inputs
@@ -59,9 +65,45 @@ def test_the_variants_shrink_the_weights(built_models: Path) -> None:
 
 
 def test_the_recorded_fingerprints_are_current(built_models: Path) -> None:
-    state = json.loads((built_models / ".octacloud-examples.json").read_text())
+    state = {name: built.fingerprint for name, built in read_state(built_models).items()}
     current = {e.name: fingerprint(e) for e in example_models()}
     assert current == state, f"{built_models} is stale (a recipe or library changed): run `make models`"
+
+
+def test_bert_base_int8_is_rejected_with_its_figure(built_models: Path) -> None:
+    # int8 weights are 7-bit (variants.REDUCE_RANGE) so that results do not depend on the CPU; on seeded
+    # BERT-base's tiny logits that costs the cosine tolerance. The build records the figure and serves no stale
+    # int8 model in its place.
+    rejected = read_state(built_models)["bert_base"].rejected
+    assert set(rejected) == OUTSIDE_TOLERANCE
+    figure = float(rejected["bert_base_int8"].split("cosine similarity ")[1].split(" ")[0])
+    assert figure < 0.98, rejected
+    assert not (built_models / "bert_base_int8").exists()
+    for name in ("mlp", "resnet50", "minilm"):
+        assert read_state(built_models)[name].rejected == {}
+
+
+@pytest.mark.parametrize("base", ["minilm", "bert_base"])
+def test_text_examples_carry_their_tokenizer(built_models: Path, base: str) -> None:
+    from tokenizers import Tokenizer
+
+    for name in (base, f"{base}_fp16"):
+        version = latest(built_models, name)
+        config = text_format.Parse((built_models / name / "config.pbtxt").read_text(), mc.ModelConfig())
+        assert config.parameters["octacloud.text.tokenizer"].string_value == "tokenizer.json"
+        assert config.parameters["octacloud.text.max_length"].string_value == "128"
+        tokenizer = Tokenizer.from_file(str(version / "tokenizer.json"))
+        encoding = tokenizer.encode("Where is the nearest train station?")
+        assert encoding.tokens[:3] == ["[CLS]", "where", "is"] and len(encoding.ids) == 128
+
+
+def test_resnet50_states_its_preprocessing(built_models: Path) -> None:
+    config = text_format.Parse((built_models / "resnet50" / "config.pbtxt").read_text(), mc.ModelConfig())
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["octacloud.image.height"] == params["octacloud.image.width"] == "224"
+    assert params["octacloud.image.resize_shortest_edge"] == "256"
+    assert params["octacloud.image.mean"] == "0.485,0.456,0.406"
+    assert params["octacloud.image.std"] == "0.229,0.224,0.225"
 
 
 @pytest.fixture(scope="module")

@@ -125,10 +125,13 @@ def test_the_whole_example_repository_is_served(built_models: Path) -> None:
         index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
         for base in ("mlp", "resnet50", "bert_base", "minilm"):
             for name in (base, f"{base}_fp16", f"{base}_int8"):
+                if name == "bert_base_int8":  # outside parity tolerance, not published (test_examples.py)
+                    assert name not in index
+                    continue
                 assert index[name].get("state") == "READY", index.get(name)
         image = np.random.default_rng(0).standard_normal((2, 3, 224, 224)).astype(np.float32)
         assert infer(client, "resnet50_int8", {"pixel_values": image}, "logits").shape == (2, 1000)
         ids = np.array([[101, 7592, 2088, 102]], np.int64)
         text = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
-        assert infer(client, "bert_base_int8", text, "logits").shape == (1, 2)
+        assert infer(client, "bert_base_fp16", text, "logits").shape == (1, 2)
         assert infer(client, "mlp", {"input": np.ones((4, 256), np.float32)}, "logits").shape == (4, 10)

@@ -78,8 +78,23 @@ def convert_command(
         "min_top1_agreement; 'none' turns a check off).",
     ),
     force: bool = typer.Option(False, "--force", help="Publish variants outside parity tolerance too."),
+    tokenizer: Path | None = typer.Option(
+        None,
+        help="Text models: tokenizer.json (or its folder) to publish with the model, so that it takes raw text "
+        "(default: the one in a Hugging Face source's folder).",
+    ),
+    max_text_length: int | None = typer.Option(
+        None, help="Text models: tokens per text row, padded and truncated (default: 128, or the model's limit)."
+    ),
 ) -> None:
     """Convert SOURCE to ONNX (fp32, fp16, int8), check parity, profile, and publish into the repository."""
+    from octacloud.core.extras import require
+
+    try:
+        require("build")
+    except OctacloudError as e:
+        _err.print(f"[red]convert failed:[/] {e}")
+        raise typer.Exit(2) from None
     from octacloud.toolchain.convert import ConvertOptions, convert
     from octacloud.toolchain.parity import DEFAULT_TOLERANCES, parse_tolerance
     from octacloud.toolchain.profiling import ProfileSettings
@@ -113,6 +128,8 @@ def convert_command(
             force=force,
             tolerances={**DEFAULT_TOLERANCES, **dict(parse_tolerance(t) for t in tolerance)},
             seed=seed,
+            tokenizer=tokenizer,
+            max_text_length=max_text_length,
             profile=ProfileSettings(
                 threads=threads or min(2, os.cpu_count() or 1),
                 batch_sizes=_sizes(batch_sizes),

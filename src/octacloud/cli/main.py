@@ -13,6 +13,7 @@ import typer
 from octacloud import __version__
 
 COMMAND_MODULES: tuple[str, ...] = (
+    "up",
     "cloud",
     "convert",
     "models",
@@ -24,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "top",
     "usage",
     "certs",
+    "k8s",
 )
 """Modules under ``octacloud.cli`` whose ``register(app)`` adds their commands."""
 

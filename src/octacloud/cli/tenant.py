@@ -1,4 +1,5 @@
-"""``octacloud tenant create|list|disable|enable`` and ``octacloud key create|list|revoke`` (admin API)."""
+"""``octacloud tenant create|list|set|disable|enable|grant|revoke``, ``octacloud key create|list|revoke`` and
+``octacloud priority-class define|list|delete`` (admin API)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from octacloud.cli.cloud import CACERT, KEY, _call, _url, console, err
+from octacloud.cli.cloud import CACERT, KEY, URL, _call, _url, console, err
 
 tenant_app = typer.Typer(help="Tenants: who uses the cloud, with which quotas.", no_args_is_help=True)
 key_app = typer.Typer(help="API keys: shown once when created, stored hashed.", no_args_is_help=True)
+class_app = typer.Typer(
+    help="Priority classes: the scheduling priorities an admin defines and grants to tenants.", no_args_is_help=True
+)
 
 
 def _quota(q: dict[str, Any]) -> str:
@@ -31,7 +35,7 @@ def tenant_create(
     rate: float | None = typer.Option(None, "--rate", help="Requests per second (token bucket)."),
     burst: int = typer.Option(50, "--burst", help="Requests allowed in a burst above the rate."),
     with_key: bool = typer.Option(True, "--key/--no-key", help="Also create a tenant key and show it once."),
-    url: str | None = typer.Option(None, "--url"),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -45,9 +49,7 @@ def tenant_create(
 
 
 @tenant_app.command("list")
-def tenant_list(
-    url: str | None = typer.Option(None, "--url"), key: str | None = KEY, cacert: Path | None = CACERT
-) -> None:
+def tenant_list(url: str | None = URL, key: str | None = KEY, cacert: Path | None = CACERT) -> None:
     """Tenants and their quotas (a tenant key sees its own)."""
     data = _call("GET", _url(url), "/admin/tenants", None, key, cacert)
     table = Table(title="tenants")
@@ -60,7 +62,7 @@ def tenant_list(
 
 @tenant_app.command("set")
 def tenant_set(
-    name: str = typer.Argument(...),
+    name: str = typer.Argument(..., help="The tenant."),
     octants: int | None = typer.Option(None, "--octants", help="Quota: octants its deployments may hold."),
     deployments: int | None = typer.Option(None, "--deployments", help="Quota: number of deployments."),
     rate: float | None = typer.Option(None, "--rate", help="Requests per second (token bucket)."),
@@ -68,7 +70,7 @@ def tenant_set(
     unlimited: list[str] = typer.Option(
         [], "--unlimited", help="Remove a limit: octants, deployments or rate (repeatable)."
     ),
-    url: str | None = typer.Option(None, "--url"),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -93,8 +95,8 @@ def _set(name: str, action: str, url: str | None, key: str | None, cacert: Path 
 
 @tenant_app.command("disable")
 def tenant_disable(
-    name: str = typer.Argument(...),
-    url: str | None = typer.Option(None, "--url"),
+    name: str = typer.Argument(..., help="The tenant."),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -104,8 +106,8 @@ def tenant_disable(
 
 @tenant_app.command("enable")
 def tenant_enable(
-    name: str = typer.Argument(...),
-    url: str | None = typer.Option(None, "--url"),
+    name: str = typer.Argument(..., help="The tenant."),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -118,7 +120,7 @@ def key_create(
     tenant: str | None = typer.Option(None, "--tenant", help="Whose key (default: the caller's tenant)."),
     admin: bool = typer.Option(False, "--admin", help="An admin key (tenant 'admin')."),
     note: str = typer.Option("", "--note", help="What the key is for."),
-    url: str | None = typer.Option(None, "--url"),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -134,8 +136,8 @@ def key_create(
 
 @key_app.command("list")
 def key_list(
-    tenant: str | None = typer.Option(None, "--tenant"),
-    url: str | None = typer.Option(None, "--url"),
+    tenant: str | None = typer.Option(None, "--tenant", help="Only this tenant's keys (admin; default: all)."),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -152,7 +154,7 @@ def key_list(
 @key_app.command("revoke")
 def key_revoke(
     key_id: str = typer.Argument(..., help="The key's id (the part after 'oc_')."),
-    url: str | None = typer.Option(None, "--url"),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -161,6 +163,82 @@ def key_revoke(
     console.print(f"revoked key {data['id']} of {data['tenant']}")
 
 
+@tenant_app.command("grant")
+def tenant_grant(
+    name: str = typer.Argument(..., help="The tenant."),
+    priority_class: str = typer.Argument(..., help="The priority class it may deploy with."),
+    default: bool = typer.Option(False, "--default", help="Make it the class of its deploys that name none."),
+    url: str | None = URL,
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Let a tenant deploy with a priority class (admin)."""
+    body = {"class": priority_class, "default": default}
+    data = _call("POST", _url(url), f"/admin/tenants/{name}/priority-classes", body, key, cacert)
+    console.print(f"tenant {data['tenant']} may use {data['class']}" + (" (its default)" if data["default"] else ""))
+
+
+@tenant_app.command("revoke")
+def tenant_revoke(
+    name: str = typer.Argument(..., help="The tenant."),
+    priority_class: str = typer.Argument(..., help="The priority class to take back."),
+    url: str | None = URL,
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Take a priority class back from a tenant (its running deployments keep their priority)."""
+    _call("DELETE", _url(url), f"/admin/tenants/{name}/priority-classes/{priority_class}", None, key, cacert)
+    console.print(f"tenant {name} may no longer use {priority_class}")
+
+
+@class_app.command("define")
+def class_define(
+    name: str = typer.Argument(..., help="Class name (lowercase letters, digits, '-', '_')."),
+    priority: int = typer.Option(..., "--priority", help="Its scheduling priority: higher preempts lower."),
+    description: str = typer.Option("", "--description", help="What the class is for (shown by list)."),
+    global_default: bool = typer.Option(
+        False, "--global-default", help="The class of deploys whose tenant has no default class."
+    ),
+    url: str | None = URL,
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Create or change a priority class (admin)."""
+    body = {"name": name, "priority": priority, "description": description, "global_default": global_default}
+    data = _call("POST", _url(url), "/admin/priority-classes", body, key, cacert)
+    console.print(f"priority class [bold]{data['name']}[/]: {data['priority']}")
+
+
+@class_app.command("list")
+def class_list(url: str | None = URL, key: str | None = KEY, cacert: Path | None = CACERT) -> None:
+    """Priority classes and grants (a tenant key sees those granted to it)."""
+    data = _call("GET", _url(url), "/admin/priority-classes", None, key, cacert)
+    table = Table(title="priority classes")
+    for col in ("class", "priority", "granted to", "description"):
+        table.add_column(col)
+    for c in data["classes"]:
+        granted = [
+            g["tenant"] + (" (default)" if g["default"] else "") for g in data["grants"] if g["class"] == c["name"]
+        ]
+        if c["global_default"]:
+            granted.insert(0, "every tenant (cloud default)")
+        table.add_row(c["name"], str(c["priority"]), ", ".join(granted), c["description"])
+    console.print(table)
+
+
+@class_app.command("delete")
+def class_delete(
+    name: str = typer.Argument(..., help="The priority class to delete."),
+    url: str | None = URL,
+    key: str | None = KEY,
+    cacert: Path | None = CACERT,
+) -> None:
+    """Delete a priority class and its grants (deployments that have its priority keep it)."""
+    _call("DELETE", _url(url), f"/admin/priority-classes/{name}", None, key, cacert)
+    console.print(f"deleted priority class {name}")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(tenant_app, name="tenant")
     app.add_typer(key_app, name="key")
+    app.add_typer(class_app, name="priority-class")

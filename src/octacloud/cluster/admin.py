@@ -2,13 +2,15 @@
 plus tenants, keys and usage (:mod:`octacloud.cluster.auth.api`).
 
 Every route needs the caller the gateway verified. A tenant sees and changes only its own deployments (others
-answer 404, as a missing one does) and is held to its quota; the fleet is the admin's.
+answer 404, as a missing one does), is held to its quota, gets its priority from the priority classes granted
+to it, and reads only the events of its own deployments; the fleet is the admin's. A deployment's model is a
+model of the repository, named by its folder (one path component): any other name answers 404 as a missing
+model does, so that the answers say nothing about the host's file system.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 from starlette.applications import Starlette
@@ -16,12 +18,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from octacloud.cluster.auth import ANONYMOUS_ADMIN, Holding, KeyStore, Principal, QuotaExceededError, check_quota
-from octacloud.cluster.auth.api import principal_of, tenant_routes, unauthenticated
+from octacloud.cluster.auth import ANONYMOUS_ADMIN, Holding, KeyStore, Principal, check_quota
+from octacloud.cluster.auth.api import (
+    EXCEPTION_HANDLERS,
+    ConflictError,
+    ForbiddenError,
+    json_object,
+    require_principal,
+    tenant_routes,
+)
+from octacloud.cluster.auth.priority import PriorityClasses
 from octacloud.cluster.controller import Controller
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.metering import Ledger, PriceSheet
+from octacloud.serving import is_model_name
 
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(DeploymentSpec)}
 
@@ -55,20 +66,21 @@ def deployment_json(d: Deployment, replicas: list[Replica]) -> dict[str, Any]:
     }
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
-
-
 def build_admin_app(
     controller: Controller,
     keys: KeyStore | None = None,
     ledger: Ledger | None = None,
     prices: PriceSheet | None = None,
+    priorities: PriorityClasses | None = None,
 ) -> Starlette:
-    """The admin app. Without ``keys`` (tests of the controller alone) every caller is an admin."""
+    """The admin app. Without ``keys`` (tests of the controller alone) every caller is an admin and a raw
+    ``priority`` is taken as given; with ``keys``, priorities come from priority classes (:mod:`.auth.priority`,
+    on the keys' database unless ``priorities`` is given)."""
+    if keys is not None and priorities is None:
+        priorities = PriorityClasses(keys.engine, keys.clock)
 
-    def caller(request: Request) -> Principal | None:
-        return principal_of(request) if keys is not None else ANONYMOUS_ADMIN
+    def caller(request: Request) -> Principal:
+        return require_principal(request) if keys is not None else ANONYMOUS_ADMIN
 
     def owned(p: Principal, name: str) -> Deployment:
         d = controller.store.get_deployment(name)
@@ -76,7 +88,7 @@ def build_admin_app(
             raise NotFoundError(f"no deployment named {name!r}")
         return d
 
-    def admit(p: Principal, spec: DeploymentSpec, octants: int) -> None:
+    def admit(spec: DeploymentSpec, octants: int) -> None:
         if keys is None:
             return
         quota = keys.tenant(spec.tenant).quota
@@ -86,102 +98,66 @@ def build_admin_app(
 
     async def list_deployments(request: Request) -> JSONResponse:
         p = caller(request)
-        if p is None:
-            return unauthenticated()
         rows = [deployment_json(d, rs) for d, rs in controller.status() if p.may_manage(d.spec.tenant)]
         return JSONResponse({"deployments": rows})
 
     async def create_deployment(request: Request) -> JSONResponse:
         p = caller(request)
-        if p is None:
-            return unauthenticated()
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "request body must be a JSON object")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object")
+        body = await json_object(request)
         unknown = sorted(set(body) - _SPEC_FIELDS)
         if unknown:
-            return _error(400, f"unknown deployment field(s) {unknown}; allowed: {sorted(_SPEC_FIELDS)}")
+            raise InvalidSpecError(f"unknown deployment field(s) {unknown}; allowed: {sorted(_SPEC_FIELDS)}")
         tenant = body.setdefault("tenant", p.tenant)
         if not p.is_admin and tenant != p.tenant:
-            return _error(403, "a tenant may only deploy for itself (leave 'tenant' out)")
+            raise ForbiddenError("a tenant may only deploy for itself (leave 'tenant' out)")
+        model = body.get("model")
+        if not isinstance(model, str) or not is_model_name(model) or not (controller.repository / model).is_dir():
+            raise NotFoundError(f"model {str(model)[:64]!r} is not in the repository")
+        if priorities is not None:
+            body["priority_class"], body["priority"] = priorities.resolve(
+                p, str(tenant), body.get("priority_class"), body.get("priority")
+            )
         try:
             spec = DeploymentSpec(**body)
-            try:
-                existing = controller.store.get_deployment(spec.name)
-            except NotFoundError:
-                pass
-            else:
-                if existing.spec.tenant != spec.tenant:
-                    return _error(409, f"deployment name {spec.name!r} is taken; choose another")
-            if keys is not None:
-                admit(p, spec, spec.octants if spec.octants is not None else controller.resolve_size(spec)[0])
-            d = controller.deploy(spec)
         except TypeError as exc:
-            return _error(400, f"bad deployment: {exc}")
-        except QuotaExceededError as exc:
-            return _error(403, str(exc))
-        except InvalidSpecError as exc:
-            return _error(400, str(exc))
-        except NotFoundError as exc:
-            return _error(404, str(exc))
-        return JSONResponse(deployment_json(d, controller.store.replicas(d.spec.name)), status_code=201)
+            raise InvalidSpecError(f"bad deployment: {exc}") from None
+        try:
+            existing = controller.store.get_deployment(spec.name)
+        except NotFoundError:
+            pass
+        else:
+            if existing.spec.tenant != spec.tenant:
+                raise ConflictError(f"deployment name {spec.name!r} is taken; choose another")
+        if keys is not None:
+            admit(spec, spec.octants if spec.octants is not None else controller.resolve_size(spec)[0])
+        d = controller.deploy(spec)
+        created = deployment_json(d, controller.store.replicas(d.spec.name))
+        created["sizing"] = controller.sizing(d.spec).reason  # how the size was chosen, for the operator
+        return JSONResponse(created, status_code=201)
 
     async def get_deployment(request: Request) -> JSONResponse:
-        p = caller(request)
-        if p is None:
-            return unauthenticated()
         name = request.path_params["name"]
-        try:
-            d = owned(p, name)
-        except NotFoundError as exc:
-            return _error(404, str(exc))
-        return JSONResponse(deployment_json(d, controller.store.replicas(name)))
+        return JSONResponse(deployment_json(owned(caller(request), name), controller.store.replicas(name)))
 
     async def scale(request: Request) -> JSONResponse:
-        p = caller(request)
-        if p is None:
-            return unauthenticated()
         name = request.path_params["name"]
-        try:
-            owned(p, name)
-        except NotFoundError as exc:
-            return _error(404, str(exc))
-        try:
-            body = await request.json()
-            replicas = body["replicas"]
-            if not isinstance(replicas, int) or isinstance(replicas, bool):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            return _error(400, 'body must be {"replicas": <integer>}')
-        try:
-            d = controller.scale(name, replicas)
-        except NotFoundError as exc:
-            return _error(404, str(exc))
-        except InvalidSpecError as exc:
-            return _error(400, str(exc))
+        owned(caller(request), name)
+        body = await json_object(request)
+        replicas = body.get("replicas")
+        if not isinstance(replicas, int) or isinstance(replicas, bool):
+            raise InvalidSpecError('body must be {"replicas": <integer>}')
+        d = controller.scale(name, replicas)
         return JSONResponse(deployment_json(d, controller.store.replicas(name)))
 
     async def delete(request: Request) -> JSONResponse:
-        p = caller(request)
-        if p is None:
-            return unauthenticated()
         name = request.path_params["name"]
-        try:
-            owned(p, name)
-            controller.undeploy(name)
-        except NotFoundError as exc:
-            return _error(404, str(exc))
+        owned(caller(request), name)
+        controller.undeploy(name)
         return JSONResponse({"deleted": name})
 
     async def fleet(request: Request) -> JSONResponse:
-        p = caller(request)
-        if p is None:
-            return unauthenticated()
-        if not p.is_admin:
-            return _error(403, "the fleet is visible to admin keys only")
+        if not caller(request).is_admin:
+            raise ForbiddenError("the fleet is visible to admin keys only")
         state = controller.scheduler.state
         nodes = []
         for i, node in enumerate(state.nodes):
@@ -213,18 +189,11 @@ def build_admin_app(
 
     async def events(request: Request) -> JSONResponse:
         p = caller(request)
-        if p is None:
-            return unauthenticated()
         try:
             limit = int(request.query_params.get("limit", "100"))
         except ValueError:
-            return _error(400, "limit must be a whole number")
-        found = controller.store.events(limit if p.is_admin else 10 * limit)
-        if not p.is_admin:
-            mine = [re.escape(d.spec.name) for d in controller.store.deployments() if d.spec.tenant == p.tenant]
-            subject = re.compile(rf"^({'|'.join(mine)})(-[0-9a-f]{{6}})?$") if mine else None
-            found = [e for e in found if subject is not None and subject.match(str(e["subject"]))][:limit]
-        return JSONResponse({"events": found})
+            raise InvalidSpecError("limit must be a whole number") from None
+        return JSONResponse({"events": controller.store.events(limit, tenant=None if p.is_admin else p.tenant)})
 
     return Starlette(
         routes=[
@@ -235,6 +204,7 @@ def build_admin_app(
             Route("/admin/deployments/{name}/scale", scale, methods=["POST"]),
             Route("/admin/fleet", fleet, methods=["GET"]),
             Route("/admin/events", events, methods=["GET"]),
-            *(tenant_routes(keys, ledger, prices) if keys is not None else []),
-        ]
+            *(tenant_routes(keys, ledger, prices, priorities) if keys is not None and priorities is not None else []),
+        ],
+        exception_handlers=EXCEPTION_HANDLERS,
     )

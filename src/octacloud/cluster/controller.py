@@ -29,8 +29,16 @@ from typing import Protocol
 
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.cluster.gateway.routing import Endpoint, Owner, RouteTable
-from octacloud.cluster.launcher import LaunchFailedError, LaunchSpec, ReplicaAddress, ReplicaLauncher
-from octacloud.cluster.sizing import Autoscaler, LoadSample, ModelFootprint, size_deployment
+from octacloud.cluster.launcher import LaunchFailedError, LaunchSpec, ReplicaAddress, ReplicaLauncher, check_version
+from octacloud.cluster.sizing import (
+    Autoscaler,
+    FleetCapacity,
+    LoadSample,
+    ModelFootprint,
+    Sizing,
+    plan_size,
+    reserve_percent,
+)
 from octacloud.cluster.slices import Slice, slice_environment, thread_budget
 from octacloud.cluster.store import StateStore
 from octacloud.core.clock import Clock
@@ -119,7 +127,9 @@ class Controller:
         """Create or update a deployment. Validates against the repository and the fleet before accepting."""
         if not (self.repository / spec.model).is_dir():
             raise NotFoundError(f"model {spec.model!r} is not in the repository {self.repository}")
-        octants, replicas = self._resolve_size(spec)
+        check_version(self.repository / spec.model, spec.version)
+        sizing = self.sizing(spec)
+        octants, replicas = sizing.octants, sizing.replicas
         try:
             old = self.store.get_deployment(spec.name)
         except NotFoundError:
@@ -134,7 +144,11 @@ class Controller:
                     self.store.delete_replica(r.id)
         self.store.put_deployment(d)
         self.routes.owners[spec.name] = Owner(spec.tenant, spec.published)
-        self.store.add_event("deploy", spec.name, f"{spec.model} × {replicas} on {octants} octant(s)")
+        self.store.add_event(
+            "deploy",
+            spec.name,
+            f"{spec.model} × {replicas} on {octants} octant(s)" + (f": {sizing.reason}" if sizing.reason else ""),
+        )
         self.poke()
         return d
 
@@ -149,6 +163,11 @@ class Controller:
                 f"deployment {name!r}: replicas must be within {d.spec.min_replicas}..{d.spec.max_replicas}, "
                 f"got {replicas} (change min/max with deploy)"
             )
+        try:
+            memory = self.footprint(d.spec.model).memory_mib
+        except (NotFoundError, InvalidSpecError):
+            memory = 0
+        self.capacity(d.spec.priority).check(name, d.octants, replicas, memory)
         d.replicas = replicas
         d.generation += 1
         self.store.put_deployment(d)
@@ -334,19 +353,16 @@ class Controller:
     # ---- mechanism ---------------------------------------------------------------------------------------
 
     def _resolve_size(self, spec: DeploymentSpec) -> tuple[int, int]:
-        if spec.octants is not None:
-            return spec.octants, max(spec.min_replicas, 1) if spec.max_replicas else 0
-        cards = [g.memory_mib for n in self.nodes for g in n.gpus]
-        if not cards:
-            raise InvalidSpecError("the fleet has no cards to size a deployment for")
-        sizing = size_deployment(
-            self.footprint(spec.model),
-            max(cards),
-            target_qps=spec.target_qps,
-            min_replicas=spec.min_replicas,
-            max_replicas=spec.max_replicas,
-        )
+        sizing = self.sizing(spec)
         return sizing.octants, sizing.replicas
+
+    def sizing(self, spec: DeploymentSpec) -> Sizing:
+        """The size ``spec`` resolves to and why; raises when it could never be placed on this fleet."""
+        return plan_size(spec, lambda: self.footprint(spec.model), self.capacity(spec.priority))
+
+    def capacity(self, priority: int = 0) -> FleetCapacity:
+        """What the fleet could ever give a deployment of ``priority`` (the failover reserve kept from it)."""
+        return FleetCapacity.of(self.nodes, reserve_percent(self.scheduler.profile, priority))
 
     def _request(self, r: Replica, d: Deployment, failover: bool = False) -> Request:
         octants = d.octants

@@ -40,6 +40,9 @@ class DeploymentSpec:
     target_qps: float | None = None
     slo_ms: float | None = None
     priority: int = 0
+    """Scheduling priority (who preempts whom); set from ``priority_class`` for tenants."""
+    priority_class: str = ""
+    """The priority class the priority came from ('' = none: priority 0, or an admin's raw priority)."""
     tenant: str = "default"
     published: bool = False
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from google.protobuf import text_format
@@ -17,8 +18,17 @@ from octacloud.core.errors import InvalidSpecError, NotFoundError
 class HttpProber:
     """Readiness through the replica's own OIP endpoint: ``GET /v2/models/<model>/ready``."""
 
-    def __init__(self, pool: UpstreamPool | None = None) -> None:
+    def __init__(
+        self,
+        pool: UpstreamPool | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+        on_ready: Callable[[str], None] | None = None,
+    ) -> None:
         self.pool = pool or UpstreamPool(max_idle_per_host=2, connect_timeout=1.0)
+        self.headers = headers or []
+        """Sent with every probe (the cloud's internal secret)."""
+        self.on_ready = on_ready
+        """Called with the id of each replica a probe found ready (the gateway ends its ejection)."""
 
     async def ready(self, replica: Replica, model: str, timeout: float) -> bool:
         if not replica.http_port:
@@ -26,9 +36,11 @@ class HttpProber:
         try:
             path = f"/v2/models/{model}/ready".encode()
             host = replica.host or "127.0.0.1"
-            response = await self.pool.request(host, replica.http_port, b"GET", path, [], b"", timeout)
+            response = await self.pool.request(host, replica.http_port, b"GET", path, self.headers, b"", timeout)
         except (UpstreamError, TimeoutError, OSError):
             return False
+        if response.status == 200 and self.on_ready is not None:
+            self.on_ready(replica.id)
         return response.status == 200
 
     async def close(self) -> None:

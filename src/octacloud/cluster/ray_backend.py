@@ -125,7 +125,17 @@ class RayLauncher:
     reaches it (a shared path or an fsspec URL); each node caches models under ``cache_root/<node>``.
     """
 
-    def __init__(self, fleet: RayFleet, storage: str, cache_root: Path, *, actor_concurrency: int = 4) -> None:
+    def __init__(
+        self,
+        fleet: RayFleet,
+        storage: str,
+        cache_root: Path,
+        *,
+        actor_concurrency: int = 4,
+        internal_secret: str | None = None,
+    ) -> None:
+        self.internal_secret = internal_secret
+        """Handed to every replica actor (see ``ActorLaunch.internal_secret``)."""
         self.fleet = fleet
         self.storage = storage
         self.cache_root = cache_root
@@ -157,7 +167,7 @@ class RayLauncher:
             max_concurrency=self._concurrency,
             max_restarts=0,  # a lost replica is re-placed by our scheduler, never restarted in place by Ray
         ).remote()
-        launch = ActorLaunch(spec, s.node, self.storage, self.cache_root, host)
+        launch = ActorLaunch(spec, s.node, self.storage, self.cache_root, host, self.internal_secret)
         self._actors[handle] = actor
         self._starts[handle] = (s.node, actor.start.remote(launch))
         self._watches[handle] = actor.watch.remote()

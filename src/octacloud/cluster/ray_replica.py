@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from octacloud.cluster import internal_auth
 from octacloud.cluster.launcher import LaunchSpec, model_view
 from octacloud.cluster.storage import FetchResult, ModelCache
 
@@ -42,6 +43,9 @@ class ActorLaunch:
     """Where nodes keep their model caches (``<cache_root>/<node>``) and replicas their scratch folders."""
     host: str
     """The address the replica's endpoints bind (the node's address in the Ray cluster)."""
+    internal_secret: str | None = None
+    """The cloud's internal secret: written (mode 0600) to the replica's scratch folder, whose path the replica
+    reads from ``OCTACLOUD_INTERNAL_SECRET_FILE`` as a local replica does (see ``cluster.internal_auth``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,13 @@ class ReplicaActor:
         cache = ModelCache(launch.cache_root / launch.node).fetch(launch.storage, spec.model_dir.name)
         scratch = launch.cache_root / launch.node / ".replicas" / spec.replica_id
         scratch.mkdir(parents=True, exist_ok=True)
+        if launch.internal_secret is not None:
+            secret_file = scratch / internal_auth.FILE_NAME
+            fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(launch.internal_secret + "\n")
+            os.environ[internal_auth.ENV_VAR] = str(secret_file)  # this actor's own process only
         local = LaunchSpec(spec.replica_id, spec.serve_as, cache.path, spec.version, spec.env, spec.threads)
         repository = model_view(local, scratch)
         settings = ServerSettings(

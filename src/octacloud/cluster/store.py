@@ -8,18 +8,27 @@ controller adopts live replicas instead of starting them twice.
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from sqlalchemy import Float, Integer, String, Text, create_engine, event, select
+from sqlalchemy import Float, Integer, String, Text, create_engine, event, inspect, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.core.errors import NotFoundError
+
+log = logging.getLogger("octacloud.store")
+
+EventListener = Callable[[dict[str, object]], None]
+"""Called with each event once it is stored (``at``, ``kind``, ``subject``, ``message``); must not block."""
+
+_FLEET_KINDS = frozenset({"node"})
+"""Event kinds about the fleet, not a deployment: admins only, whatever the subject is named."""
 
 
 class _Base(DeclarativeBase):
@@ -50,6 +59,8 @@ class _EventRow(_Base):
     kind: Mapped[str] = mapped_column(String(32))
     subject: Mapped[str] = mapped_column(String(128))
     message: Mapped[str] = mapped_column(Text)
+    deployment: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    tenant: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)
 
 
 def sqlite_url(path: Path) -> str:
@@ -65,7 +76,10 @@ class StateStore:
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
         _Base.metadata.create_all(self.engine)
+        _add_missing_columns(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._removed: dict[str, str] = {}  # deployment → tenant, for the events of its removal
+        self._listeners: list[EventListener] = []
 
     @classmethod
     def at(cls, path: Path) -> StateStore:
@@ -108,6 +122,7 @@ class StateStore:
             row = s.get(_DeploymentRow, name)
             if row is None:
                 raise NotFoundError(f"no deployment named {name!r}")
+            self._removed[name] = _deployment(row).spec.tenant
             s.delete(row)
 
     # ---- replicas ----------------------------------------------------------------------------------------
@@ -134,16 +149,53 @@ class StateStore:
     # ---- events ------------------------------------------------------------------------------------------
 
     def add_event(self, kind: str, subject: str, message: str, at: float | None = None) -> None:
+        """Record an event about ``subject``: a replica id, a deployment name, or a node. The event is stamped
+        with the deployment and tenant the subject belongs to now (a replica's row, else a deployment's, else
+        the deployment just removed under that name), so that a tenant's events are selected by owner, never
+        by matching names (one tenant's name may be a prefix of another's)."""
+        at = time.time() if at is None else at
         with self._tx() as s:
-            s.add(_EventRow(at=time.time() if at is None else at, kind=kind, subject=subject, message=message))
+            deployment = tenant = None
+            replica = s.get(_ReplicaRow, subject) if kind not in _FLEET_KINDS else None
+            if kind in _FLEET_KINDS:
+                pass
+            elif replica is not None:
+                deployment = replica.deployment
+            elif s.get(_DeploymentRow, subject) is not None or subject in self._removed:
+                deployment = subject
+            if deployment is not None:
+                row = s.get(_DeploymentRow, deployment)
+                tenant = _deployment(row).spec.tenant if row is not None else self._removed.pop(deployment, None)
+            s.add(_EventRow(at=at, kind=kind, subject=subject, message=message, deployment=deployment, tenant=tenant))
+        for listener in self._listeners:
+            try:
+                listener({"at": at, "kind": kind, "subject": subject, "message": message})
+            except Exception:  # a failing subscriber must not fail the controller's step
+                log.exception("event listener failed")
 
-    def events(self, limit: int = 100) -> list[dict[str, object]]:
+    def subscribe(self, listener: EventListener) -> None:
+        """Call ``listener`` with every event stored from now on (``octacloud up`` logs them)."""
+        self._listeners.append(listener)
+
+    def events(self, limit: int = 100, tenant: str | None = None) -> list[dict[str, object]]:
+        """The latest events, newest first; only those of ``tenant``'s deployments when it is given."""
         with self._tx() as s:
-            rows = s.scalars(select(_EventRow).order_by(_EventRow.id.desc()).limit(limit))
-            return [{"at": r.at, "kind": r.kind, "subject": r.subject, "message": r.message} for r in rows]
+            q = select(_EventRow).order_by(_EventRow.id.desc()).limit(max(0, limit))
+            if tenant is not None:
+                q = q.where(_EventRow.tenant == tenant)
+            return [{"at": r.at, "kind": r.kind, "subject": r.subject, "message": r.message} for r in s.scalars(q)]
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def _add_missing_columns(engine: Engine) -> None:
+    """Columns added since a database was created (an older cloud's events carry no owner: admins see them)."""
+    have = {c["name"] for c in inspect(engine).get_columns("events")}
+    with engine.begin() as conn:
+        for name, kind in (("deployment", "VARCHAR(64)"), ("tenant", "VARCHAR(32)")):
+            if name not in have:
+                conn.execute(text(f"ALTER TABLE events ADD COLUMN {name} {kind}"))
 
 
 def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:

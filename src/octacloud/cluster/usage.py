@@ -5,7 +5,8 @@
 - work: each replica's own Triton counters, scraped from its metrics endpoint
   (``nv_inference_compute_infer_duration_us``, ``nv_inference_count``): the execution-time share of a shared
   card, measured where the work runs;
-- storage: the bytes of each deployment's model folder in the repository (re-measured at most every minute).
+- storage: the bytes of each deployment's model folder in the repository (re-measured at most every minute,
+  in the meter's worker thread, counting at most :data:`MAX_FILES` files).
 """
 
 from __future__ import annotations
@@ -49,14 +50,25 @@ def parse_work(text: str) -> tuple[int, int]:
     return exec_us, inferences
 
 
-def folder_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path, followlinks=False):
+MAX_FILES = 100_000
+"""Storage measurement stops counting a folder after this many entries (a model folder has a handful)."""
+
+
+def folder_bytes(path: Path, max_files: int = MAX_FILES) -> int:
+    """Bytes of the files under ``path`` (links not followed), counting at most ``max_files`` entries.
+    Blocking: the meter calls it from a worker thread."""
+    total = seen = 0
+    for root, dirs, files in os.walk(path, followlinks=False):
         for name in files:
+            seen += 1
+            if seen > max_files:
+                log.warning("storage of %s: more than %d files; counted the first %d", path, max_files, max_files)
+                return total
             try:
-                total += os.stat(os.path.join(root, name)).st_size
+                total += os.lstat(os.path.join(root, name)).st_size
             except OSError:
                 continue
+        seen += len(dirs)
     return total
 
 
@@ -69,8 +81,13 @@ class ClusterUsage:
         scrape_timeout_s: float = 1.0,
         storage_ttl_s: float = 60.0,
         now: Callable[[], float] = time.monotonic,
+        gpu_use: Callable[[], Mapping[str, int]] | None = None,
+        replica_headers: dict[str, str] | None = None,
     ) -> None:
         self.controller = controller
+        self._gpu_use = gpu_use
+        self.replica_headers = replica_headers
+        """Sent with every scrape of a replica (the cloud's internal secret)."""
         self.scrape_timeout_s = scrape_timeout_s
         self.storage_ttl_s = storage_ttl_s
         self._now = now
@@ -93,7 +110,7 @@ class ClusterUsage:
 
     async def work(self) -> Mapping[str, Work]:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.scrape_timeout_s)
+            self._client = httpx.AsyncClient(timeout=self.scrape_timeout_s, headers=self.replica_headers)
         owners = {a.replica: a for a in self.allocations()}
         live = [
             r
@@ -119,6 +136,10 @@ class ClusterUsage:
             a = owners[r.id]
             out[r.id] = Work(a.tenant, a.deployment, a.gpu_model, exec_us, inferences)
         return out
+
+    def gpu_use(self) -> Mapping[str, int]:
+        """What the telemetry sampler measured through NVML (nothing on a host without NVIDIA cards)."""
+        return self._gpu_use() if self._gpu_use is not None else {}
 
     def storage(self) -> list[Stored]:
         out = []

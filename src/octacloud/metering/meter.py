@@ -10,6 +10,12 @@ Guarantees:
 - an interval is written whole or not at all, with the progress mark, in one transaction; a write that fails
   is retried at the next tick with the same keys, so it is never lost while the process lives and never
   counted twice;
+- an interval holds the traffic the gateway counted before its end, never after: each tick inside an interval
+  marks the counters, the run loop ticks ``MARK_LEAD_MS`` before each end, and a close that runs after the
+  end uses the last mark (requests counted between the mark and the end fall into the next interval; a meter
+  stalled past a whole interval moves that interval's traffic to the first interval it marks again). The
+  replicas' work counters are read when the interval is closed;
+- storage is measured off the event loop (a thread), so walking a large model folder never stalls serving;
 - after a restart the meter resumes at the later of now and the last closed interval's end: completed
   intervals are never rewritten and never double-counted. What the gateway counted in the interval that was
   open when the process died is lost with the process (its counters lived in memory); time while no meter ran
@@ -28,6 +34,9 @@ from octacloud.core.clock import Clock
 from octacloud.metering.ledger import Ledger, Metric, UsageRecord
 
 log = logging.getLogger("octacloud.metering")
+
+MARK_LEAD_MS = 5
+"""The run loop ticks this long before each interval's end to mark the traffic counters."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +80,9 @@ class Stored:
 class UsageSource(Protocol):
     """What the meter reads. ``allocations`` and ``storage`` are the state now; ``traffic`` and ``work`` are
     monotonically non-decreasing counters (``work`` may restart from zero with its replica and may omit a
-    replica it could not reach). None of them may block for longer than a second or raise."""
+    replica it could not reach). None of them may raise; ``allocations``, ``traffic`` and ``work`` run on the
+    event loop and must not block it; ``storage`` runs in a worker thread (it may walk folders) and must
+    bound its own time."""
 
     def allocations(self) -> list[Allocation]: ...
 
@@ -80,6 +91,10 @@ class UsageSource(Protocol):
     def work(self) -> Awaitable[Mapping[str, Work]]: ...
 
     def storage(self) -> list[Stored]: ...
+
+    def gpu_use(self) -> Mapping[str, int]:
+        """Replica → milli-GPU it is measured to use right now (NVML); replicas not measured are absent."""
+        ...
 
 
 class Meter:
@@ -103,7 +118,9 @@ class Meter:
         self.start_ms = now if closed is None else max(now, closed)
         self._sampled_ms = self.start_ms
         self._alloc: dict[tuple[str, str, str, str], int] = {}
+        self._used: dict[tuple[str, str, str, str], int] = {}
         self._traffic: dict[tuple[str, str], Traffic] = dict(source.traffic())
+        self._mark: tuple[int, dict[tuple[str, str], Traffic]] | None = None  # (when, counters) inside the interval
         self._work: dict[str, Work] = {}  # the replicas' counters at the last close (or at prime())
         self.closed = 0
 
@@ -127,13 +144,20 @@ class Meter:
         dt = until_ms - self._sampled_ms
         if dt <= 0:
             return
+        used = self.source.gpu_use()
         for a in self.source.allocations():
             key = (a.tenant, a.deployment, a.replica, a.gpu_model)
             self._alloc[key] = self._alloc.get(key, 0) + a.milli * dt
+            if a.replica in used:  # never more than the slice it holds
+                self._used[key] = self._used.get(key, 0) + min(used[a.replica], a.milli) * dt
         self._sampled_ms = until_ms
 
     async def tick(self) -> int:
-        """Sample, and close every interval that has ended. Returns how many intervals were closed."""
+        """Mark the traffic counters (when inside the open interval), sample, and close every interval that has
+        ended. Returns how many intervals were closed."""
+        now = self._now()
+        if now < self.end_ms:
+            self._mark = (now, dict(self.source.traffic()))
         closed = 0
         while self._now() >= self.end_ms:
             if not await self.close(self.end_ms):
@@ -149,10 +173,20 @@ class Meter:
         start, length = self.start_ms, end_ms - self.start_ms
         if length <= 0:
             return True
-        traffic = dict(self.source.traffic())
+        if end_ms >= self._now():  # closing at now (shutdown): the counters now are the interval's
+            traffic = dict(self.source.traffic())
+        elif self._mark is not None and start <= self._mark[0] <= end_ms:
+            traffic = self._mark[1]
+        else:  # no mark inside this past interval: its traffic goes to the next one that has a mark
+            traffic = self._traffic
         work = dict(await self.source.work())
         records = [
             UsageRecord(t, d, r, Metric.ALLOC, start, length, q, model) for (t, d, r, model), q in self._alloc.items()
+        ]
+        records += [
+            UsageRecord(t, d, r, Metric.GPU_USED, start, length, q, model)
+            for (t, d, r, model), q in self._used.items()
+            if q > 0
         ]
         for (tenant, deployment), now in traffic.items():
             was = self._traffic.get((tenant, deployment), Traffic())
@@ -172,7 +206,7 @@ class Meter:
             for metric, q in ((Metric.EXEC, exec_us), (Metric.INFERENCES, inferences)):
                 if q > 0:
                     records.append(UsageRecord(w.tenant, w.deployment, replica, metric, start, length, q, w.gpu_model))
-        for s in self.source.storage():
+        for s in await asyncio.to_thread(self.source.storage):
             if s.bytes > 0:
                 records.append(UsageRecord(s.tenant, s.deployment, "", Metric.STORAGE, start, length, s.bytes * length))
         try:
@@ -184,6 +218,7 @@ class Meter:
         held = {a.replica for a in self.source.allocations()}
         self._work = {r: w for r, w in {**self._work, **work}.items() if r in held or r in work}
         self._alloc = {}
+        self._used = {}
         self.start_ms = self._sampled_ms = end_ms
         self.closed += 1
         return True
@@ -191,6 +226,14 @@ class Meter:
     async def flush(self) -> bool:
         """On shutdown: close the open interval at now, so nothing measured so far is lost."""
         return await self.close(max(self._now(), self.start_ms))
+
+    def _wait_s(self, tick_s: float) -> float:
+        """Until the next tick: ``tick_s``, or sooner to mark just before the interval's end and close just
+        after it."""
+        now = self._now()
+        to_mark, to_end = self.end_ms - MARK_LEAD_MS - now, self.end_ms - now
+        soonest = to_mark if to_mark > 0 else to_end if to_end > 0 else 0
+        return min(tick_s, soonest / 1000) if soonest > 0 else tick_s
 
     async def run(self, stop: asyncio.Event, tick_s: float = 1.0, on_tick: Callable[[], None] | None = None) -> None:
         tick_s = min(tick_s, self.interval_ms / 1000 / 4)
@@ -203,7 +246,7 @@ class Meter:
             if on_tick is not None:
                 on_tick()
             try:
-                await asyncio.wait_for(stop.wait(), tick_s)
+                await asyncio.wait_for(stop.wait(), self._wait_s(tick_s))
             except TimeoutError:
                 pass
         await self.flush()

@@ -123,9 +123,11 @@ class Scraper(Protocol):
 class ReplicaScraper:
     """Scrapes ready replicas concurrently. Call :meth:`close` when done (it owns an HTTP client)."""
 
-    def __init__(self, timeout_s: float = 0.5, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self, timeout_s: float = 0.5, client: httpx.AsyncClient | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         self.timeout_s = timeout_s
-        self._client = client or httpx.AsyncClient(timeout=timeout_s, trust_env=False)
+        self._client = client or httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=headers)
 
     async def scrape(self, replicas: Sequence[ReplicaInfo]) -> dict[str, ReplicaServing]:
         ready = [r for r in replicas if r.ready and r.http_port]

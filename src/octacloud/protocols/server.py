@@ -9,6 +9,12 @@ In-process (tests, the gateway's replicas)::
     await server.stop()
 
 As a process: ``octacloud serve --repository DIR`` (see ``octacloud.cli.serve``).
+
+Launched by a cloud, a replica has the cloud's internal secret (``OCTACLOUD_INTERNAL_SECRET_FILE``, see
+:mod:`octacloud.protocols.internal`): REST, gRPC and metrics then answer only requests that carry it, and a
+wildcard host (``0.0.0.0``, ``::``) binds loopback instead (its ports carry plain text; a replica that must be
+reached from another node is given that node-internal address explicitly). Without a secret (``octacloud
+serve`` by hand) the endpoints are open, as Triton's are, on the host given.
 """
 
 from __future__ import annotations
@@ -24,14 +30,23 @@ from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
 import uvicorn
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from octacloud.observability.serving import serving_registry
 from octacloud.protocols.grpc import add_to_server
 from octacloud.protocols.grpc.h2 import GrpcServer
+from octacloud.protocols.internal import (
+    RequireSecret,
+    SecretInterceptor,
+    read_secret,
+    secret_file_from_env,
+    wsgi_requiring_secret,
+)
 from octacloud.protocols.rest.app import DEFAULT_MAX_BODY_BYTES, RestApp
 from octacloud.protocols.rest.h1 import OneWriteHttpToolsProtocol
 from octacloud.serving import ControlMode, DataPlane, ModelRepository, RuntimeFactory, VersionStats
@@ -58,6 +73,35 @@ class ServerSettings:
     """``h2``: octacloud's HTTP/2 server on the event loop (:mod:`octacloud.protocols.grpc.h2`); ``aio``:
     ``grpc.aio``."""
     runtimes: Mapping[str, RuntimeFactory] | None = field(default=None)
+    internal_secret_file: Path | None = field(default_factory=secret_file_from_env)
+    """The cloud's internal secret (default: ``$OCTACLOUD_INTERNAL_SECRET_FILE``); None: open endpoints."""
+
+    def __post_init__(self) -> None:
+        if self.internal_secret_file is not None and self.host in WILDCARD_HOSTS:
+            log.warning(
+                "a replica of a cloud serves plain text: binding 127.0.0.1, not %s (name a node-internal address "
+                "to be reached from other nodes)",
+                self.host or "every interface",
+            )
+            self.host = "127.0.0.1"
+
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "", "[::]"})
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _metrics_server(host: str, port: int, app: Any) -> tuple[Any, threading.Thread]:
+    class Server(ThreadingWSGIServer):  # type: ignore[misc]
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, name="replica-metrics", daemon=True)
+    thread.start()
+    return httpd, thread
 
 
 class _Uvicorn(uvicorn.Server):  # type: ignore[misc]
@@ -70,7 +114,7 @@ class _Uvicorn(uvicorn.Server):  # type: ignore[misc]
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY only then
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -94,6 +138,7 @@ class ReplicaServer:
             poll_interval_s=settings.poll_interval_s,
         )
         self.dataplane = DataPlane(self.repository)
+        self.secret = read_secret(settings.internal_secret_file) if settings.internal_secret_file else None
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self.metrics_port: int | None = None
@@ -120,8 +165,9 @@ class ReplicaServer:
             if s.http_port is not None:
                 sock = _bind(s.host, s.http_port)
                 self.http_port = sock.getsockname()[1]
+                rest: Any = RestApp(self.dataplane, s.max_body_bytes)
                 config = uvicorn.Config(
-                    RestApp(self.dataplane, s.max_body_bytes),
+                    rest if self.secret is None else RequireSecret(rest, self.secret),
                     http=OneWriteHttpToolsProtocol,
                     proxy_headers=False,  # replicas are reached directly or through the gateway
                     server_header=False,
@@ -142,10 +188,11 @@ class ReplicaServer:
             if s.grpc_port is not None:
                 await self._start_grpc()
             if s.metrics_port is not None:
+                metrics: Any = make_wsgi_app(serving_registry(self._stats))
+                if self.secret is not None:
+                    metrics = wsgi_requiring_secret(metrics, self.secret)
                 try:
-                    self._metrics, self._metrics_thread = start_http_server(
-                        s.metrics_port, s.host, serving_registry(self._stats)
-                    )
+                    self._metrics, self._metrics_thread = _metrics_server(s.host, s.metrics_port, metrics)
                 except OSError as e:
                     raise OSError(f"cannot bind the metrics port {s.host}:{s.metrics_port}: {e.strerror}") from None
                 self.metrics_port = self._metrics.server_port
@@ -170,12 +217,14 @@ class ReplicaServer:
             ("grpc.so_reuseport", 0),
         ]
         if s.grpc_server == "h2":
-            self._grpc_h2 = GrpcServer(self.dataplane, max_message_bytes=s.max_body_bytes)
+            self._grpc_h2 = GrpcServer(self.dataplane, max_message_bytes=s.max_body_bytes, secret=self.secret)
             self.grpc_port = await self._grpc_h2.start(s.host, s.grpc_port)
             return
         if s.grpc_server != "aio":
             raise ValueError(f"grpc_server must be h2 or aio, got {s.grpc_server!r}")
-        server = self._grpc = grpc.aio.server(options=options)
+        server = self._grpc = grpc.aio.server(
+            interceptors=[SecretInterceptor(self.secret)] if self.secret is not None else [], options=options
+        )
         add_to_server(self.dataplane, server)
         try:
             self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")

@@ -84,7 +84,7 @@ def from_list(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> np
             array[:] = [x.encode() for x in flat]
         else:
             array = np.asarray(data, dtype=dtype)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OverflowError, RecursionError) as e:
         raise InvalidInputError(f"input {name!r}: data is not {datatype}: {e}") from None
     if array.size != shape_size(shape):
         raise InvalidInputError(

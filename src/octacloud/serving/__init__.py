@@ -3,6 +3,7 @@ front end calls. Imports no web or gRPC framework."""
 
 from octacloud.serving.dataplane import DataPlane, VersionStats
 from octacloud.serving.errors import (
+    ErrorStatus,
     InvalidInputError,
     ModelConfigError,
     ModelExecutionError,
@@ -12,9 +13,10 @@ from octacloud.serving.errors import (
     QueueFullError,
     QueueTimeoutError,
     ServingError,
+    status_of,
 )
 from octacloud.serving.model import ModelState, ModelVersion
-from octacloud.serving.repository.repository import ControlMode, ModelRepository, RepositoryEntry
+from octacloud.serving.repository.repository import ControlMode, ModelRepository, RepositoryEntry, is_model_name
 from octacloud.serving.runtime import ModelRuntime, OnnxRuntime, RuntimeFactory, default_runtimes
 from octacloud.serving.types import (
     InferenceRequest,
@@ -29,6 +31,7 @@ from octacloud.serving.types import (
 __all__ = [
     "ControlMode",
     "DataPlane",
+    "ErrorStatus",
     "InferenceRequest",
     "InferenceResponse",
     "InvalidInputError",
@@ -54,4 +57,6 @@ __all__ = [
     "TensorMetadata",
     "VersionStats",
     "default_runtimes",
+    "is_model_name",
+    "status_of",
 ]

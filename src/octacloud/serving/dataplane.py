@@ -14,6 +14,7 @@ import numpy.typing as npt
 from tritonclient.grpc import model_config_pb2 as mc
 
 from octacloud import __version__
+from octacloud.serving.classification import class_count, classify
 from octacloud.serving.errors import InvalidInputError, ModelNotFoundError, ModelNotReadyError
 from octacloud.serving.model import ModelState, ModelVersion
 from octacloud.serving.repository.repository import ModelRepository, RepositoryEntry
@@ -30,6 +31,7 @@ from octacloud.serving.types import (
 SERVER_NAME = "octacloud"
 EXTENSIONS = (
     "binary_tensor_data",
+    "classification",
     "model_configuration",
     "model_repository",
     "parameters",
@@ -105,6 +107,8 @@ class DataPlane:
         model.acquire()
         ok = False
         try:
+            if model.text is not None:
+                request = model.text.translate(request)
             inputs, rows = check_inputs(model, request)
             wanted = [o.name for o in request.outputs]
             for o in wanted:
@@ -112,9 +116,14 @@ class DataPlane:
                     raise InvalidInputError(
                         f"model {model.name!r} has no output {o!r}; its outputs are: {', '.join(model.output_names)}"
                     )
+            classes = {o.name: k for o in request.outputs if (k := class_count(o.name, o.parameters)) is not None}
             results = await model.infer(inputs, rows, request.priority, request.timeout_us)
             names = wanted or model.output_names
-            outputs = [_tensor(n, results[n]) for n in names]
+            batched = model.max_batch_size > 0
+            outputs = [
+                classify(n, results[n], classes[n], batched, model.labels) if n in classes else _tensor(n, results[n])
+                for n in names
+            ]
             ok = True
             return InferenceResponse(model.name, model.version, outputs, request.id)
         finally:

@@ -4,6 +4,7 @@ unloaded or replaced without dropping the requests it is running."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import math
 import time
@@ -20,6 +21,7 @@ from octacloud.core.clock import Clock
 from octacloud.serving.batching.batcher import Arrays, DynamicBatcher
 from octacloud.serving.batching.handoff import BatchHandoff
 from octacloud.serving.batching.policy import BatchingSettings
+from octacloud.serving.classification import load_labels
 from octacloud.serving.errors import ModelConfigError, ModelNotReadyError
 from octacloud.serving.memory import (
     MemoryProbe,
@@ -37,8 +39,12 @@ from octacloud.serving.repository.config import (
 )
 from octacloud.serving.runtime import ModelRuntime, RuntimeFactory
 from octacloud.serving.stats import ModelStats
+from octacloud.serving.text import TextInput
 from octacloud.serving.types import numpy_dtype
 
+PARAM_BATCH_ISOLATION = "batch_isolation"
+"""Config parameter: "none" lets requests of a row-coupled (dynamically quantized) model share batches again,
+trading isolation between requests (and tenants) for throughput; by default they never do."""
 CAP_REFRESH_S = 1.0
 WARMUP_MEASURE_ROWS = 8
 
@@ -96,8 +102,14 @@ class ModelVersion:
         self._cap_value = max(1, self.max_batch_size)
         self._cap_at = -math.inf
         self._clock = clock
+        settings = BatchingSettings.from_config(config)
+        param = config.parameters.get(PARAM_BATCH_ISOLATION)
+        isolation = param.string_value if param is not None else ""
+        if getattr(runtime, "couples_rows", False) and isolation != "none":
+            settings = dataclasses.replace(settings, isolate_requests=True)
+        self.isolates_requests = settings.isolate_requests
         self.batcher = DynamicBatcher(
-            BatchingSettings.from_config(config),
+            settings,
             self._run,
             name=name,
             instances=instances,
@@ -107,6 +119,8 @@ class ModelVersion:
         )
         self._inflight = 0
         self._drained: asyncio.Event | None = None
+        self.text: TextInput | None = None  # raw text in (serving/text.py), set by load
+        self.labels: dict[str, tuple[str, ...]] = {}  # class labels by output (serving/classification.py)
 
     @classmethod
     async def load(
@@ -139,6 +153,8 @@ class ModelVersion:
         if not model.bytes_per_sample:  # the config's parameter wins, then the toolchain's profile
             model.bytes_per_sample = profile_bytes_per_sample(version_dir) or 0
         try:
+            model.text = TextInput.load(version_dir, full)
+            model.labels = load_labels(version_dir.parent, full)
             await asyncio.to_thread(model._warm_up, version_dir.parent)
         except Exception as e:
             model._executor.shutdown(wait=False)

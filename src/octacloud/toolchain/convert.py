@@ -22,9 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from octacloud.core.errors import InvalidSpecError
+from octacloud.serving.text import TOKEN_INPUTS
 from octacloud.toolchain.errors import ConversionError, SourceError
 from octacloud.toolchain.onnxgraph import check_model, open_session, optimize_offline, run, signature
 from octacloud.toolchain.parity import DEFAULT_TOLERANCES, PARITY_FILENAME, ParityReport, Tolerance, compare
+from octacloud.toolchain.preprocessing import Preprocessing, tokenizer_file, write_tokenizer
 from octacloud.toolchain.profile import PRECISIONS, ModelProfile, Precision
 from octacloud.toolchain.profiling import ProfileSettings, measure_profile
 from octacloud.toolchain.repository import (
@@ -64,6 +66,11 @@ class ConvertOptions:
     seed: int = 0
     profile: ProfileSettings = field(default_factory=ProfileSettings)
     max_queue_delay_us: int = 2000
+    tokenizer: Path | None = None
+    """A text model's tokenizer (a folder holding ``tokenizer.json``, or the file), published with it; default:
+    the one in the source's folder, if any."""
+    max_text_length: int | None = None
+    """Tokens per text row (padding and truncation); default: the source's, else 128."""
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
@@ -78,6 +85,8 @@ class ConvertOptions:
             raise InvalidSpecError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.parity_samples < 1:
             raise InvalidSpecError(f"parity_samples must be >= 1, got {self.parity_samples}")
+        if self.max_text_length is not None and self.max_text_length < 1:
+            raise InvalidSpecError(f"max_text_length must be >= 1, got {self.max_text_length}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +138,26 @@ def _parity_inputs(source: SourceModel, options: ConvertOptions) -> dict[str, np
     return {s.name: np.ascontiguousarray(arrays[s.name]).astype(s.dtype, copy=False) for s in source.inputs}
 
 
+def _preprocessing(source: SourceModel, options: ConvertOptions) -> Preprocessing | None:
+    """The source's pre-processing with the options' tokenizer and text length applied, checked."""
+    found = source.preprocessing
+    if options.tokenizer is None and options.max_text_length is None:
+        return found
+    base = found or Preprocessing()
+    tokenizer = options.tokenizer or base.tokenizer
+    if tokenizer is None:
+        raise SourceError("--max-text-length needs a tokenizer: the source has none, pass --tokenizer")
+    if not {s.name for s in source.inputs} & set(TOKEN_INPUTS):
+        raise SourceError(
+            f"a tokenizer is for text models, whose inputs include {list(TOKEN_INPUTS)}; "
+            f"this model's are {[s.name for s in source.inputs]}"
+        )
+    tokenizer_file(tokenizer)  # a missing or misnamed file fails before any work
+    return dataclasses.replace(
+        base, tokenizer=tokenizer, max_text_length=options.max_text_length or base.max_text_length
+    )
+
+
 def _make_variant(
     precision: Precision, fp32: Path, dst: Path, calibration: CalibrationSet | None, workdir: Path
 ) -> None:
@@ -154,6 +183,7 @@ def convert(
     names = {p: variant_name(options.name, p) for p in options.precisions}
     for n in names.values():
         check_model_name(n)
+    preprocessing = _preprocessing(source, options)
     samples = _parity_inputs(source, options)
     reference = source.reference(samples)
     with repository.staging() as stage:
@@ -191,6 +221,8 @@ def convert(
             directory.mkdir()
             path = directory / MODEL_FILENAME
             _make_variant(precision, fp32, path, calibration, work)
+            if preprocessing is not None and preprocessing.tokenizer is not None:
+                write_tokenizer(preprocessing.tokenizer, directory, preprocessing.max_text_length)
             got = run(open_session(path, options.profile.threads), samples)
             report = compare(
                 name,
@@ -228,6 +260,7 @@ def convert(
                 bytes_per_sample=profile.bytes_per_sample,
                 precision=precision,
                 max_queue_delay_us=options.max_queue_delay_us,
+                parameters=preprocessing.parameters() if preprocessing is not None else None,
             )
             staged.append(StagedModel(name, directory, config, profile))
             results.append(VariantResult(name, precision, size, report, profile))

@@ -29,6 +29,12 @@ import transformers
 from transformers.utils import logging as hf_logging
 
 from octacloud.toolchain.errors import SourceError
+from octacloud.toolchain.preprocessing import (
+    DEFAULT_MAX_TEXT_LENGTH,
+    TOKENIZER_FILE,
+    ImagePreprocessing,
+    Preprocessing,
+)
 from octacloud.toolchain.sources import SourceOptions, Task
 from octacloud.toolchain.spec import TensorSpec
 from octacloud.toolchain.torchsource import TorchSource
@@ -177,12 +183,14 @@ def load_huggingface(path: Path, options: SourceOptions) -> TorchSource:
         size = int(getattr(config, "image_size", DEFAULT_IMAGE_SIZE) or DEFAULT_IMAGE_SIZE)
         channels = int(getattr(config, "num_channels", 3))
         spec = TensorSpec("pixel_values", "float32", (None, channels, size, size))
+        image = ImagePreprocessing.from_source(None if path.is_file() else directory, size)
         return TorchSource(
             ImageClassifier(model),
             [spec],
             output_names=["logits"],
             classifier=True if options.classifier is None else options.classifier,
             description=f"{arch} ({origin})",
+            preprocessing=Preprocessing(image=image),
         )
     vocab = int(getattr(config, "vocab_size", 2))
     inputs = [
@@ -199,6 +207,8 @@ def load_huggingface(path: Path, options: SourceOptions) -> TorchSource:
     else:
         wrapper, output = TextModel(model, "hidden"), "last_hidden_state"
     max_len = int(getattr(config, "max_position_embeddings", 512) or 512)
+    tokenizer = directory if (directory / TOKENIZER_FILE).is_file() else None
+    preprocessing = Preprocessing(tokenizer, min(DEFAULT_MAX_TEXT_LENGTH, max_len)) if tokenizer else None
     return _TextSource(
         wrapper,
         inputs,
@@ -207,4 +217,5 @@ def load_huggingface(path: Path, options: SourceOptions) -> TorchSource:
         description=f"{arch} {task} ({origin})",
         shape_hints={s.name: options.sequence_length for s in inputs},
         dim_max={1: max_len},
+        preprocessing=preprocessing,
     )

@@ -23,7 +23,7 @@ import fcntl
 import os
 import shutil
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -66,6 +66,7 @@ def build_config(
     bytes_per_sample: int,
     precision: Precision,
     max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US,
+    parameters: Mapping[str, str] | None = None,
 ) -> mc.ModelConfig:
     """Triton's ``ModelConfig`` for an ONNX model with a batch axis, dynamic batching and our parameters."""
     config = mc.ModelConfig(
@@ -87,6 +88,8 @@ def build_config(
     config.parameters[WEIGHTS_BYTES_PARAM].string_value = str(weights_bytes)
     config.parameters[BYTES_PER_SAMPLE_PARAM].string_value = str(bytes_per_sample)
     config.parameters[PRECISION_PARAM].string_value = precision
+    for key, value in (parameters or {}).items():  # pre-processing (toolchain/preprocessing.py)
+        config.parameters[key].string_value = value
     return config
 
 
@@ -175,6 +178,15 @@ class ModelRepository:
                 for v in doomed:
                     (self.root / name / str(v)).rename(area / f"{name}.{v}")
         return doomed
+
+    def remove(self, name: str) -> bool:
+        """Remove the model ``name`` with all its versions, if present (renamed away first, then deleted)."""
+        check_model_name(name)
+        if not (self.root / name).is_dir():
+            return False
+        with self.staging() as area:
+            (self.root / name).rename(area / name)
+        return True
 
     @contextlib.contextmanager
     def staging(self) -> Iterator[Path]:

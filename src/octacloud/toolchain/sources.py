@@ -23,6 +23,7 @@ import onnx
 
 from octacloud.toolchain.errors import SourceError
 from octacloud.toolchain.onnxgraph import check_model, open_session, run, signature
+from octacloud.toolchain.preprocessing import Preprocessing
 from octacloud.toolchain.spec import TensorSpec, make_samples
 
 SourceKind = Literal["auto", "huggingface", "torch", "onnx"]
@@ -59,6 +60,11 @@ class SourceModel(Protocol):
     @property
     def shape_hints(self) -> Mapping[str, int]:
         """Sizes of dynamic non-batch axes (sequence length) used for samples, by input name."""
+        ...
+
+    @property
+    def preprocessing(self) -> Preprocessing | None:
+        """The tokenizer or image recipe published with the model (``None``: the inputs go in as they are)."""
         ...
 
     def sample_inputs(self, batch: int, rng: np.random.Generator) -> dict[str, np.ndarray]: ...
@@ -111,6 +117,7 @@ class OnnxSource:
         self.classifier = options.classifier if options.classifier is not None else classify
         self.shape_hints = {s.name: options.sequence_length for s in self.inputs}
         self.fixed_batch = _fixed_batch(model)
+        self.preprocessing: Preprocessing | None = None  # an ONNX file says nothing: convert --tokenizer adds it
         self._session = open_session(path)
 
     def sample_inputs(self, batch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from octacloud.toolchain.errors import ConversionError, SourceError
+from octacloud.toolchain.preprocessing import Preprocessing
 from octacloud.toolchain.sources import SourceOptions
 from octacloud.toolchain.spec import TensorSpec, make_samples
 
@@ -41,6 +42,7 @@ class TorchSource:
         description: str = "",
         shape_hints: Mapping[str, int] | None = None,
         dim_max: Mapping[int, int] | None = None,
+        preprocessing: Preprocessing | None = None,
     ) -> None:
         if not inputs:
             raise SourceError(
@@ -54,6 +56,7 @@ class TorchSource:
         self.description = description or type(module).__name__
         self.shape_hints = dict(shape_hints or {})
         self._dim_max = dict(dim_max or {})
+        self.preprocessing = preprocessing
 
     def sample_inputs(self, batch: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         return make_samples(self.inputs, batch, rng, self.shape_hints)

@@ -1,4 +1,4 @@
-"""Tenants, API keys, roles, quotas and rate limits (see docs/tenants.md).
+"""Tenants, API keys, roles, quotas, rate limits and priority classes (see docs/tenants.md).
 
 :class:`Guard` is what the front ends call: ``guard.authorize(headers)`` returns the caller's
 :class:`Principal` or raises :class:`AuthError` (its message is safe to show: it never holds key text).
@@ -21,16 +21,21 @@ from octacloud.cluster.auth.keys import (
     server_secret,
 )
 from octacloud.cluster.auth.limits import Holding, QuotaExceededError, RateLimiter, check_quota
+from octacloud.cluster.auth.priority import Grant, PriorityClass, PriorityClasses, PriorityNotGrantedError
 
 __all__ = [
     "ADMIN_TENANT",
     "ANONYMOUS_ADMIN",
     "AuthError",
+    "Grant",
     "Guard",
     "Holding",
     "KeyInfo",
     "KeyStore",
     "Principal",
+    "PriorityClass",
+    "PriorityClasses",
+    "PriorityNotGrantedError",
     "Quota",
     "QuotaExceededError",
     "RateLimitedError",

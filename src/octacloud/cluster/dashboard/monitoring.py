@@ -93,6 +93,7 @@ class CloudMonitoring:
         *,
         interval_s: float = 1.0,
         history_points: int = 900,
+        replica_headers: dict[str, str] | None = None,
     ) -> None:
         self._controller = controller
         nvml_node = local_nvml_node(nodes)
@@ -104,7 +105,7 @@ class CloudMonitoring:
             nvml=NvmlCards(nvml) if nvml is not None else None,
             nvml_node=nvml_node,
             cpu_card_model=CPU_CARD_MODEL,
-            scraper=ReplicaScraper(timeout_s=1.0),
+            scraper=ReplicaScraper(timeout_s=1.0, headers=replica_headers),
             interval_s=interval_s,
         )
         self.monitor = CloudMonitor(

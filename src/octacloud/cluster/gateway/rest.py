@@ -9,63 +9,91 @@ With a :class:`Guard`, every path but ``/v2/health/live|ready`` needs ``Authoriz
 otherwise); a deployment the caller may not see answers 404 exactly as an unknown one does; a tenant over its
 request rate gets 429 with ``Retry-After``. The verified principal reaches the admin API in
 ``scope["state"]["principal"]``; the key itself is never forwarded to a replica.
+
+The key and the announced body size are checked on the headers, before the body is read (and before uvicorn
+answers ``Expect: 100-continue``); ``Expect`` itself is never forwarded. A deployment with as many requests
+in flight as its bound (:class:`GatewayLimits`) is refused at once with 503 and ``Retry-After``; a
+deployment that exists but has no ready replica yet (start-up) is 503, not 404. Only answers that came from
+a replica are billed to the caller, and no answer names a replica's address.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Callable
 
 from octacloud import __version__
 from octacloud.cluster.auth import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
-from octacloud.cluster.gateway.routing import Endpoint, RouteTable
+from octacloud.cluster.gateway.limits import GatewayLimits
+from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, RouteTable, TenantTraffic
 from octacloud.cluster.gateway.stats import merge_model_statistics
 from octacloud.cluster.gateway.upstream import Response, UpstreamError, UpstreamPool
+from octacloud.cluster.internal_auth import HEADER_BYTES
+from octacloud.protocols.asgi import (
+    ASGIApp,
+    HttpError,
+    Receive,
+    Scope,
+    Send,
+    content_length,
+    error_reply,
+    header,
+    json_reply,
+    lifespan,
+    read_body,
+)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
-MAX_BODY_BYTES = 256 * 1024 * 1024
 SERVER_EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "classification"]
-_JSON = [(b"content-type", b"application/json")]
+_DROPPED_REQUEST = {b"authorization", HEADER_BYTES}
+"""Never forwarded: the caller's key stays at the gateway; a client's copy of the internal secret is not ours."""
+_DROPPED_ANSWER = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", HEADER_BYTES}
+_CLOSE = (b"connection", b"close")
+_SMALL_UNREAD = 64 * 1024
+"""A refused request's unread body up to this size is read and dropped by the server (keep-alive kept);
+a larger one, or one the client holds back for ``100 Continue``, closes the connection instead."""
 
 
-async def _reply(send: Send, status: int, payload: object, headers: list[tuple[bytes, bytes]] | None = None) -> int:
-    body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status, "headers": [*_JSON, *(headers or [])]})
-    await send({"type": "http.response.body", "body": body})
-    return len(body)
-
-
-async def _relay(send: Send, response: Response) -> int:
-    """Pass a replica's answer on as it is (less its connection headers); returns the body's size."""
-    headers = [(k, v) for k, v in response.headers if k.lower() not in (b"connection", b"keep-alive")]
+async def _relay(send: Send, response: Response, head: bool = False) -> int:
+    """Pass a replica's answer on (less its connection headers); returns the body's size."""
+    headers = [(k, v) for k, v in response.headers if k.lower() not in _DROPPED_ANSWER]
+    if head:  # a HEAD answer announces the GET's length and has no body
+        headers += [(k, v) for k, v in response.headers if k.lower() == b"content-length"]
+    elif response.status not in (204, 304):
+        headers.append((b"content-length", str(len(response.body)).encode()))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": response.body})
     return len(response.body)
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+def _unread_body_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """``Connection: close`` for an answer sent before the body was read, unless that body is small and coming."""
+    headers = scope["headers"]
+    if header(headers, b"expect") is not None:
+        return [_CLOSE]  # the client waits for 100 Continue that will not come: the body's end is unknowable
+    if header(headers, b"transfer-encoding") is not None:
+        return [_CLOSE]
+    length = header(headers, b"content-length")
+    if length is not None and (not length.strip().isdigit() or int(length) > _SMALL_UNREAD):
+        return [_CLOSE]
+    return []
+
+
+ADMIN_MAX_BODY_BYTES = 1 * 2**20
+"""Admin API bodies are small JSON documents."""
+
+
+def _small_body(scope: Scope) -> None:
+    """An admin request's body must announce its length, at most ``ADMIN_MAX_BODY_BYTES`` (411/413 otherwise)."""
+    if content_length(scope["headers"], ADMIN_MAX_BODY_BYTES) is None and header(
+        scope["headers"], b"transfer-encoding"
+    ):
+        raise HttpError(411, "admin requests must send a Content-Length")
 
 
 class RestGateway:
@@ -81,6 +109,8 @@ class RestGateway:
         guard: Guard | None = None,
         dashboard: ASGIApp | None = None,
         metrics: ASGIApp | None = None,
+        limits: GatewayLimits | None = None,
+        internal_secret: str | None = None,
     ) -> None:
         self.dashboard = dashboard
         """``/dashboard...``: public static page; its JSON API checks the admin key itself."""
@@ -93,20 +123,24 @@ class RestGateway:
         self.admin = admin
         self.ready = ready
         self.request_timeout = request_timeout
+        self.limits = limits or GatewayLimits()
+        self._internal = [(HEADER_BYTES, internal_secret.encode())] if internal_secret else []
+        """Added to every request forwarded to a replica: it proves the request comes from this cloud."""
+        routes.on_drop.append(lambda e: self.pool.forget(e.host, e.http_port))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await lifespan(receive, send, self.pool.close)
             return
         if scope["type"] != "http":
             return
         path: str = scope["path"]
         if path == "/v2/health/live":
-            await _reply(send, 200, {"live": True})
+            await json_reply(send, 200, {"live": True})
             return
         if path == "/v2/health/ready":
             ok = self.ready()
-            await _reply(send, 200 if ok else 503, {"ready": ok})
+            await json_reply(send, 200 if ok else 503, {"ready": ok})
             return
         if path.startswith("/dashboard") and self.dashboard is not None:
             await self.dashboard(scope, receive, send)
@@ -118,111 +152,143 @@ class RestGateway:
         if principal is None:
             return
         if path.startswith("/v2/models/"):
-            await self._proxy(scope, receive, send, path, principal)
+            try:
+                await self._proxy(scope, receive, send, path, principal)
+            except HttpError as exc:
+                await error_reply(send, exc, _unread_body_headers(scope) if exc.status != 408 else [_CLOSE])
         elif path in ("/v2", "/v2/"):
-            await _reply(send, 200, {"name": "octacloud", "version": __version__, "extensions": SERVER_EXTENSIONS})
+            await json_reply(send, 200, {"name": "octacloud", "version": __version__, "extensions": SERVER_EXTENSIONS})
         elif path.startswith("/admin") and self.admin is not None:
+            try:
+                _small_body(scope)
+            except HttpError as exc:
+                await error_reply(send, exc, [_CLOSE])
+                return
             scope.setdefault("state", {})["principal"] = principal
             await self.admin(scope, receive, send)
         else:
-            await _reply(send, 404, {"error": f"no route for {scope['method']} {path}"})
+            await json_reply(
+                send, 404, {"error": f"no route for {scope['method']} {path}"}, _unread_body_headers(scope)
+            )
 
     async def _authorize(self, scope: Scope, send: Send) -> Principal | None:
-        """The caller, or None after answering 401 or 429."""
+        """The caller, or None after answering 401 or 429 (on the headers alone: no body is read)."""
         if self.guard is None:
             return ANONYMOUS_ADMIN
         try:
             principal = self.guard.authorize(scope["headers"])
             self.guard.admit(principal)
         except AuthError as exc:
-            await _reply(send, 401, {"error": str(exc)}, [(b"www-authenticate", b'Bearer realm="octacloud"')])
+            await json_reply(
+                send,
+                401,
+                {"error": str(exc)},
+                [(b"www-authenticate", b'Bearer realm="octacloud"'), *_unread_body_headers(scope)],
+            )
             return None
         except RateLimitedError as exc:
-            await _reply(send, 429, {"error": str(exc)}, [(b"retry-after", str(exc.retry_after).encode())])
+            await json_reply(
+                send,
+                429,
+                {"error": str(exc)},
+                [(b"retry-after", str(exc.retry_after).encode()), *_unread_body_headers(scope)],
+            )
             return None
         return principal
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.pool.close()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    def _visible(self, deployment: str, principal: Principal) -> bool:
+        owner = self.routes.owners.get(deployment)
+        if self.guard is None:
+            return owner is not None or deployment in self.routes.routes
+        return owner is not None and principal.may_see(owner.tenant, owner.published)
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str, principal: Principal) -> None:
         deployment = path[len("/v2/models/") :].split("/", 1)[0]
-        started = time.perf_counter()
-        owner = self.routes.owners.get(deployment)
-        if deployment not in self.routes.routes or (
-            self.guard is not None and (owner is None or not principal.may_see(owner.tenant, owner.published))
-        ):
-            await _reply(send, 404, {"error": f"unknown model or deployment '{deployment}'"})
-            return
-        body = await _read_body(receive, MAX_BODY_BYTES)
-        if body is None:
-            await _reply(send, 413, {"error": f"request body larger than {MAX_BODY_BYTES} bytes or incomplete"})
-            return
+        if not self.ready():
+            raise HttpError(503, "the cloud is starting; retry shortly", [(b"retry-after", b"1")])
+        if not self._visible(deployment, principal):
+            raise HttpError(404, f"unknown model or deployment '{deployment}'")
+        endpoints = self.routes.routes.get(deployment, [])
+        if not endpoints:
+            raise HttpError(503, f"deployment '{deployment}' has no ready replica yet", [(b"retry-after", b"1")])
         counters = self.routes.counter(deployment)
+        bound = self.routes.inflight_bound(deployment, self.limits.max_inflight_per_replica)
+        if bound and counters.outstanding >= bound:
+            counters.shed += 1
+            raise HttpError(
+                503, f"deployment '{deployment}' is at capacity ({bound} requests in flight)", [(b"retry-after", b"1")]
+            )
+        content_length(scope["headers"], self.limits.max_body_bytes)
+        started = time.perf_counter()
+        counters.outstanding += 1
+        try:
+            await self._forward(scope, receive, send, path, principal, deployment, counters)
+        finally:
+            counters.outstanding -= 1
+            counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
+
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path: str,
+        principal: Principal,
+        deployment: str,
+        counters: DeploymentCounters,
+    ) -> None:
+        try:
+            body = await asyncio.wait_for(read_body(receive, self.limits.max_body_bytes), self.limits.body_timeout_s)
+        except TimeoutError:
+            raise HttpError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s") from None
         usage = self.routes.tenant_traffic(principal.tenant, deployment)
         target = scope["raw_path"] or path.encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        tried: list[str] = []
-        last_error = f"deployment '{deployment}' has no ready replica"
+        headers_out = [(k, v) for k, v in scope["headers"] if k.lower() not in _DROPPED_REQUEST] + self._internal
         counters.requests += 1
         counters.bytes_in += len(body)
-        counters.outstanding += 1
-        usage.requests += 1
-        usage.bytes_in += len(body)
-        headers_out = [(k, v) for k, v in scope["headers"] if k.lower() != b"authorization"]
-        try:
-            if scope["method"] == "GET" and path.endswith("/stats"):
-                sent = await self._statistics(send, deployment, target, headers_out)
-                counters.bytes_out += sent
-                usage.bytes_out += sent
-                return
-            for _ in range(MAX_ATTEMPTS):
-                endpoint = self.routes.choose(deployment, tried)
-                if endpoint is None:
-                    break
-                tried.append(endpoint.replica_id)
-                endpoint.outstanding += 1
-                try:
-                    response = await self.pool.request(
-                        endpoint.host,
-                        endpoint.http_port,
-                        scope["method"].encode(),
-                        target,
-                        headers_out,
-                        body,
-                        self.request_timeout,
-                    )
-                except UpstreamError as exc:
-                    endpoint.failures += 1
-                    last_error = str(exc)
-                    continue
-                except TimeoutError:
-                    last_error = f"replica {endpoint.replica_id} did not answer within {self.request_timeout:g} s"
-                    break
-                finally:
-                    endpoint.outstanding -= 1
-                endpoint.failures = 0
-                sent = await _relay(send, response)
-                counters.bytes_out += sent
-                usage.bytes_out += sent
-                if response.status >= 400:
-                    counters.failures += 1
-                return
-            counters.failures += 1
-            sent = await _reply(send, 503, {"error": last_error}, [(b"retry-after", b"1")])
+        method = scope["method"]
+        if method == "GET" and path.endswith("/stats"):
+            sent = await self._statistics(send, deployment, target, headers_out)
+            _bill(usage, len(body), sent)
+            return
+        tried: list[str] = []
+        why = f"deployment '{deployment}' has no ready replica"
+        for _ in range(MAX_ATTEMPTS):
+            endpoint = self.routes.choose(deployment, tried)
+            if endpoint is None:
+                break
+            tried.append(endpoint.replica_id)
+            endpoint.outstanding += 1
+            try:
+                response = await self.pool.request(
+                    endpoint.host, endpoint.http_port, method.encode(), target, headers_out, body, self.request_timeout
+                )
+            except UpstreamError as exc:
+                self.routes.failed(endpoint)
+                log.warning("deployment %s: replica %s: %s", deployment, endpoint.replica_id, exc)
+                why = f"deployment '{deployment}': {len(tried)} replica(s) tried, none answered"
+                continue
+            except TimeoutError:
+                self.routes.failed(endpoint)
+                counters.failures += 1
+                raise HttpError(
+                    504, f"deployment '{deployment}': no answer within {self.request_timeout:g} s"
+                ) from None
+            finally:
+                endpoint.outstanding -= 1
+            self.routes.succeeded(endpoint)
+            sent = await _relay(send, response, head=method == "HEAD")
             counters.bytes_out += sent
-            usage.bytes_out += sent
-        finally:
-            counters.outstanding -= 1
-            counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
+            if response.status >= 400:
+                counters.failures += 1
+            if response.status < 500:
+                _bill(usage, len(body), sent)
+            return
+        counters.failures += 1
+        retry = str(self.routes.retry_after(deployment)).encode()
+        raise HttpError(503, why, [(b"retry-after", retry)])
 
     async def _statistics(self, send: Send, deployment: str, target: bytes, headers: list[tuple[bytes, bytes]]) -> int:
         """Ask every ready replica of ``deployment`` and answer with the sum (see ``gateway.stats``)."""
@@ -237,12 +303,18 @@ class RestGateway:
 
         answers = [a for a in await asyncio.gather(*(ask(e) for e in self.routes.healthy(deployment))) if a is not None]
         if not answers:
-            return await _reply(send, 503, {"error": f"deployment '{deployment}' has no ready replica"})
+            raise HttpError(503, f"deployment '{deployment}' has no ready replica", [(b"retry-after", b"1")])
         refused = [a for a in answers if a.status != 200]
         if refused:  # e.g. an unknown version: every replica says the same, pass the first answer on
             return await _relay(send, refused[0])
         try:
             merged = merge_model_statistics(json.loads(a.body) for a in answers)
         except (ValueError, AttributeError) as exc:
-            return await _reply(send, 502, {"error": f"a replica answered statistics that are not JSON: {exc}"})
-        return await _reply(send, 200, merged)
+            return await json_reply(send, 502, {"error": f"a replica answered statistics that are not JSON: {exc}"})
+        return await json_reply(send, 200, merged)
+
+
+def _bill(usage: TenantTraffic, bytes_in: int, bytes_out: int) -> None:
+    usage.requests += 1
+    usage.bytes_in += bytes_in
+    usage.bytes_out += bytes_out

@@ -8,8 +8,10 @@ herding on a replica that just became free.
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -23,7 +25,13 @@ class Endpoint:
     grpc_port: int
     outstanding: int = 0
     failures: int = 0
-    """Consecutive transport failures; the endpoint is skipped once it reaches the limit."""
+    """Consecutive transport failures (refused, reset, timed out); at the limit the endpoint is ejected."""
+    ejected_until: float = 0.0
+    """While ``failures`` is at the limit: no request before this time (the route table's clock); after it,
+    one trial request at a time until one succeeds (then ``failures`` is 0) or fails (a longer ejection)."""
+    ejections: int = 0
+    """Ejections in a row: each doubles the next one's length (see :class:`OutlierPolicy`)."""
+    last_ejected_at: float = -math.inf
 
 
 @dataclass(slots=True)
@@ -36,6 +44,8 @@ class DeploymentCounters:
     bytes_out: int = 0
     latency_us_total: int = 0
     outstanding: int = 0
+    shed: int = 0
+    """Requests refused with 503 because the deployment had as many in flight as its bound (not billed)."""
 
 
 @dataclass(slots=True)
@@ -58,6 +68,26 @@ class Owner:
 MAX_CONSECUTIVE_FAILURES = 3
 
 
+@dataclass(frozen=True, slots=True)
+class OutlierPolicy:
+    """When a replica that fails is ejected, and for how long (Envoy's consecutive-failure outlier detection).
+
+    After ``consecutive_failures`` transport failures in a row the endpoint gets no requests for
+    ``base_ejection_s``; each further ejection in a row doubles that, up to ``max_ejection_s``. An ejection
+    ends by itself; then one request at a time is let in as a trial. A successful readiness probe from the
+    controller (:meth:`RouteTable.readmit`) ends it at once. After ``forget_after_s`` without an ejection the
+    doubling starts again from the base.
+    """
+
+    consecutive_failures: int = MAX_CONSECUTIVE_FAILURES
+    base_ejection_s: float = 1.0
+    max_ejection_s: float = 30.0
+    forget_after_s: float = 60.0
+
+    def ejection_s(self, ejections: int) -> float:
+        return float(min(self.max_ejection_s, self.base_ejection_s * 2 ** min(ejections, 30)))
+
+
 @dataclass(slots=True)
 class RouteTable:
     """Deployment name → its ready endpoints. Replaced wholesale by the controller; read per request."""
@@ -69,6 +99,15 @@ class RouteTable:
     traffic: dict[tuple[str, str], TenantTraffic] = field(default_factory=dict)
     """(calling tenant, deployment) → traffic: usage attributed to whoever sent it."""
     rng: random.Random = field(default_factory=random.Random)
+    outlier: OutlierPolicy = field(default_factory=OutlierPolicy)
+    now: Callable[[], float] = time.monotonic
+    """The clock ejections are timed on (injected in tests)."""
+    inflight_per_replica: dict[str, int] = field(default_factory=dict)
+    """Deployment → its in-flight bound per ready replica, where it differs from the gateway's default
+    (``GatewayLimits.max_inflight_per_replica``): e.g. twice a model's ``max_batch_size``, so that shedding
+    never keeps the batcher from filling its batches."""
+    on_drop: list[Callable[[Endpoint], None]] = field(default_factory=list)
+    """Called with each endpoint the table stops routing to (the front ends close their connections to it)."""
 
     def update(self, deployment: str, endpoints: Iterable[Endpoint]) -> None:
         """Set the ready endpoints of ``deployment``, keeping the live counts of endpoints that stay."""
@@ -80,25 +119,69 @@ class RouteTable:
                 new.append(kept)
             else:
                 new.append(e)
+        kept_ids = {id(e) for e in new}
         self.routes[deployment] = new
         self.counters.setdefault(deployment, DeploymentCounters())
+        self._dropped(e for e in old.values() if id(e) not in kept_ids)
 
     def remove(self, deployment: str) -> None:
-        self.routes.pop(deployment, None)
+        self._dropped(self.routes.pop(deployment, []))
         self.owners.pop(deployment, None)
 
     def drop_endpoint(self, replica_id: str) -> None:
         """Stop routing to a replica at once (it died or is being stopped)."""
         for name, endpoints in self.routes.items():
             self.routes[name] = [e for e in endpoints if e.replica_id != replica_id]
+            self._dropped(e for e in endpoints if e.replica_id == replica_id)
+
+    def _dropped(self, endpoints: Iterable[Endpoint]) -> None:
+        for e in endpoints:
+            for callback in self.on_drop:
+                callback(e)
+
+    def admissible(self, e: Endpoint, now: float) -> bool:
+        """Not ejected: below the failure limit, or its ejection is over and no trial request is in flight."""
+        return e.failures < self.outlier.consecutive_failures or (now >= e.ejected_until and e.outstanding == 0)
 
     def healthy(self, deployment: str, exclude: Sequence[str] = ()) -> list[Endpoint]:
-        """The endpoints of ``deployment`` below the failure limit, except the replicas in ``exclude``."""
-        return [
-            e
-            for e in self.routes.get(deployment, ())
-            if e.failures < MAX_CONSECUTIVE_FAILURES and e.replica_id not in exclude
-        ]
+        """The endpoints of ``deployment`` that are not ejected, except the replicas in ``exclude``."""
+        now = self.now()
+        return [e for e in self.routes.get(deployment, ()) if e.replica_id not in exclude and self.admissible(e, now)]
+
+    def failed(self, e: Endpoint) -> None:
+        """A transport failure on ``e``: at the limit (or on a failed trial) it is ejected for a while."""
+        e.failures += 1
+        if e.failures < self.outlier.consecutive_failures:
+            return
+        now = self.now()
+        if now - e.last_ejected_at > self.outlier.forget_after_s:
+            e.ejections = 0
+        e.ejected_until = now + self.outlier.ejection_s(e.ejections)
+        e.ejections += 1
+        e.last_ejected_at = now
+
+    def succeeded(self, e: Endpoint) -> None:
+        """``e`` answered: its failures (and any ejection) are over."""
+        e.failures = 0
+
+    def readmit(self, replica_id: str) -> None:
+        """The controller found the replica ready: end its ejection now (its ejection count is kept)."""
+        for endpoints in self.routes.values():
+            for e in endpoints:
+                if e.replica_id == replica_id:
+                    e.failures = 0
+                    e.ejected_until = 0.0
+
+    def inflight_bound(self, deployment: str, default_per_replica: int) -> int:
+        """How many requests ``deployment`` may have in flight now (0: no bound)."""
+        per_replica = self.inflight_per_replica.get(deployment, default_per_replica)
+        return per_replica * len(self.routes.get(deployment, ()))
+
+    def retry_after(self, deployment: str) -> int:
+        """Whole seconds until the first ejected endpoint of ``deployment`` may be tried again (at least 1)."""
+        now = self.now()
+        waits = [e.ejected_until - now for e in self.routes.get(deployment, ()) if e.ejected_until > now]
+        return max(1, math.ceil(min(waits))) if waits else 1
 
     def choose(self, deployment: str, exclude: Sequence[str] = ()) -> Endpoint | None:
         """Power of two choices among healthy endpoints not in ``exclude``; None when there is none."""

@@ -28,7 +28,9 @@ import grpc
 import hpack
 from tritonclient.grpc import service_pb2 as pb
 
-from octacloud.protocols.grpc.servicer import InferenceServicer, code_of
+from octacloud.protocols.grpc.servicer import InferenceServicer, _lenient, code_of
+from octacloud.protocols.internal import HEADER as SECRET_HEADER
+from octacloud.protocols.internal import OPEN_GRPC_METHODS, REFUSED, matches
 from octacloud.serving import DataPlane, ModelExecutionError
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ def _trailers(code: grpc.StatusCode, message: str, extra: bytes = b"") -> bytes:
     return block
 
 
-class _Abort(Exception):
+class _Abort(grpc.aio.AbortError):  # type: ignore[misc]  # the servicer's decorator lets an AbortError through
     def __init__(self, code: grpc.StatusCode, details: str, trailing: Any = ()) -> None:
         super().__init__(details)
         self.code, self.details, self.trailing = code, details, trailing
@@ -136,7 +138,7 @@ def methods(servicer: InferenceServicer) -> dict[str, Method]:
     for m in service.methods:
         request_type = getattr(pb, m.input_type.name)
         streaming = m.client_streaming or m.server_streaming
-        out[f"/{service.full_name}/{m.name}"] = Method(request_type.FromString, getattr(servicer, m.name), streaming)
+        out[f"/{service.full_name}/{m.name}"] = Method(_lenient(request_type), getattr(servicer, m.name), streaming)
     return out
 
 
@@ -324,6 +326,12 @@ class Http2Connection(asyncio.Protocol):
         if s.method is None:
             self._fail(s, grpc.StatusCode.UNIMPLEMENTED, f"method {path} is not implemented")
             return
+        secret = self._server.secret
+        if secret is not None and path not in OPEN_GRPC_METHODS:
+            presented = next((v for k, v in s.metadata if k == SECRET_HEADER), None)
+            if not matches(secret, presented):
+                self._fail(s, grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+                return
         if encoding != "identity":
             self._fail(s, grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported; use identity")
             return
@@ -587,8 +595,11 @@ class GrpcServer:
         max_message_bytes: int = 64 * 2**20,
         max_streams: int = 1024,
         extra: Mapping[str, Method] | None = None,
+        secret: bytes | None = None,
     ) -> None:
         self.methods = {**methods(InferenceServicer(dataplane)), **(extra or {})}
+        self.secret = secret
+        """The cloud's internal secret: every call but ServerLive/ServerReady must carry it (protocols/internal.py)."""
         self.max_message_bytes = max_message_bytes
         self.max_streams = max_streams
         self.max_frame_in = DEFAULT_FRAME  # we advertise no larger SETTINGS_MAX_FRAME_SIZE

@@ -1,53 +1,40 @@
 """The Open Inference Protocol over gRPC: Triton's ``GRPCInferenceService`` (generated modules shipped in
 ``tritonclient.grpc``) on ``grpc.aio``, translating to and from the DataPlane.
 
-Errors abort the call with INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, FAILED_PRECONDITION, INTERNAL or
-UNIMPLEMENTED (shared memory, tracing and logging are not offered).
+Errors abort the call with the code :mod:`octacloud.serving.errors` gives them (one decorator,
+:func:`answers_errors`, on every method), or UNIMPLEMENTED (shared memory, tracing and logging are not offered).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator, Iterable
-from typing import Any, NoReturn, TypeAlias
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from octacloud.protocols.errorlog import BoundedErrorLog
 from octacloud.protocols.tensors import from_list, from_raw, to_raw
 from octacloud.serving import (
     DataPlane,
     InferenceRequest,
     InferenceResponse,
     InvalidInputError,
-    ModelConfigError,
-    ModelExecutionError,
-    ModelNotFoundError,
-    ModelNotReadyError,
-    NotAllowedError,
-    QueueFullError,
-    QueueTimeoutError,
     RequestedOutput,
     Tensor,
+    status_of,
 )
 from octacloud.serving.stats import Duration
 from octacloud.serving.types import numpy_dtype, scheduling_parameters
 
 log = logging.getLogger(__name__)
+_errors = BoundedErrorLog(log)
 Context: TypeAlias = Any  # grpc.aio.ServicerContext (grpc ships no type hints)
-
-_CODE: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (InvalidInputError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (ModelNotReadyError, grpc.StatusCode.UNAVAILABLE),
-    (QueueFullError, grpc.StatusCode.UNAVAILABLE),
-    (QueueTimeoutError, grpc.StatusCode.UNAVAILABLE),
-    (NotAllowedError, grpc.StatusCode.FAILED_PRECONDITION),
-    (ModelConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ModelExecutionError, grpc.StatusCode.INTERNAL),
-)
 
 _CONTENTS = {
     "BOOL": "bool_contents",
@@ -65,19 +52,54 @@ _CONTENTS = {
 }
 
 
-def code_of(error: Exception) -> grpc.StatusCode:
-    for kind, code in _CODE:
-        if isinstance(error, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
+def code_of(error: BaseException) -> grpc.StatusCode:
+    """The gRPC code of ``error``, read from the one table in :mod:`octacloud.serving.errors`."""
+    code: grpc.StatusCode = grpc.StatusCode[status_of(error).grpc]
+    return code
 
 
-async def _abort(context: Context, error: Exception) -> NoReturn:
-    code = code_of(error)
-    if code is grpc.StatusCode.INTERNAL and not isinstance(error, ModelExecutionError):
-        log.exception("internal error", exc_info=error)
-    await context.abort(code, str(error))
-    raise AssertionError("unreachable")  # context.abort raises
+_Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
+SERVICE = "inference.GRPCInferenceService"
+
+
+class Malformed:
+    """What a request that does not parse as its protobuf message becomes: the handler answers
+    INVALID_ARGUMENT (grpc itself would answer UNKNOWN and log a traceback per request)."""
+
+    id = ""
+
+    def __init__(self, kind: str, error: Exception) -> None:
+        self.message = f"the request is not a valid {kind} message: {error}"
+
+
+def _lenient(message: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except DecodeError as e:
+            return Malformed(message.DESCRIPTOR.name, e)
+
+    return parse
+
+
+def answers_errors(method: _Handler) -> _Handler:
+    """Abort the call with the error's code (:func:`code_of`) and message; log only unexpected errors."""
+
+    @functools.wraps(method)
+    async def handler(self: Any, request: Any, context: Context) -> Any:
+        try:
+            if isinstance(request, Malformed):
+                raise InvalidInputError(request.message)
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            answer = status_of(e)
+            if not answer.expected:
+                _errors.exception(method.__name__, e)
+            await context.abort(grpc.StatusCode[answer.grpc], str(e))
+
+    return handler  # type: ignore[return-value]
 
 
 def _param(p: pb.InferParameter) -> Any:
@@ -85,7 +107,9 @@ def _param(p: pb.InferParameter) -> Any:
     return getattr(p, which) if which else None
 
 
-def decode_infer(r: pb.ModelInferRequest) -> InferenceRequest:
+def decode_infer(r: pb.ModelInferRequest | Malformed) -> InferenceRequest:
+    if isinstance(r, Malformed):
+        raise InvalidInputError(r.message)
     raw = r.raw_input_contents
     if raw and len(raw) != len(r.inputs):
         raise InvalidInputError(
@@ -135,24 +159,26 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
     def __init__(self, dataplane: DataPlane) -> None:
         self.dataplane = dataplane
 
+    @answers_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=self.dataplane.live())
 
+    @answers_errors
     async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.dataplane.server_ready())
 
+    @answers_errors
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
         return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, request.version))
 
+    @answers_errors
     async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Context) -> pb.ServerMetadataResponse:
         m = self.dataplane.server_metadata()
         return pb.ServerMetadataResponse(name=m.name, version=m.version, extensions=m.extensions)
 
+    @answers_errors
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Context) -> pb.ModelMetadataResponse:
-        try:
-            m = self.dataplane.model_metadata(request.name, request.version)
-        except Exception as e:
-            await _abort(context, e)
+        m = self.dataplane.model_metadata(request.name, request.version)
 
         def io(ts: Iterable[Any]) -> list[pb.ModelMetadataResponse.TensorMetadata]:
             return [
@@ -163,17 +189,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             name=m.name, versions=m.versions, platform=m.platform, inputs=io(m.inputs), outputs=io(m.outputs)
         )
 
+    @answers_errors
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: Context) -> pb.ModelConfigResponse:
-        try:
-            return pb.ModelConfigResponse(config=self.dataplane.model_config(request.name, request.version))
-        except Exception as e:
-            await _abort(context, e)
+        return pb.ModelConfigResponse(config=self.dataplane.model_config(request.name, request.version))
 
+    @answers_errors
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Context) -> pb.ModelStatisticsResponse:
-        try:
-            stats = self.dataplane.model_statistics(request.name, request.version)
-        except Exception as e:
-            await _abort(context, e)
+        stats = self.dataplane.model_statistics(request.name, request.version)
         out = pb.ModelStatisticsResponse()
         for v in stats:
             s = v.stats
@@ -196,11 +218,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 )
         return out
 
+    @answers_errors
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        try:
-            response = await self.dataplane.infer(decode_infer(request))
-        except Exception as e:
-            await _abort(context, e)
+        response = await self.dataplane.infer(decode_infer(request))
         return encode_infer(response)
 
     async def ModelStreamInfer(
@@ -216,6 +236,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 response = await self.dataplane.infer(decode_infer(request))
                 done.put_nowait(pb.ModelStreamInferResponse(infer_response=encode_infer(response)))
             except Exception as e:
+                if not status_of(e).expected:
+                    _errors.exception("ModelStreamInfer", e)
                 done.put_nowait(
                     pb.ModelStreamInferResponse(
                         error_message=str(e), infer_response=pb.ModelInferResponse(id=request.id)
@@ -240,33 +262,41 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             for task in list(running):
                 task.cancel()
 
+    @answers_errors
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Context) -> pb.RepositoryIndexResponse:
         out = pb.RepositoryIndexResponse()
         for e in self.dataplane.repository_index(request.ready):
             out.models.add(name=e.name, version=e.version, state=e.state, reason=e.reason)
         return out
 
+    @answers_errors
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Context
     ) -> pb.RepositoryModelLoadResponse:
-        try:
-            await self.dataplane.load(request.model_name)
-        except Exception as e:
-            await _abort(context, e)
+        await self.dataplane.load(request.model_name)
         return pb.RepositoryModelLoadResponse()
 
+    @answers_errors
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
-        try:
-            await self.dataplane.unload(request.model_name)
-        except Exception as e:
-            await _abort(context, e)
+        await self.dataplane.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
 
 def add_to_server(dataplane: DataPlane, server: grpc.aio.Server) -> None:
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(dataplane), server)
+    """Register Triton's service, every method parsing its request leniently (see :class:`Malformed`)."""
+    servicer = InferenceServicer(dataplane)
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        kind = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = kind(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
 
 
-__all__ = ["InferenceServicer", "add_to_server", "code_of", "decode_infer", "encode_infer"]
+__all__ = ["InferenceServicer", "add_to_server", "answers_errors", "code_of", "decode_infer", "encode_infer"]

@@ -13,8 +13,9 @@ Endpoints (``[/versions/<v>]`` optional everywhere a model is named):
 | POST | /v2/models/<m>[/versions/<v>]/infer | inference (JSON, or Triton's binary tensor data) |
 | POST | /v2/repository/index, /v2/repository/models/<m>/load, .../unload | repository extension |
 
-Errors are ``{"error": "<message>"}`` with 400 (bad request), 404 (unknown model or version or path),
-413 (body over the limit), 503 (not ready, queue full or timed out), 500 (the model failed).
+Errors are ``{"error": "<message>"}`` with the status that :func:`octacloud.serving.status_of` gives the
+error (400 bad request, 403 not allowed, 404 unknown model or version, 503 not ready, queue full or timed out,
+500 the model failed), or 404/405 for an unknown path and 413 for a body over the limit.
 """
 
 from __future__ import annotations
@@ -23,54 +24,23 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from octacloud.protocols.asgi import DEFAULT_MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
+from octacloud.protocols.asgi import HttpError, content_length, read_body
+from octacloud.protocols.errorlog import BoundedErrorLog
 from octacloud.protocols.rest import codec
-from octacloud.serving import (
-    DataPlane,
-    InvalidInputError,
-    ModelConfigError,
-    ModelExecutionError,
-    ModelNotFoundError,
-    ModelNotReadyError,
-    NotAllowedError,
-    QueueFullError,
-    QueueTimeoutError,
-)
+from octacloud.serving import DataPlane, InvalidInputError, status_of
 
 log = logging.getLogger(__name__)
+_errors = BoundedErrorLog(log)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 HEADER_LENGTH = b"inference-header-content-length"
 _JSON = (b"content-type", b"application/json")
 _OCTET = (b"content-type", b"application/octet-stream")
-
-_STATUS: tuple[tuple[type[Exception], int], ...] = (
-    (InvalidInputError, 400),
-    (ModelNotFoundError, 404),
-    (ModelNotReadyError, 503),
-    (QueueFullError, 503),
-    (QueueTimeoutError, 503),
-    (NotAllowedError, 403),
-    (ModelConfigError, 400),
-    (ModelExecutionError, 500),
-)
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def status_of(error: Exception) -> int:
-    for kind, status in _STATUS:
-        if isinstance(error, kind):
-            return status
-    return 500
 
 
 class RestApp:
@@ -89,9 +59,13 @@ class RestApp:
         try:
             await self._route(scope, receive, send)
         except Exception as e:
-            status = e.status if isinstance(e, HttpError) else status_of(e)
-            if status == 500 and not isinstance(e, ModelExecutionError):
-                log.exception("internal error on %s %s", scope["method"], scope["path"])
+            if isinstance(e, HttpError):
+                status = e.status
+            else:
+                answer = status_of(e)
+                status = answer.http
+                if not answer.expected:
+                    _errors.exception(f"{scope['method']} {scope['path'][:200]}", e)
             await _reply(send, status, codec.dumps({"error": str(e)}))
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -172,24 +146,8 @@ class RestApp:
             await _reply(send, 200, out, _OCTET, (HEADER_LENGTH, str(json_length).encode()))
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.max_body_bytes
-        for key, value in scope["headers"]:
-            if key == b"content-length" and value.isdigit() and int(value) > limit:
-                raise HttpError(413, f"request body of {int(value)} bytes is over the limit of {limit} bytes")
-        chunks = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise HttpError(400, "the client disconnected")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise HttpError(413, f"request body is over the limit of {limit} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        content_length(scope["headers"], self.max_body_bytes)  # 413 before reading a body over the limit
+        return await read_body(receive, self.max_body_bytes)
 
 
 async def _reply(

@@ -42,10 +42,46 @@ def loads(body: bytes | memoryview, what: str = "request") -> Any:
         return json.loads(bytes(body))
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidInputError(f"the {what} body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidInputError(f"the {what} body nests JSON too deeply") from None
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{where} must be a string, got {_kind(value)}")
+    return value
+
+
+def _shape(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+        raise InvalidInputError(f"{where} 'shape' must be a list of integers, got {_short(value)}")
+    return tuple(value)
+
+
+def _parameters(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInputError(f"{where} 'parameters' must be an object, got {_kind(value)}")
+    return value
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def decode_infer(body: bytes, header_length: int | None, model: str, version: str) -> InferenceRequest:
-    """An :class:`InferenceRequest` from a JSON body, or a JSON header followed by binary tensor data."""
+    """An :class:`InferenceRequest` from a JSON body, or a JSON header followed by binary tensor data.
+
+    Every field is checked for its JSON type (names and datatypes strings, shapes lists of integers, parameters
+    objects, outputs a list of objects), so that a malformed request is an :class:`InvalidInputError`."""
     view = memoryview(body)
     if header_length is None:
         header = loads(view)
@@ -62,18 +98,19 @@ def decode_infer(body: bytes, header_length: int | None, model: str, version: st
     offset = 0
     inputs = []
     for i, entry in enumerate(header["inputs"]):
+        where = f"inputs[{i}]"
         if not isinstance(entry, dict):
-            raise InvalidInputError(f"inputs[{i}] must be an object")
-        try:
-            name = entry["name"]
-            datatype = entry["datatype"]
-            shape = tuple(int(d) for d in entry["shape"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvalidInputError(f"inputs[{i}] needs 'name', 'datatype' and an integer 'shape' ({e})") from None
-        params = entry.get("parameters") or {}
+            raise InvalidInputError(f"{where} must be an object")
+        for key in ("name", "datatype", "shape"):
+            if key not in entry:
+                raise InvalidInputError(f"{where} needs 'name', 'datatype' and an integer 'shape' (no {key!r})")
+        name = _text(entry["name"], f"{where} 'name'")
+        datatype = _text(entry["datatype"], f"input {name!r}: 'datatype'")
+        shape = _shape(entry["shape"], f"input {name!r}:")
+        params = _parameters(entry.get("parameters"), f"input {name!r}:")
         size = params.get("binary_data_size")
         if size is not None:
-            if not isinstance(size, int) or size < 0:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise InvalidInputError(f"input {name!r}: binary_data_size must be a non-negative integer")
             if offset + size > len(binary):
                 raise InvalidInputError(
@@ -91,17 +128,26 @@ def decode_infer(body: bytes, header_length: int | None, model: str, version: st
         raise InvalidInputError(
             f"{len(binary) - offset} bytes of binary data follow the inputs that binary_data_size describes"
         )
-    outputs = [
-        RequestedOutput(o["name"], o.get("parameters") or {})
-        for o in header.get("outputs") or ()
-        if isinstance(o, dict) and "name" in o
-    ]
-    params = header.get("parameters") or {}
+    wanted = header.get("outputs")
+    if wanted is None:
+        wanted = []
+    if not isinstance(wanted, list):
+        raise InvalidInputError(f"'outputs' must be a list of objects, got {_kind(wanted)}")
+    outputs = []
+    for i, o in enumerate(wanted):
+        if not isinstance(o, dict) or "name" not in o:
+            raise InvalidInputError(f"outputs[{i}] must be an object with a 'name'")
+        out = _text(o["name"], f"outputs[{i}] 'name'")
+        outputs.append(RequestedOutput(out, _parameters(o.get("parameters"), f"output {out!r}:")))
+    params = _parameters(header.get("parameters"), "the request's")
+    request_id = header.get("id", "")
+    if not isinstance(request_id, str | int) or isinstance(request_id, bool):
+        raise InvalidInputError(f"'id' must be a string, got {_kind(request_id)}")
     return InferenceRequest(
         model,
         inputs,
         version,
-        str(header.get("id", "")),
+        str(request_id),
         outputs,
         params,
         *scheduling_parameters(params),

@@ -23,7 +23,7 @@ from octacloud.scheduler.plugins import (
 from octacloud.scheduler.registry import PluginRegistry
 
 RULE_KINDS = ("octant-unit", "model-memory", "failover-headroom")
-"""The product's rules (``../shared/DESIGN.md``); profiles that reproduce published results leave them out."""
+"""The product's rules (docs/scheduler.md); profiles that reproduce published results leave them out."""
 
 
 def builtin_registry() -> PluginRegistry:

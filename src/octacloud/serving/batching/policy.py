@@ -8,6 +8,7 @@ Triton's options are honoured: ``max_batch_size``, ``preferred_batch_size``, ``m
 ``priority_levels`` / ``default_priority_level``, and per-level queue policies (timeout with REJECT or DELAY,
 ``allow_timeout_override``, ``max_queue_size``). The design's default is added: a batch is dispatched as soon as
 more than 3 requests wait (``merge_after`` = 4), or when the oldest has waited the delay (2 ms by default).
+With ``isolate_requests`` every batch is one request (or one chunk of it), run as soon as an instance is free.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class BatchingSettings:
     default_priority: int = 0
     default_queue: QueuePolicy = QueuePolicy()
     queues: Mapping[int, QueuePolicy] = field(default_factory=dict)
+    isolate_requests: bool = False
+    """Never put two requests in one batch: for models whose rows are coupled within a batch (dynamic
+    quantization's per-batch activation scale), so one request's results never depend on another's."""
     max_pending: int = 0
     """The most requests (chunks) waiting at once, over all levels; 0: unbounded."""
     max_queue_wait_us: int | None = None
@@ -181,7 +185,7 @@ class BatchPolicy:
         order.extend(delayed)  # DELAY: timed-out requests go after every other one
         if not order:
             return Decision(expired=tuple(expired))
-        if s.max_batch_size <= 0:
+        if s.max_batch_size <= 0 or s.isolate_requests:
             return Decision(batch=(order[0],), expired=tuple(expired))
 
         cap = max(1, min(cap, s.max_batch_size))

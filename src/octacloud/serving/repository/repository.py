@@ -55,6 +55,14 @@ class _Slot:
     failed_signature: tuple[tuple[str, int, int], ...] = ()
 
 
+def is_model_name(name: str) -> bool:
+    """Whether ``name`` can name a model of a repository: one folder directly under its root (one path
+    component, not hidden, no separator), so that no name reaches a path outside the repository."""
+    return (
+        0 < len(name) <= 255 and not name.startswith(".") and "/" not in name and "\\" not in name and "\0" not in name
+    )
+
+
 def _stat_signature(path: Path) -> tuple[tuple[str, int, int], ...]:
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     out = []
@@ -124,7 +132,7 @@ class ModelRepository:
         if slot is None or slot.default is None:
             if slot is not None and slot.error:
                 raise ModelNotReadyError(f"model {name!r} is not available: {slot.error}")
-            if (self.root / name).is_dir():
+            if is_model_name(name) and (self.root / name).is_dir():
                 raise ModelNotReadyError(f"model {name!r} is not loaded; load it with the repository API")
             raise ModelNotFoundError(f"unknown model {name!r}; known models: {', '.join(self.model_names())}")
         if not version:
@@ -170,7 +178,7 @@ class ModelRepository:
         async with self._lock:
             slot = self._slots.pop(name, None)
             if slot is None or not slot.versions:
-                if not (self.root / name).is_dir() and slot is None:
+                if slot is None and not (is_model_name(name) and (self.root / name).is_dir()):
                     raise ModelNotFoundError(f"unknown model {name!r}")
                 return
             for m in slot.versions.values():
@@ -204,8 +212,8 @@ class ModelRepository:
 
     async def _load_locked(self, name: str, slot: _Slot) -> None:
         model_dir = self.root / name
-        if not model_dir.is_dir():
-            raise ModelNotFoundError(f"unknown model {name!r}: {model_dir} is not a directory")
+        if not is_model_name(name) or not model_dir.is_dir():
+            raise ModelNotFoundError(f"unknown model {name!r}; known models: {', '.join(self.model_names())}")
         config = read_config(model_dir)
         wanted = self._select_versions(model_dir, config)
         config_sig = _stat_signature(model_dir / CONFIG_FILE)

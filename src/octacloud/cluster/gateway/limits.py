@@ -1,0 +1,76 @@
+"""What the gateway bounds, and the defaults (docs/security.md lists them; ``octacloud up`` can change them).
+
+Every bound is checked as early as the information exists: the connection count when a connection arrives,
+the header time before a request is routed, the key and the announced body size on the headers (before one
+byte of the body is read), the body time while it is read, the gRPC message size by gRPC itself from the
+message's length prefix, and the deployment's requests in flight before a replica is asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
+
+from octacloud.core.errors import InvalidSpecError
+from octacloud.protocols.asgi import DEFAULT_MAX_BODY_BYTES
+
+MIB = 2**20
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "MIB", "GatewayLimits"]
+# DEFAULT_MAX_BODY_BYTES: the largest request body replicas accept (``octacloud serve --max-body-mb``'s
+# default); more is refused at the gateway from its Content-Length, so it never buffers what no replica takes.
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayLimits:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """Largest REST request body; 413 when Content-Length says more (before reading) or the body grows past it."""
+    max_message_bytes: int = DEFAULT_MAX_BODY_BYTES + MIB
+    """Largest gRPC message received (the body limit plus room for the message's own fields)."""
+    max_header_bytes: int = 64 * 1024
+    """A request's line and headers together; 431 and the connection closed beyond it."""
+    header_timeout_s: float = 10.0
+    """From a connection's start (or the end of its previous answer) to the end of the request's headers."""
+    body_timeout_s: float = 60.0
+    """From the end of the headers to the end of the body; 408 after it."""
+    keep_alive_s: float = 5.0
+    """An idle keep-alive connection is closed after this long."""
+    max_connections: int = 10_000
+    """Open client connections (REST); one more is closed at once. Keep it below the process's file limit."""
+    max_concurrent_rpcs: int = 4_096
+    """gRPC calls in progress; more are refused with RESOURCE_EXHAUSTED by gRPC itself."""
+    max_inflight_per_replica: int = 16
+    """Requests one deployment may have in flight per ready replica; more are refused at once with 503 and
+    ``Retry-After`` (load shedding), so the queue at the replicas, and the latency of what is admitted, stay
+    bounded. 0: no bound."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_body_bytes",
+            "max_message_bytes",
+            "max_header_bytes",
+            "max_connections",
+            "max_concurrent_rpcs",
+        ):
+            if getattr(self, name) <= 0:
+                raise InvalidSpecError(f"gateway limit {name} must be positive, got {getattr(self, name)}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidSpecError(f"gateway limit {name} must be a positive number of seconds")
+        if self.max_inflight_per_replica < 0:
+            raise InvalidSpecError("gateway limit max_inflight_per_replica must be 0 (no bound) or positive")
+
+    @classmethod
+    def parse(cls, items: Iterable[str]) -> GatewayLimits:
+        """Defaults changed by ``NAME=VALUE`` items (``octacloud up --limit max_inflight_per_replica=32``)."""
+        kinds = {f.name: f.type for f in fields(cls)}
+        changes: dict[str, int | float] = {}
+        for item in items:
+            name, sep, text = item.partition("=")
+            name = name.strip().replace("-", "_")
+            if not sep or name not in kinds:
+                raise InvalidSpecError(f"--limit takes NAME=VALUE with NAME one of {', '.join(kinds)}; got {item!r}")
+            try:
+                changes[name] = float(text) if kinds[name] in (float, "float") else int(text)
+            except ValueError:
+                raise InvalidSpecError(f"--limit {name} needs a number, got {text!r}") from None
+        return replace(cls(), **changes)  # type: ignore[arg-type]

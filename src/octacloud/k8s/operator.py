@@ -1,0 +1,364 @@
+"""The ``InferenceDeployment`` custom resource (``octacloud.io/v1alpha1``), reconciled into a Deployment of replica
+pods that request octants, a Service, and a status.
+
+An ``InferenceDeployment`` says what ``octacloud deploy`` says: a model (and version) from the repository, octants
+per replica (1..8, a multiple of 8 for whole cards, or ``auto``: sized from the model's footprint), a replica
+count or a target QPS and latency SLO (sized from the model's profile), a priority class and a tenant. The
+operator turns it into:
+
+- a ``Deployment`` whose pods run ``octacloud serve`` on the model, ask for ``octacloud.io/octants`` (so the
+  scheduler extender places them and the device plugin binds them to their slice), and roll out make-before-break
+  (``maxSurge: 1``, ``maxUnavailable: 0``: a new replica is ready before an old one stops, as in the cloud);
+- a ``Service`` in front of the ready replicas (REST 8000, gRPC 8001, metrics 8002);
+- ``status``: replicas, ready replicas, octants, and each pod's placement (node and cards) as the extender
+  recorded it.
+
+:func:`reconcile` is plain async code over :class:`~octacloud.k8s.api.KubeClient`; :func:`register_handlers`
+hands it to kopf, which watches the resources and retries failures with back-off.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from octacloud.cluster.deployments import DeploymentSpec
+from octacloud.cluster.sizing import ModelFootprint, size_deployment
+from octacloud.core.errors import InvalidSpecError, NotFoundError
+from octacloud.k8s.api import ApiError, KubeClient, is_not_found, node_path, pods_path
+from octacloud.k8s.resources import (
+    GPU_COUNT_LABEL,
+    GPU_MEMORY,
+    GPU_MEMORY_LABEL,
+    OCTANTS,
+    TENANT_LABEL,
+    Obj,
+    pod_placement,
+)
+
+log = logging.getLogger("octacloud.k8s.operator")
+
+GROUP, VERSION, PLURAL, KIND = "octacloud.io", "v1alpha1", "inferencedeployments", "InferenceDeployment"
+API_VERSION = f"{GROUP}/{VERSION}"
+NAME_LABEL = "octacloud.io/inference-deployment"
+DEFAULT_IMAGE = "ghcr.io/octacloud/octacloud:0.1.0"
+SCHEDULER_NAME = "octacloud"
+"""The kube-scheduler profile that calls octacloud's extender (deploy/k8s/scheduler-config.yaml)."""
+MODELS_MOUNT = "/models"
+SPEC_KEYS = (
+    "model",
+    "version",
+    "octants",
+    "replicas",
+    "minReplicas",
+    "maxReplicas",
+    "targetQPS",
+    "sloMs",
+    "priorityClassName",
+    "schedulerName",
+    "tenant",
+    "image",
+    "modelsClaim",
+)
+
+FootprintSource = Callable[[str], ModelFootprint]
+
+
+def resource_path(namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+    return path + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Desired:
+    """What an InferenceDeployment resolves to."""
+
+    name: str
+    namespace: str
+    spec: DeploymentSpec
+    octants: int
+    replicas: int
+    memory_mib: int
+    priority_class: str
+    image: str
+    models_claim: str
+    scheduler_name: str = SCHEDULER_NAME
+
+
+def parse(obj: Mapping[str, Any], footprint: FootprintSource | None, card_memory_mib: int | None) -> Desired:
+    """Validate an InferenceDeployment and resolve its size; errors name the field."""
+    meta = obj.get("metadata") or {}
+    name, namespace = str(meta.get("name", "")), str(meta.get("namespace") or "default")
+    where = f"{KIND} {namespace}/{name}"
+    spec = obj.get("spec")
+    if not isinstance(spec, Mapping):
+        raise InvalidSpecError(f"{where}: spec is missing")
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise InvalidSpecError(f"{where}: unknown spec field(s) {unknown}; allowed: {list(SPEC_KEYS)}")
+    model = spec.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidSpecError(f"{where}: spec.model must name a model of the repository")
+    raw_octants = spec.get("octants", 1)
+    if raw_octants != "auto" and (isinstance(raw_octants, bool) or not isinstance(raw_octants, int)):
+        raise InvalidSpecError(f"{where}: spec.octants must be 1..8, a multiple of 8, or 'auto'; got {raw_octants!r}")
+    replicas = spec.get("replicas")
+    target = spec.get("targetQPS")
+    if replicas is not None and target is not None:
+        raise InvalidSpecError(f"{where}: give spec.replicas or spec.targetQPS (with sloMs), not both")
+    lo = int(spec.get("minReplicas", replicas if replicas is not None else 1))
+    hi = int(spec.get("maxReplicas", replicas if replicas is not None else max(lo, 1)))
+    try:
+        ds = DeploymentSpec(
+            name=name,
+            model=model,
+            version=str(spec.get("version", "")),
+            octants=None if raw_octants == "auto" else int(raw_octants),
+            min_replicas=lo,
+            max_replicas=hi,
+            target_qps=None if target is None else float(target),
+            slo_ms=None if spec.get("sloMs") is None else float(spec["sloMs"]),
+            tenant=str(spec.get("tenant", "default")),
+        )
+    except (TypeError, ValueError) as exc:
+        raise InvalidSpecError(f"{where}: {exc}") from None
+    memory = 0
+    fp: ModelFootprint | None = None
+    if footprint is not None:
+        try:
+            fp = footprint(model)
+            memory = fp.memory_mib
+        except (NotFoundError, InvalidSpecError) as exc:
+            if ds.octants is None or target is not None:
+                raise InvalidSpecError(f"{where}: {exc}") from None
+    octants = ds.octants
+    count = replicas if replicas is not None else lo
+    if ds.octants is None or target is not None:
+        if fp is None or not card_memory_mib:
+            raise InvalidSpecError(
+                f"{where}: octants 'auto' and targetQPS need the model repository and the fleet's card memory "
+                "(run the operator with --repository, on a cluster whose nodes octacloud's device plugin labelled)"
+            )
+        sizing = size_deployment(fp, card_memory_mib, target_qps=ds.target_qps, min_replicas=lo, max_replicas=hi)
+        octants = ds.octants or sizing.octants
+        count = sizing.replicas
+    assert octants is not None
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise InvalidSpecError(f"{where}: spec.replicas must be an integer >= 0, got {count!r}")
+    return Desired(
+        name,
+        namespace,
+        ds,
+        octants,
+        count,
+        memory,
+        str(spec.get("priorityClassName", "")),
+        str(spec.get("image", DEFAULT_IMAGE)),
+        str(spec.get("modelsClaim", "octacloud-models")),
+        str(spec.get("schedulerName", SCHEDULER_NAME)),
+    )
+
+
+def owner_reference(obj: Mapping[str, Any]) -> Obj:
+    meta = obj.get("metadata") or {}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta.get("name"),
+        "uid": meta.get("uid"),
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def deployment_for(d: Desired, owner: Obj) -> Obj:
+    """The apps/v1 Deployment of ``d``'s replicas."""
+    labels = {NAME_LABEL: d.name, TENANT_LABEL: d.spec.tenant, "app.kubernetes.io/managed-by": "octacloud"}
+    annotations = {GPU_MEMORY: str(d.memory_mib)} if d.memory_mib else {}
+    command = [
+        "octacloud",
+        "serve",
+        "--repository",
+        MODELS_MOUNT,
+        "--host",
+        "0.0.0.0",
+        "--model-control-mode",
+        "explicit",
+        "--load-model",
+        d.spec.model,
+    ]
+    container: Obj = {
+        "name": "replica",
+        "image": d.image,
+        "command": command,
+        "ports": [
+            {"name": "http", "containerPort": 8000},
+            {"name": "grpc", "containerPort": 8001},
+            {"name": "metrics", "containerPort": 8002},
+        ],
+        "resources": {"limits": {OCTANTS: str(d.octants)}},
+        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 2},
+        "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10},
+        "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}],
+    }
+    pod_spec: Obj = {
+        "schedulerName": d.scheduler_name,
+        "containers": [container],
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": d.models_claim, "readOnly": True}}],
+    }
+    if d.priority_class:
+        pod_spec["priorityClassName"] = d.priority_class
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": d.name, "namespace": d.namespace, "labels": labels, "ownerReferences": [owner]},
+        "spec": {
+            "replicas": d.replicas,
+            "selector": {"matchLabels": {NAME_LABEL: d.name}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec},
+        },
+    }
+
+
+def service_for(d: Desired, owner: Obj) -> Obj:
+    ports = [
+        {"name": n, "port": p, "targetPort": n, "protocol": "TCP"}
+        for n, p in (("http", 8000), ("grpc", 8001), ("metrics", 8002))
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": d.name,
+            "namespace": d.namespace,
+            "labels": {NAME_LABEL: d.name},
+            "ownerReferences": [owner],
+        },
+        "spec": {"selector": {NAME_LABEL: d.name}, "ports": ports},
+    }
+
+
+async def apply(api: KubeClient, collection: str, desired: Obj) -> str:
+    """Create ``desired`` or merge-patch the live object to it; returns 'created', 'updated' or 'unchanged'."""
+    name = desired["metadata"]["name"]
+    try:
+        live = await api.get(f"{collection}/{name}")
+    except ApiError as exc:
+        if not is_not_found(exc):
+            raise
+        await api.create(collection, desired)
+        return "created"
+    owner = desired["metadata"]["ownerReferences"][0]
+    owners = (live.get("metadata") or {}).get("ownerReferences") or []
+    if not any(o.get("uid") == owner["uid"] and o.get("kind") == owner["kind"] for o in owners):
+        raise InvalidSpecError(
+            f"{live.get('kind', 'object')} {desired['metadata']['namespace']}/{name} exists and does not belong to "
+            f"{owner['kind']} {name}; octacloud will not take it over (rename one of them)"
+        )
+    if _contains(live, {"metadata": {"labels": desired["metadata"]["labels"]}, "spec": desired["spec"]}):
+        return "unchanged"
+    await api.patch(
+        f"{collection}/{name}", {"metadata": {"labels": desired["metadata"]["labels"]}, "spec": desired["spec"]}
+    )
+    return "updated"
+
+
+def _contains(live: Any, want: Any) -> bool:
+    if isinstance(want, Mapping):
+        return isinstance(live, Mapping) and all(_contains(live.get(k), v) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(live, list) and len(live) == len(want) and all(map(_contains, live, want))
+    return bool(live == want)
+
+
+async def card_memory(api: KubeClient) -> int | None:
+    """The largest card memory among the nodes octacloud's device plugin labelled."""
+    best = 0
+    for n in await api.list(node_path(), label_selector=GPU_COUNT_LABEL):
+        labels = (n.get("metadata") or {}).get("labels") or {}
+        try:
+            best = max(best, int(labels.get(GPU_MEMORY_LABEL, 0)))
+        except ValueError:
+            continue
+    return best or None
+
+
+async def reconcile(api: KubeClient, obj: Mapping[str, Any], footprint: FootprintSource | None = None) -> Obj:
+    """Make the Deployment and Service match ``obj``; return its new ``status``. Raises InvalidSpecError for a
+    spec that can never work (kopf reports it without retrying) and ApiError for the API (kopf retries)."""
+    d = parse(obj, footprint, await card_memory(api) if footprint is not None else None)
+    owner = owner_reference(obj)
+    deployment = await apply(api, f"/apis/apps/v1/namespaces/{d.namespace}/deployments", deployment_for(d, owner))
+    await apply(api, f"/api/v1/namespaces/{d.namespace}/services", service_for(d, owner))
+    if deployment != "unchanged":
+        log.info("%s/%s: deployment %s (%d × %d octants)", d.namespace, d.name, deployment, d.replicas, d.octants)
+    return await observe(api, d, obj)
+
+
+async def observe(api: KubeClient, d: Desired, obj: Mapping[str, Any]) -> Obj:
+    """The status: replica counts from the Deployment, placements from the pods' annotations."""
+    try:
+        live = await api.get(f"/apis/apps/v1/namespaces/{d.namespace}/deployments/{d.name}")
+    except ApiError as exc:
+        if not is_not_found(exc):
+            raise
+        live = {}
+    status = live.get("status") or {}
+    placements = []
+    for pod in await api.list(pods_path(d.namespace), label_selector=f"{NAME_LABEL}={d.name}"):
+        p = pod_placement(pod)
+        meta = pod.get("metadata") or {}
+        placements.append(
+            {
+                "pod": meta.get("name"),
+                "node": p.node if p else "",
+                "cards": list(p.gpus) if p else [],
+                "phase": (pod.get("status") or {}).get("phase", ""),
+            }
+        )
+    ready = int(status.get("readyReplicas") or 0)
+    return {
+        "replicas": d.replicas,
+        "readyReplicas": ready,
+        "updatedReplicas": int(status.get("updatedReplicas") or 0),
+        "octants": d.octants,
+        "octantsTotal": d.octants * d.replicas,
+        "placements": sorted(placements, key=lambda p: str(p["pod"])),
+        "observedGeneration": (obj.get("metadata") or {}).get("generation", 0),
+        "phase": "Ready" if ready >= d.replicas else "Progressing",
+        "message": "",
+    }
+
+
+def register_handlers(
+    api_factory: Callable[[], KubeClient], footprint: FootprintSource | None = None, registry: Any = None
+) -> None:
+    """Register kopf handlers (in ``registry``, default kopf's): create, update and resume reconcile; a timer
+    reconciles again every 10 s (level-triggered: drift is repaired) and refreshes the status."""
+    import kopf
+
+    resource = (GROUP, VERSION, PLURAL)
+
+    async def handle(body: Mapping[str, Any], patch: Any) -> None:
+        api = api_factory()
+        try:
+            status = await reconcile(api, body, footprint)
+        except InvalidSpecError as exc:
+            patch.status["phase"], patch.status["message"] = "Invalid", str(exc)
+            raise kopf.PermanentError(str(exc)) from None
+        except ApiError as exc:
+            raise kopf.TemporaryError(str(exc), delay=5) from None
+        finally:
+            await api.close()
+        patch.status.update(status)
+
+    async def on_change(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        await handle(body, patch)
+
+    kopf.on.create(*resource, registry=registry)(on_change)
+    kopf.on.update(*resource, field="spec", registry=registry)(on_change)
+    kopf.on.resume(*resource, registry=registry)(on_change)
+    kopf.timer(*resource, interval=10.0, idle=5.0, registry=registry)(on_change)

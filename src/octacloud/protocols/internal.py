@@ -1,0 +1,132 @@
+"""The replica's side of the per-cloud internal secret: only its cloud's gateway (and controller) may call it.
+
+A replica that a cloud launches gets the path of a file holding the cloud's secret in
+``OCTACLOUD_INTERNAL_SECRET_FILE``; every request must then carry that secret in ``x-octacloud-internal``
+(an HTTP header on REST and metrics, gRPC metadata on gRPC), compared in constant time. Without it: REST and
+metrics answer 401, gRPC UNAUTHENTICATED. The health endpoints (``/v2/health/live|ready``, ``ServerLive``,
+``ServerReady``) stay open: they say only whether the process is up.
+
+``octacloud serve`` started by hand (no secret configured) is open, as Triton is: bind it to loopback, or put
+it behind something that authenticates.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from octacloud.core.errors import InvalidSpecError
+
+ENV_VAR = "OCTACLOUD_INTERNAL_SECRET_FILE"
+HEADER = "x-octacloud-internal"
+_HEADER = HEADER.encode()
+REFUSED = f"this replica serves its cloud's gateway only: {HEADER} is missing or wrong"
+OPEN_HTTP_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+OPEN_GRPC_METHODS = frozenset(
+    {"/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady"}
+)
+
+
+def read_secret(path: Path | str) -> bytes:
+    """The secret in ``path``; refuses a file others may read, or one too short to be a secret."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text().strip()
+    except OSError as e:
+        raise InvalidSpecError(f"internal secret {path}: {e.strerror}") from None
+    if mode & 0o077:
+        raise InvalidSpecError(f"internal secret {path} is readable by others (mode {mode & 0o777:o}); chmod 600 it")
+    if len(text) < 32:
+        raise InvalidSpecError(f"internal secret {path} is shorter than 32 characters")
+    return text.encode()
+
+
+def secret_file_from_env() -> Path | None:
+    name = os.environ.get(ENV_VAR)
+    return Path(name) if name else None
+
+
+def matches(secret: bytes, presented: bytes | str | None) -> bool:
+    if presented is None:
+        return False
+    value = presented.encode("latin-1", errors="replace") if isinstance(presented, str) else presented
+    return hmac.compare_digest(value, secret)
+
+
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
+
+
+class RequireSecret:
+    """ASGI middleware: HTTP requests without the secret get 401 before the app (or the body) is read."""
+
+    def __init__(self, app: ASGIApp, secret: bytes) -> None:
+        self.app = app
+        self.secret = secret
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_HTTP_PATHS:
+            presented = next((v for k, v in scope["headers"] if k == _HEADER), None)
+            if not matches(self.secret, presented):
+                body = b'{"error":"' + REFUSED.encode() + b'"}'
+                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+class SecretInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """gRPC: calls without the secret in their metadata are aborted with UNAUTHENTICATED before they run."""
+
+    def __init__(self, secret: bytes) -> None:
+        self.secret = secret
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method in OPEN_GRPC_METHODS:
+            return handler
+        presented = next((v for k, v in details.invocation_metadata or () if k == HEADER), None)
+        if matches(self.secret, presented):
+            return handler
+        return _refusing(handler)
+
+
+def _refusing(handler: Any) -> Any:
+    async def unary(request: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+
+    async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+        yield None  # pragma: no cover - abort raises
+
+    kinds = {
+        (False, False): (grpc.unary_unary_rpc_method_handler, unary),
+        (False, True): (grpc.unary_stream_rpc_method_handler, streaming),
+        (True, False): (grpc.stream_unary_rpc_method_handler, unary),
+        (True, True): (grpc.stream_stream_rpc_method_handler, streaming),
+    }
+    make, behaviour = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(behaviour, handler.request_deserializer, handler.response_serializer)
+
+
+WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def wsgi_requiring_secret(app: WSGIApp, secret: bytes) -> WSGIApp:
+    """The metrics endpoint (WSGI): 401 without the secret."""
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if not matches(secret, environ.get("HTTP_X_OCTACLOUD_INTERNAL")):
+            body = REFUSED.encode()
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+            return [body]
+        return app(environ, start_response)
+
+    return guarded

@@ -1,0 +1,126 @@
+"""A replica launched by a cloud answers only requests that carry the cloud's internal secret."""
+
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from octacloud.core.errors import InvalidSpecError
+from octacloud.protocols import ServerSettings
+from octacloud.protocols.internal import ENV_VAR, HEADER
+
+from .conftest import ThreadedServer, build_repository, start
+
+SECRET = "s" * 40
+
+
+def secret_file(tmp: Path, mode: int = 0o600) -> Path:
+    path = tmp / "internal.secret"
+    path.write_text(SECRET + "\n")
+    os.chmod(path, mode)
+    return path
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadedServer]:
+    tmp = tmp_path_factory.mktemp("guarded")
+    s = start(build_repository(tmp / "models"), internal_secret_file=secret_file(tmp))
+    yield s
+    s.stop()
+
+
+def get(url: str, headers: dict[str, str] | None = None, body: bytes | None = None) -> int:
+    req = urllib.request.Request(url, data=body, headers=headers or {}, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+INFER = (
+    b'{"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[1,4],"data":[1,2,3,4]},'
+    b'{"name":"INPUT1","datatype":"FP32","shape":[1,4],"data":[1,2,3,4]}]}'
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v2", None),
+        ("/v2/models/add", None),
+        ("/v2/models/add/infer", INFER),
+        ("/v2/models/stats", None),
+        ("/v2/repository/index", b"{}"),
+        ("/v2/repository/models/add/unload", b"{}"),
+    ],
+)
+def test_rest_needs_the_secret(guarded: ThreadedServer, path: str, body: bytes | None) -> None:
+    url = f"http://{guarded.http}{path}"
+    assert get(url, body=body) == 401
+    assert get(url, {HEADER: "s" * 39 + "x"}, body) == 401
+    assert get(url, {HEADER: SECRET}, body) in (200, 403)  # 403: unload in control mode none
+    assert get(f"http://{guarded.http}/v2/health/ready") == 200  # health stays open
+
+
+def test_metrics_need_the_secret(guarded: ThreadedServer) -> None:
+    url = f"http://127.0.0.1:{guarded.server.metrics_port}/metrics"
+    assert get(url) == 401
+    assert get(url, {HEADER: "nope"}) == 401
+    assert get(url, {HEADER: SECRET}) == 200
+
+
+def test_grpc_needs_the_secret(guarded: ThreadedServer) -> None:
+    with grpc.insecure_channel(guarded.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ServerLive(pb.ServerLiveRequest()).live  # health stays open
+        request = pb.ModelInferRequest(model_name="add")
+        for name in ("INPUT0", "INPUT1"):
+            request.inputs.add(name=name, datatype="FP32", shape=[1, 4])
+            request.raw_input_contents.append(np.ones(4, np.float32).tobytes())
+        calls = [
+            lambda md: stub.ModelMetadata(pb.ModelMetadataRequest(name="add"), metadata=md),
+            lambda md: stub.ModelInfer(request, metadata=md),
+            lambda md: stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="add"), metadata=md),
+            lambda md: list(stub.ModelStreamInfer(iter([request]), metadata=md)),
+        ]
+        for call in calls:
+            for md in ((), ((HEADER, "wrong"),)):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(md)
+                assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert stub.ModelMetadata(pb.ModelMetadataRequest(name="add"), metadata=((HEADER, SECRET),)).name == "add"
+        out = stub.ModelInfer(request, metadata=((HEADER, SECRET),))
+        assert np.frombuffer(out.raw_output_contents[0], np.float32).tolist() == [2, 2, 2, 2]
+
+
+def test_the_secret_comes_from_the_environment_and_a_readable_file_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = secret_file(tmp_path)
+    monkeypatch.setenv(ENV_VAR, str(path))
+    assert ServerSettings(repository=tmp_path).internal_secret_file == path
+    monkeypatch.delenv(ENV_VAR)
+    assert ServerSettings(repository=tmp_path).internal_secret_file is None
+    from octacloud.protocols.server import ReplicaServer
+
+    os.chmod(path, 0o644)
+    with pytest.raises(InvalidSpecError, match="readable by others"):
+        ReplicaServer(ServerSettings(repository=tmp_path, internal_secret_file=path))
+
+
+def test_a_replica_of_a_cloud_never_binds_every_interface(tmp_path: Path) -> None:
+    path = secret_file(tmp_path)
+    for wildcard in ("0.0.0.0", "::"):
+        assert ServerSettings(repository=tmp_path, host=wildcard, internal_secret_file=path).host == "127.0.0.1"
+    assert ServerSettings(repository=tmp_path, host="10.1.2.3", internal_secret_file=path).host == "10.1.2.3"
+    assert ServerSettings(repository=tmp_path, host="0.0.0.0", internal_secret_file=None).host == "0.0.0.0"
