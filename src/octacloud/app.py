@@ -36,7 +36,6 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node, Request
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
 from octacloud.metering import Ledger, Meter, PriceSheet
-from octacloud.scheduler.actions.preempt import preempt
 from octacloud.scheduler.fragmentation import TargetWorkload
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
@@ -117,7 +116,6 @@ class Cloud:
             clock=clock,
             prober=self._prober,
             footprint=RepositoryFootprints(config.repository),
-            preemptor=lambda request: _preempt_names(self.scheduler, request),
             settings=config.controller,
         )
         self._started = False
@@ -133,7 +131,7 @@ class Cloud:
         self.ledger = Ledger(self.store.engine)
         self.usage = ClusterUsage(self.controller)
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
-        self.grpc_gateway = GrpcGateway(self.routes, ready=lambda: self._started, guard=self.guard)
+        self.grpc_gateway = GrpcGateway(self.routes, ready=self._ready, guard=self.guard)
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
         cache_stats = getattr(self.controller.launcher, "cache_stats", None)  # the Ray launcher's node caches
         dashboard, metrics = self.monitoring.apps(
@@ -144,7 +142,7 @@ class Cloud:
         self.rest_gateway = RestGateway(
             self.routes,
             admin=admin,
-            ready=lambda: self._started,
+            ready=self._ready,
             guard=self.guard,
             dashboard=dashboard,
             metrics=metrics,
@@ -225,6 +223,10 @@ class Cloud:
         finally:
             await self.stop()
 
+    def _ready(self) -> bool:
+        """Ready: started, and the controller's loop runs and completes iterations."""
+        return self._started and self.controller.ready()[0]
+
     def request_stop(self) -> None:
         self._stop.set()
 
@@ -290,9 +292,3 @@ def slice_prior() -> TargetWorkload:
     sizes = [Request("prior", num_gpu=1, gpu_milli=k * MILLI_PER_OCTANT) for k in range(1, OCTANTS_PER_GPU + 1)]
     sizes.append(Request("prior", num_gpu=2, gpu_milli=MILLI_PER_GPU))
     return TargetWorkload.from_requests(sizes, coverage=1.0)
-
-
-def _preempt_names(scheduler: Scheduler, request: Request) -> list[str] | None:
-    """The controller's preemption hook: place ``request`` by evicting lower-priority replicas, or None."""
-    outcome = preempt(scheduler, request)
-    return None if outcome is None else [v.request.name for v in outcome.victims]

@@ -8,7 +8,6 @@ answer 404, as a missing one does) and is held to its quota; the fleet is the ad
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 from starlette.applications import Starlette
@@ -20,6 +19,7 @@ from octacloud.cluster.auth import ANONYMOUS_ADMIN, Holding, KeyStore, Principal
 from octacloud.cluster.auth.api import principal_of, tenant_routes, unauthenticated
 from octacloud.cluster.controller import Controller
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica
+from octacloud.cluster.rollout_api import rollout_routes
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.metering import Ledger, PriceSheet
 
@@ -219,11 +219,7 @@ def build_admin_app(
             limit = int(request.query_params.get("limit", "100"))
         except ValueError:
             return _error(400, "limit must be a whole number")
-        found = controller.store.events(limit if p.is_admin else 10 * limit)
-        if not p.is_admin:
-            mine = [re.escape(d.spec.name) for d in controller.store.deployments() if d.spec.tenant == p.tenant]
-            subject = re.compile(rf"^({'|'.join(mine)})(-[0-9a-f]{{6}})?$") if mine else None
-            found = [e for e in found if subject is not None and subject.match(str(e["subject"]))][:limit]
+        found = controller.store.events(limit, tenant=None if p.is_admin else p.tenant)
         return JSONResponse({"events": found})
 
     return Starlette(
@@ -235,6 +231,7 @@ def build_admin_app(
             Route("/admin/deployments/{name}/scale", scale, methods=["POST"]),
             Route("/admin/fleet", fleet, methods=["GET"]),
             Route("/admin/events", events, methods=["GET"]),
+            *rollout_routes(controller, caller),
             *(tenant_routes(keys, ledger, prices) if keys is not None else []),
         ]
     )

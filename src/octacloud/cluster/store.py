@@ -11,10 +11,10 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
-from sqlalchemy import Float, Integer, String, Text, create_engine, event, select
+from sqlalchemy import Float, Integer, String, Text, create_engine, event, inspect, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
@@ -50,6 +50,20 @@ class _EventRow(_Base):
     kind: Mapped[str] = mapped_column(String(32))
     subject: Mapped[str] = mapped_column(String(128))
     message: Mapped[str] = mapped_column(Text)
+    deployment: Mapped[str] = mapped_column(String(64), default="")
+    tenant: Mapped[str] = mapped_column(String(64), default="", index=True)
+
+
+class _RevisionRow(_Base):
+    """Every spec a deployment was given, numbered from 1: what ``rollout undo`` goes back to."""
+
+    __tablename__ = "revisions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    deployment: Mapped[str] = mapped_column(String(64), index=True)
+    revision: Mapped[int] = mapped_column(Integer)
+    spec: Mapped[str] = mapped_column(Text)
+    octants: Mapped[int] = mapped_column(Integer)
+    at: Mapped[float] = mapped_column(Float)
 
 
 def sqlite_url(path: Path) -> str:
@@ -65,6 +79,7 @@ class StateStore:
         if url.startswith("sqlite"):
             event.listen(self.engine, "connect", _sqlite_pragmas)
         _Base.metadata.create_all(self.engine)
+        _add_missing_columns(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @classmethod
@@ -133,17 +148,91 @@ class StateStore:
 
     # ---- events ------------------------------------------------------------------------------------------
 
-    def add_event(self, kind: str, subject: str, message: str, at: float | None = None) -> None:
+    def add_event(
+        self,
+        kind: str,
+        subject: str,
+        message: str,
+        at: float | None = None,
+        *,
+        deployment: str = "",
+        tenant: str = "",
+    ) -> None:
+        """Record an event about ``subject`` (a replica, deployment or node), with the deployment and tenant it
+        concerns ('' for the fleet's own events)."""
+        row = _EventRow(
+            at=time.time() if at is None else at,
+            kind=kind,
+            subject=subject,
+            message=message,
+            deployment=deployment,
+            tenant=tenant,
+        )
         with self._tx() as s:
-            s.add(_EventRow(at=time.time() if at is None else at, kind=kind, subject=subject, message=message))
+            s.add(row)
 
-    def events(self, limit: int = 100) -> list[dict[str, object]]:
+    def events(self, limit: int = 100, *, tenant: str | None = None) -> list[dict[str, object]]:
+        """The newest ``limit`` events, newest first; only ``tenant``'s when given."""
         with self._tx() as s:
-            rows = s.scalars(select(_EventRow).order_by(_EventRow.id.desc()).limit(limit))
-            return [{"at": r.at, "kind": r.kind, "subject": r.subject, "message": r.message} for r in rows]
+            q = select(_EventRow)
+            if tenant is not None:
+                q = q.where(_EventRow.tenant == tenant)
+            rows = s.scalars(q.order_by(_EventRow.id.desc()).limit(limit))
+            return [
+                {
+                    "at": r.at,
+                    "kind": r.kind,
+                    "subject": r.subject,
+                    "message": r.message,
+                    "deployment": r.deployment or "",
+                    "tenant": r.tenant or "",
+                }
+                for r in rows
+            ]
+
+    # ---- revisions ---------------------------------------------------------------------------------------
+
+    def add_revision(self, d: Deployment, at: float) -> int:
+        """Record ``d``'s spec as its deployment's next revision; returns the revision's number."""
+        with self._tx() as s:
+            last = s.scalars(
+                select(_RevisionRow.revision)
+                .where(_RevisionRow.deployment == d.spec.name)
+                .order_by(_RevisionRow.revision.desc())
+                .limit(1)
+            ).first()
+            number = (last or 0) + 1
+            s.add(
+                _RevisionRow(
+                    deployment=d.spec.name, revision=number, spec=json.dumps(asdict(d.spec)), octants=d.octants, at=at
+                )
+            )
+            return number
+
+    def revisions(self, name: str) -> list[tuple[int, DeploymentSpec, int, float]]:
+        """``(revision, spec, octants, at)`` of deployment ``name``, oldest first."""
+        with self._tx() as s:
+            rows = s.scalars(
+                select(_RevisionRow).where(_RevisionRow.deployment == name).order_by(_RevisionRow.revision)
+            )
+            return [(r.revision, DeploymentSpec(**json.loads(r.spec)), r.octants, r.at) for r in rows]
+
+    def delete_revisions(self, name: str) -> None:
+        with self._tx() as s:
+            for row in s.scalars(select(_RevisionRow).where(_RevisionRow.deployment == name)):
+                s.delete(row)
 
     def close(self) -> None:
         self.engine.dispose()
+
+
+def _add_missing_columns(engine: Engine) -> None:
+    """Bring a store written by an older octacloud up to date: columns added since are created, empty."""
+    have = {c["name"] for c in inspect(engine).get_columns("events")}
+    with engine.begin() as connection:
+        for column in ("deployment", "tenant"):
+            if column not in have:
+                connection.execute(text(f"ALTER TABLE events ADD COLUMN {column} VARCHAR(64) DEFAULT ''"))
 
 
 def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:
@@ -164,8 +253,11 @@ def _deployment(row: _DeploymentRow) -> Deployment:
     )
 
 
+_REPLICA_FIELDS = {f.name for f in fields(Replica)}
+
+
 def _replica(row: _ReplicaRow) -> Replica:
-    data = json.loads(row.data)
+    data = {k: v for k, v in json.loads(row.data).items() if k in _REPLICA_FIELDS}
     data["state"] = ReplicaState(data["state"])
     data["gpus"] = tuple(data["gpus"])
     return Replica(**data)
