@@ -308,3 +308,21 @@ def test_events_of_a_tenant_are_its_own(tmp_path: Path) -> None:
     mine = h.store.events(100, tenant="acme")
     assert mine and all(e["deployment"] == "a" for e in mine)
 
+
+async def test_preemption_stops_the_victim_first_and_places_it_again(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    await fragment(h)
+    before = {r.id: r for r in h.replicas()}
+    h.deploy("vip", octants=8, priority=10)
+    await h.reconcile()
+    (event,) = h.events("preempted")
+    victim = before[str(event["subject"])]
+    assert event["deployment"] == victim.deployment and h.controller.scheduling.preemptions == 1
+    assert victim.id not in h.launcher.ids() and h.replicas("vip")[0].node == victim.node
+    for _ in range(3):
+        await h.health()
+    assert h.ready("vip") and h.ready(victim.deployment)
+    again = h.ready(victim.deployment)[0]
+    assert again.id == victim.id and again.node != victim.node
+    state = h.controller.scheduler.state
+    assert {a.request.name for a in state} == {r.id for r in h.replicas()}

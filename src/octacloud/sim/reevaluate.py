@@ -10,7 +10,7 @@ re-queued with the lifetime they have left.
 from __future__ import annotations
 
 from octacloud.scheduler.actions.defragment import Move
-from octacloud.scheduler.loop import Evict, ReevaluationLoop, Start
+from octacloud.scheduler.loop import Evict, PassReport, ReevaluationLoop, Start
 from octacloud.sim.churn import ChurnSimulation, Pending
 
 
@@ -22,11 +22,13 @@ class LoopHook:
         self.moves = 0
         self.moved_gpu_milli = 0
         self.pass_seconds = 0.0
+        self.last: PassReport | None = None
+        """The latest pass's report (its operations are what was carried out)."""
 
     def __call__(self, sim: ChurnSimulation) -> None:
         items = sim.take_pending()
         waiting = {item.request.name: item for item in items}
-        report = self.loop.run_pass(sim.now, [item.request for item in items])
+        report = self.last = self.loop.run_pass(sim.now, [item.request for item in items])
         for op in report.operations:  # simulated time: a move, a stop and a start take no time
             if isinstance(op, Evict):
                 running = sim.running.pop(op.victim.request.name)  # already released by the preemption

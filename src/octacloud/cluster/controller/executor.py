@@ -70,6 +70,10 @@ class Executor:
                     continue
                 p = op.placement
                 r.node, r.gpus, r.milli_per_gpu, r.message, r.after = p.node, p.gpus, p.milli_per_gpu, "", [*op.after]
+                r.state = ReplicaState.PENDING
+                if r.id in w.stopping:  # a victim of this pass placed again: it starts once its old self stopped
+                    r.after.append(r.id)
+                    r.handle, r.pid, r.host, r.http_port, r.grpc_port, r.metrics_port = "", None, "", None, None, None
                 w.store.put_replica(r)
                 waits = f" once {', '.join(op.after)} left" if op.after else ""
                 w.replica_event("placed", r, f"{p.node} cards {list(p.gpus)} × {p.milli_per_gpu} milli{waits}")
@@ -77,11 +81,11 @@ class Executor:
                     await self.launch(r, deployments[r.deployment])
 
     def room_is_free(self, r: Replica) -> bool:
-        """True once no replica named in ``r.after`` still runs on (or is being stopped from) ``r``'s slice."""
+        """True once every replica named in ``r.after`` has stopped (and so left ``r``'s slice)."""
         if not r.after:
             return True
-        live = {x.id: x for x in self.w.store.replicas()}
-        return all(a not in self.w.stopping and (a not in live or not live[a].handle) for a in r.after)
+        live = {x.id for x in self.w.store.replicas()}
+        return all(a not in live for a in r.after)  # a stop clears its id from ``after``; a gone one counts too
 
     # ---- launching ---------------------------------------------------------------------------------------
 
@@ -148,15 +152,24 @@ class Executor:
             self._pin(r.id)  # a replica on its way out is never moved
             r.state = ReplicaState.STOPPING
             w.store.put_replica(r)
-        w.replica_event("stopping", r, why)
+        tenant = self._tenant(r.deployment)
+        w.replica_event("stopping", r, why, tenant)
+        r = dataclasses.replace(r, after=list(r.after))  # what runs now; the caller may re-place the record
+        job = self._drain_and_stop(r, endpoints, why, then, tenant)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # called outside the cloud's loop (a script, a test): stop it here and now
-            asyncio.run(self._drain_and_stop(r, endpoints, why, then))
+            asyncio.run(job)
             return
-        w.stopping[r.id] = loop.create_task(self._drain_and_stop(r, endpoints, why, then))
+        w.stopping[r.id] = loop.create_task(job)
 
-    async def _drain_and_stop(self, r: Replica, endpoints: list[Endpoint], why: str, then: str) -> None:
+    def _tenant(self, deployment: str) -> str:
+        try:
+            return self.w.store.get_deployment(deployment).spec.tenant
+        except NotFoundError:
+            return ""
+
+    async def _drain_and_stop(self, r: Replica, endpoints: list[Endpoint], why: str, then: str, tenant: str) -> None:
         w = self.w
         try:
             deadline = w.clock.monotonic() + w.settings.drain_timeout_s
@@ -171,9 +184,15 @@ class Executor:
             if then == "delete":
                 w.release(r.id)
                 w.store.delete_replica(r.id)
-                w.replica_event("stopped", r, why)
             else:
-                w.to_pending(r, why)
+                fresh = next((x for x in w.store.replicas(r.deployment) if x.id == r.id), None)
+                if fresh is not None and not (fresh.placed and w.holds(r.id)):  # unless placed again meanwhile
+                    w.to_pending(fresh, why)
+            for waiter in w.store.replicas():  # its slice is free: what waited for it may start
+                if r.id in waiter.after:
+                    waiter.after = [a for a in waiter.after if a != r.id]
+                    w.store.put_replica(waiter)
+            w.replica_event("stopped", r, why, tenant)
         except Exception:  # the store failed: the next reconcile finds the replica STOPPING and finishes the job
             log.exception("replica %s: stopped, but recording it failed", r.id)
         w.poke()

@@ -22,7 +22,7 @@ from octacloud.cluster.sizing import Autoscaler, LoadSample
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.units import OCTANTS_PER_GPU
 from octacloud.observability.scheduling import Outcome
-from octacloud.scheduler.loop import Evict, ReevaluationLoop, Start
+from octacloud.scheduler.loop import Evict, PassReport, ReevaluationLoop, Start
 
 
 class Reconciler:
@@ -32,6 +32,8 @@ class Reconciler:
         self.loop = loop
         self.autoscaler = autoscaler
         self._load: dict[str, tuple[float, int, int]] = {}
+        self.last: PassReport | None = None
+        """The latest pass's report (what the executor was asked to carry out)."""
 
     async def reconcile(self) -> None:
         w = self.w
@@ -114,7 +116,7 @@ class Reconciler:
             if r.state is ReplicaState.PENDING and not r.placed and r.deployment in deployments
         ]
         requests = {r.id: w.request(r, deployments[r.deployment]) for r in waiting}
-        report = self.loop.run_pass(w.clock.monotonic(), list(requests.values()))
+        report = self.last = self.loop.run_pass(w.clock.monotonic(), list(requests.values()))
         per_decision = report.seconds / max(1, len(requests))
         evicted = {op.victim.request.name for op in report.operations if isinstance(op, Evict)}
         for op in report.operations:
