@@ -16,6 +16,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "cloud",
     "convert",
     "models",
+    "rollout",
     "node",
     "schedule",
     "serve",
