@@ -15,10 +15,22 @@ import httpx
 import numpy as np
 import pytest
 
+from octacloud.app import Cloud, CloudConfig
+from octacloud.cluster.fleet import CPU_CARD_MODEL
+from octacloud.core import Gpu, Node
+
 from .conftest import IN
 from .test_cloud_e2e import CloudThread, config, ready_ids, wait_until
 
 pytestmark = pytest.mark.slow
+
+FLEET = [Node(f"node-{x}", 8000, 65536, (Gpu(0, CPU_CARD_MODEL, 4096),)) for x in "ab"]
+"""Two nodes of one card each: a replica moves to another node (defragmentation never moves within a node)."""
+
+
+class TwoNodeCloud(CloudThread):
+    async def _make(self, config: CloudConfig) -> Cloud:
+        return Cloud(config, nodes=FLEET)
 
 
 @dataclass
@@ -70,9 +82,9 @@ class Load:
         return len(rows), sum(1 for r in rows if not r[1]), p99
 
 
-def _placed(c: CloudThread) -> dict[str, tuple[str, int]]:
+def _placed(c: CloudThread) -> dict[str, tuple[str, str]]:
     return {
-        r["id"]: (d["spec"]["name"], r["gpus"][0])
+        r["id"]: (d["spec"]["name"], r["node"])
         for d in c.admin("GET", "/deployments").json()["deployments"]
         for r in d["instances"]
         if r["gpus"]
@@ -91,7 +103,7 @@ def test_defragmentation_and_rolling_update_under_load(tmp_path: Path, linear_re
         "name: e2e-defrag\ndescription: best fit, no failover reserve\nplugins:\n"
         "  - plugin: failover-headroom\n    args: {percent: 0}\n  - resource-fit\n  - plugin: bestfit\n    weight: 1\n"
     )
-    c = CloudThread(dataclasses.replace(config(tmp_path, linear_repo), policy=str(profile)))
+    c = TwoNodeCloud(dataclasses.replace(config(tmp_path, linear_repo), policy=str(profile)))
     load: Load | None = None
     try:
         # fragment: four half-card replicas fill both cards, then one leaves each card
@@ -100,7 +112,7 @@ def test_defragmentation_and_rolling_update_under_load(tmp_path: Path, linear_re
             assert created.status_code == 201, created.text
             wait_until(f"{name} ready", lambda n=name: len(ready_ids(c, n)) == 1)  # type: ignore[misc]
         placed = _placed(c)
-        by_card: dict[int, list[str]] = {}
+        by_card: dict[str, list[str]] = {}
         for deployment, card in placed.values():
             by_card.setdefault(card, []).append(deployment)
         assert sorted(len(v) for v in by_card.values()) == [2, 2], by_card
