@@ -8,8 +8,10 @@ declared one-node fleet of CPU cards, with two deployments of a small ONNX model
 ``other`` is scaled up to ``--replicas`` (not measured), then ``steady``'s latencies are recorded for
 ``--window`` seconds with nothing else happening ("without"), then ``other`` is scaled down to one replica and
 ``steady``'s latencies are recorded for the same time from that moment ("during": the controller drains and
-stops the surplus replicas: SIGTERM, their exit, slices released). Prints both p99s, their ratio, request
-counts and failures, and the load average. Goal: during within 10 % of without.
+stops the surplus replicas: SIGTERM, their exit, slices released), then once more when all is quiet again with
+one replica of ``other`` ("without (1 replica)": fewer processes compete for the CPU, so the two "without"
+windows bracket the CPU contention). Prints the p99s, their ratios, request counts and failures, and the load
+average. Goal: during within 10 % of without.
 """
 
 from __future__ import annotations
@@ -163,10 +165,11 @@ def main() -> None:
         time.sleep(1.0)  # warm up
         without: list[tuple[float, float, bool]] = []
         during: list[tuple[float, float, bool]] = []
+        after: list[tuple[float, float, bool]] = []
         for k in range(args.rounds):
             c.admin("POST", "/deployments/other/scale", {"replicas": args.replicas})
             c.wait("other scaled up", lambda: c.ready("other") == args.replicas)
-            time.sleep(0.5)
+            time.sleep(2.0)  # let the new replicas settle: their start-up is not what is measured
             t0 = time.monotonic()
             time.sleep(args.window)
             without += load.window(t0, t0 + args.window)
@@ -175,20 +178,30 @@ def main() -> None:
             time.sleep(args.window)
             during += load.window(t1, t1 + args.window)
             c.wait("other scaled down", lambda: c.count("other") == 1)
+            time.sleep(1.0)
+            t2 = time.monotonic()
+            time.sleep(args.window)
+            after += load.window(t2, t2 + args.window)
             print(f"round {k + 1}: without p99 {p99_ms(load.window(t0, t0 + args.window)):.1f} ms, "
-                  f"during p99 {p99_ms(load.window(t1, t1 + args.window)):.1f} ms", flush=True)  # fmt: skip
+                  f"during p99 {p99_ms(load.window(t1, t1 + args.window)):.1f} ms, "
+                  f"after p99 {p99_ms(load.window(t2, t2 + args.window)):.1f} ms", flush=True)  # fmt: skip
         stops = [e for e in c.admin("GET", "/events?limit=500")["events"] if e["kind"] == "stopped"]
         a, b = p99_ms(without), p99_ms(during)
         print(
             f"\nsteady's gateway latency, {args.clients} closed-loop clients, {args.rounds} rounds × {args.window:g} s:"
         )
-        for what, rows in (("without scale-down", without), ("during scale-down", during)):
+        for what, rows in (
+            ("without (N replicas)", without),
+            ("during scale-down", during),
+            ("without (1 replica)", after),
+        ):
             fails = sum(1 for r in rows if not r[2])
             p50 = statistics.median(r[1] for r in rows) * 1000 if rows else float("nan")
             print(
                 f"  {what:>19}: {len(rows):6d} requests, {fails} failed, p50 {p50:6.2f} ms, p99 {p99_ms(rows):6.2f} ms"
             )
-        print(f"  ratio during/without p99: {b / a:.3f}   ({len(stops)} replicas stopped during the run)")
+        print(f"  ratio during/without p99: {b / a:.3f} (against N replicas), {b / p99_ms(after):.3f} (against 1)")
+        print(f"  {len(stops)} replicas stopped during the run")
         print(f"  load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     finally:
         if load is not None:
