@@ -86,10 +86,15 @@ async def test_failover_re_places_on_another_node(tmp_path: Path) -> None:
 async def test_scale_down_stops_the_least_useful_after_draining_then_releases(tmp_path: Path) -> None:
     h = Harness(tmp_path, nodes=fleet(1, 1))
     h.deploy("a", octants=3, replicas=3)  # the third fits nowhere: it stays pending
-    await h.reconcile()
+    h.clock.advance(0.1)
+    await h.controller.reconcile()  # both start now; make one of them the newer
+    (second,) = [r for r in h.replicas("a") if r.state is ReplicaState.STARTING][1:]
+    second.started_at += 1.0
+    h.store.put_replica(second)
     await h.health()
     assert sorted(r.state.value for r in h.replicas("a")) == ["pending", "ready", "ready"]
-    newest = max(h.ready("a"), key=lambda r: r.started_at)
+    older, newest = sorted(h.ready("a"), key=lambda r: r.started_at)
+    assert older.started_at < newest.started_at
     d = h.store.get_deployment("a")
     d.replicas = 1  # as the autoscaler would
     h.store.put_deployment(d)

@@ -138,10 +138,10 @@ class Controller:
             d = Deployment(spec, replicas, octants, old.created_at, old.generation + 1)
         w.store.put_deployment(d)
         what = f"{spec.model} × {replicas} on {octants} octant(s)"
-        if old is None or old.spec != spec or old.octants != octants:
+        if old is None or old.template() != d.template():  # a new revision: what each replica runs changed
             revision = w.store.add_revision(d, w.clock.time())
             what += f", revision {revision}"
-            if old is not None and old.template() != d.template():
+            if old is not None:
                 what += f" (rolling update from {old.spec.model} {old.spec.version or 'latest'} × {old.octants})"
         w.routes.owners[spec.name] = Owner(spec.tenant, spec.published)
         w.store.add_event("deploy", spec.name, what, deployment=spec.name, tenant=spec.tenant)

@@ -71,7 +71,7 @@ class Reconciler:
                 w.store.put_replica(r)
         surplus = len(replicas) - d.replicas
         if surplus > 0:  # the least useful first: pending, then not ready, then newest
-            order = sorted(replicas, key=lambda r: (r.state is ReplicaState.READY, r.placed, r.started_at))
+            order = sorted(replicas, key=lambda r: (r.state is ReplicaState.READY, r.placed, -r.started_at, r.id))
             for r in order[:surplus]:
                 self.x.retire(r, "scaled down")
         for _ in range(-surplus):
