@@ -183,6 +183,7 @@ class Cloud:
             await asyncio.sleep(0.02)
         self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
         self._tasks.append(asyncio.create_task(self.controller.run(self._stop)))
+        await asyncio.sleep(0)  # the controller's loop starts (readiness reports it from now on)
         self._tasks.append(asyncio.create_task(self.monitoring.run(self._stop)))
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self._watch_fleet(self.watcher)))

@@ -331,3 +331,23 @@ async def test_preemption_stops_the_victim_first_and_places_it_again(tmp_path: P
     assert again.id == victim.id and again.node != victim.node
     state = h.controller.scheduler.state
     assert {a.request.name for a in state} == {r.id for r in h.replicas()}
+
+
+async def test_a_controller_restart_in_the_middle_of_a_move_loses_nothing(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    await fragment(h)
+    h.deploy("big", octants=8)
+    await h.reconcile()
+    surge = next(r for r in h.replicas() if r.replaces)
+    h.routes.routes.clear()
+    h.controller = h.make()  # the old one is gone; the processes live on
+    h.controller.adopt()
+    state = h.controller.scheduler.state
+    assert {a.request.name for a in state} == {r.id for r in h.replicas() if r.placed}
+    for _ in range(4):
+        await h.reconcile()
+        await h.health()
+    assert h.ready("big") and surge.id in {r.id for r in h.ready(surge.deployment)}
+    assert surge.replaces not in h.launcher.ids()  # the replaced replica stopped
+    assert {a.request.name for a in state} == {r.id for r in h.replicas()}
+    assert h.launcher.ids() == {r.id for r in h.replicas()}

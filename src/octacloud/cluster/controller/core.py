@@ -270,7 +270,7 @@ class Controller:
         w = self.w
         for d in w.store.deployments():
             w.routes.owners[d.spec.name] = Owner(d.spec.tenant, d.spec.published)
-        for r in w.store.replicas():
+        for r in sorted(w.store.replicas(), key=lambda r: not r.handle):  # what runs keeps its slice first
             if not r.placed or w.holds(r.id):
                 continue
             try:

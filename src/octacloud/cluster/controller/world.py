@@ -131,7 +131,8 @@ class World:
         return r.template() if r.octants else d.template()
 
     def request(self, r: Replica, d: Deployment) -> Request:
-        """The scheduler's request for replica ``r`` (sized by its own template)."""
+        """The scheduler's request for replica ``r`` (sized by its own template). A surge replica and one being
+        stopped are pinned: defragmentation never moves them."""
         model, _version, octants = self.template(r, d)
         whole = octants >= OCTANTS_PER_GPU
         try:
@@ -145,6 +146,7 @@ class World:
             gpu_memory_mib=memory,
             priority=d.spec.priority,
             owner=d.spec.tenant,
+            pinned=bool(r.replaces) or r.state is ReplicaState.STOPPING,  # never move one mid-replacement
             failover=r.failover,
         )
 
