@@ -198,10 +198,10 @@ class Cloud:
         self._started = False
         self._stop.set()
         self.controller.poke()
-        if stop_replicas:
-            for r in self.store.replicas():
-                if r.handle:
-                    self.controller.launcher.stop(r.handle, self.config.controller.stop_grace_s)
+        if stop_replicas:  # all at once, in threads: each may take its grace period
+            grace = self.config.controller.stop_grace_s
+            stop = self.controller.launcher.stop
+            await asyncio.gather(*(asyncio.to_thread(stop, r.handle, grace) for r in self.store.replicas() if r.handle))
         if self._http is not None:
             self._http.should_exit = True
         if self._grpc is not None:
