@@ -28,10 +28,12 @@ class FakeLauncher:
     running: dict[str, LaunchSpec] = field(default_factory=dict)
     stopped: list[tuple[str, float]] = field(default_factory=list)
     fail: set[str] = field(default_factory=set)
+    refuse: set[str] = field(default_factory=set)
+    """Deployments whose launches raise from now on."""
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def launch(self, spec: LaunchSpec) -> Launched:
-        if spec.replica_id in self.fail:
+        if spec.replica_id in self.fail or spec.serve_as in self.refuse:
             raise LaunchFailedError("refused by the test")
         handle = f"h{next(self._ids)}"
         self.launched.append(spec)

@@ -351,3 +351,18 @@ async def test_a_controller_restart_in_the_middle_of_a_move_loses_nothing(tmp_pa
     assert surge.replaces not in h.launcher.ids()  # the replaced replica stopped
     assert {a.request.name for a in state} == {r.id for r in h.replicas()}
     assert h.launcher.ids() == {r.id for r in h.replicas()}
+
+
+async def test_a_move_whose_replacement_cannot_even_launch_leaves_everything_as_it_was(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    await fragment(h)
+    before = {r.id: (r.node, r.gpus, r.state) for r in h.replicas()}
+    h.launcher.refuse = {"a2", "b2"}
+    h.deploy("big", octants=8)
+    await h.reconcile()
+    assert {r.id: (r.node, r.gpus, r.state) for r in h.replicas() if r.id in before} == before
+    big = h.replicas("big")[0]
+    assert big.state is ReplicaState.PENDING and not big.placed
+    state = h.controller.scheduler.state
+    assert {a.request.name for a in state} == set(before)
+    assert h.events("move rolled back")

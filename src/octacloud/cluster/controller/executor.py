@@ -45,12 +45,15 @@ class Executor:
         self.rollout_backoff: dict[str, float] = {}
         """Deployment → when its rolling update may try again after a replacement failed."""
         self._background: set[asyncio.Task[None]] = set()
+        self._homeless: set[str] = set()
+        """Replicas whose move failed before what waits for their slice was told (within one ``execute``)."""
 
     # ---- the loop's operations ---------------------------------------------------------------------------
 
     async def execute(self, operations: Sequence[PassOperation], deployments: dict[str, Deployment]) -> None:
         """Carry out a pass's operations, in order (the scheduler's state already holds their outcome)."""
         w = self.w
+        self._homeless.clear()
         by_id = {r.id: r for r in w.store.replicas()}
         for op in operations:
             if isinstance(op, Evict):
@@ -68,8 +71,14 @@ class Executor:
                 if r is None or r.deployment not in deployments:
                     w.release(op.request.name)
                     continue
+                if any(a in self._homeless for a in op.after):  # a move that made its room failed at once
+                    w.release(r.id)
+                    for a in op.after:
+                        self._rehome(a)
+                    continue
                 p = op.placement
-                r.node, r.gpus, r.milli_per_gpu, r.message, r.after = p.node, p.gpus, p.milli_per_gpu, "", [*op.after]
+                running = [a for a in op.after if a in w.stopping or (a in by_id and by_id[a].handle)]
+                r.node, r.gpus, r.milli_per_gpu, r.message, r.after = p.node, p.gpus, p.milli_per_gpu, "", running
                 r.state = ReplicaState.PENDING
                 if r.id in w.stopping:  # a victim of this pass placed again: it starts once its old self stopped
                     r.after.append(r.id)
@@ -290,11 +299,8 @@ class Executor:
                 if old.id in waiter.after:
                     w.release(waiter.id)
                     w.to_pending(waiter, f"the move that made room for it was rolled back: {why}")
-            try:
-                d = w.store.get_deployment(old.deployment)
-                w.scheduler.commit(w.request(old, d), w.placement(old))
-            except (InvalidSpecError, NotFoundError) as exc:
-                log.warning("replica %s: cannot take its slice back after a failed move (%s)", old.id, exc)
+            if not self._rehome(old.id):
+                self._homeless.add(old.id)  # what the pass placed on its slice is told next, and gives it back
             w.replica_event("move rolled back", old, f"{surge.id} failed ({why}); {old.id} keeps serving")
         else:
             delay = w.settings.backoff_max_s
@@ -302,6 +308,21 @@ class Executor:
             w.event("rollout failed", surge.id, f"{why}; the old replica keeps serving; retry in {delay:g} s",
                     surge.deployment)  # fmt: skip
         w.poke()
+
+    def _rehome(self, replica_id: str) -> bool:
+        """Give a replica whose move failed its own slice back in the scheduler's state; False if it is taken."""
+        w = self.w
+        old = next((r for r in w.store.replicas() if r.id == replica_id), None)
+        if old is None or w.holds(old.id):
+            self._homeless.discard(replica_id)
+            return True
+        try:
+            w.scheduler.commit(w.request(old, w.store.get_deployment(old.deployment)), w.placement(old))
+        except (InvalidSpecError, NotFoundError) as exc:
+            log.info("replica %s: its slice is still taken after a failed move (%s)", old.id, exc)
+            return False
+        self._homeless.discard(replica_id)
+        return True
 
     def _pin(self, replica_id: str, pinned: bool = True) -> None:
         """Re-account ``replica_id``'s slice as (un)movable by defragmentation (same slice, same size)."""
