@@ -105,6 +105,27 @@ class CloudThread:
         self.thread.join(timeout=10)
 
 
+class LoopLag:
+    """How late the cloud's event loop runs a 10 ms timer: what a stall of the gateway's loop looks like."""
+
+    def __init__(self, cloud: CloudThread) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._stop = False
+        asyncio.run_coroutine_threadsafe(self._tick(), cloud.loop)
+
+    async def _tick(self) -> None:
+        while not self._stop:
+            t0 = time.monotonic()
+            await asyncio.sleep(0.01)
+            self.samples.append((t0, time.monotonic() - t0 - 0.01))
+
+    def worst_ms(self, start: float, end: float) -> float:
+        return max((lag for t, lag in self.samples if start <= t < end), default=0.0) * 1000
+
+    def close(self) -> None:
+        self._stop = True
+
+
 class Load:
     """Closed-loop clients on one deployment; records (start, latency s, ok)."""
 
@@ -157,11 +178,15 @@ def main() -> None:
     config = CloudConfig(repository=repo, state_dir=tmp / "var", http_port=0, grpc_port=0, controller=settings)
     c = CloudThread(config, nodes)
     load: Load | None = None
+    lag: LoopLag | None = None
     try:
         c.admin("POST", "/deployments", {"name": "steady", "model": "small", "octants": 2})
         c.admin("POST", "/deployments", {"name": "other", "model": "small", "octants": 2, "max_replicas": 4})
         c.wait("steady ready", lambda: c.ready("steady") == 1)
         load = Load(c.url, c.auth, "steady", args.clients)
+        lag = LoopLag(c)
+        windows: dict[str, list[tuple[float, float]]] = {"without (N replicas)": [], "during scale-down": [],
+                                                          "without (1 replica)": []}  # fmt: skip
         time.sleep(1.0)  # warm up
         without: list[tuple[float, float, bool]] = []
         during: list[tuple[float, float, bool]] = []
@@ -173,15 +198,18 @@ def main() -> None:
             t0 = time.monotonic()
             time.sleep(args.window)
             without += load.window(t0, t0 + args.window)
+            windows["without (N replicas)"].append((t0, t0 + args.window))
             t1 = time.monotonic()
             c.admin("POST", "/deployments/other/scale", {"replicas": 1})
             time.sleep(args.window)
             during += load.window(t1, t1 + args.window)
+            windows["during scale-down"].append((t1, t1 + args.window))
             c.wait("other scaled down", lambda: c.count("other") == 1)
             time.sleep(1.0)
             t2 = time.monotonic()
             time.sleep(args.window)
             after += load.window(t2, t2 + args.window)
+            windows["without (1 replica)"].append((t2, t2 + args.window))
             print(f"round {k + 1}: without p99 {p99_ms(load.window(t0, t0 + args.window)):.1f} ms, "
                   f"during p99 {p99_ms(load.window(t1, t1 + args.window)):.1f} ms, "
                   f"after p99 {p99_ms(load.window(t2, t2 + args.window)):.1f} ms", flush=True)  # fmt: skip
@@ -197,8 +225,10 @@ def main() -> None:
         ):
             fails = sum(1 for r in rows if not r[2])
             p50 = statistics.median(r[1] for r in rows) * 1000 if rows else float("nan")
+            worst = max((lag.worst_ms(a, b) for a, b in windows[what]), default=0.0) if lag else float("nan")
             print(
-                f"  {what:>19}: {len(rows):6d} requests, {fails} failed, p50 {p50:6.2f} ms, p99 {p99_ms(rows):6.2f} ms"
+                f"  {what:>20}: {len(rows):6d} requests, {fails} failed, p50 {p50:6.2f} ms, p99 {p99_ms(rows):6.2f} ms,"
+                f" worst event-loop lag {worst:6.1f} ms"
             )
         print(f"  ratio during/without p99: {b / a:.3f} (against N replicas), {b / p99_ms(after):.3f} (against 1)")
         print(f"  {len(stops)} replicas stopped during the run")
@@ -206,6 +236,8 @@ def main() -> None:
     finally:
         if load is not None:
             load.close()
+        if lag is not None:
+            lag.close()
         c.close()
 
 

@@ -204,7 +204,8 @@ class Executor:
             w.replica_event("stopped", r, why, tenant)
         except Exception:  # the store failed: the next reconcile finds the replica STOPPING and finishes the job
             log.exception("replica %s: stopped, but recording it failed", r.id)
-        w.poke()
+        if then == "pending":
+            w.poke()  # it waits to be placed again (what waited for its slice starts at the next health tick)
 
     async def _stop_handle(self, handle: str, grace: float) -> None:
         try:
