@@ -8,11 +8,9 @@ BIN      := $(VENV)/bin
 PY       := $(BIN)/python
 PIP      := $(PY) -m pip
 STAMP    := $(VENV)/.octacloud-installed
-DEVSTAMP := $(VENV)/.octacloud-dev-installed
-BUILDSTAMP := $(VENV)/.octacloud-build-installed
 PYTEST_ARGS ?=
 
-.PHONY: up install dev build-tools browser test lint types layers pytest models clean
+.PHONY: up install dev build-tools ray plots lock browser test lint types layers pytest models clean
 
 # The main job: the cloud on this machine, serving the example models (built once, cached) behind one
 # OIP endpoint on 127.0.0.1:8000 (REST) and :8001 (gRPC). Ctrl-C stops it; replicas keep running until
@@ -21,34 +19,46 @@ UP_ARGS ?= --deploy mlp --deploy minilm
 up: install models
 	$(BIN)/octacloud up --repository $(MODELS) $(UP_ARGS)
 
+# Every install comes from the lock files in requirements/ (exact versions, `make lock` refreshes them), then
+# the project itself without its dependencies: a clean machine gets the same packages on any day.
+PIP_VERSION := 26.3
+
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet pip==$(PIP_VERSION)
 
-$(STAMP): pyproject.toml | $(PY)
-	$(PIP) install --quiet -e .
+# runtime (serving, the cloud, the CLI)
+$(STAMP): requirements/runtime.lock pyproject.toml | $(PY)
+	$(PIP) install --quiet -r requirements/runtime.lock
+	$(PIP) install --quiet --no-deps -e .
 	@touch $@
 
 install: $(STAMP)
 
-$(DEVSTAMP): $(STAMP) requirements/dev.txt
-	$(PIP) install --quiet -r requirements/dev.txt
+# The other install sets, each from its lock on top of the runtime:
+#   dev          lint, types, layering, tests, and the resolver behind `make lock` (requirements/dev.in)
+#   build-tools  the `build` extra: torch/transformers, only needed to build models (convert, make models)
+#   ray          the `ray` extra: the multi-node backend
+#   plots        the `plots` extra: the simulator's figures (matplotlib)
+$(VENV)/.octacloud-%-installed: $(STAMP) requirements/%.lock
+	$(PIP) install --quiet -r requirements/$*.lock
 	@touch $@
 
-dev: $(DEVSTAMP)
+dev: $(VENV)/.octacloud-dev-installed
+build-tools: $(VENV)/.octacloud-build-installed
+ray: $(VENV)/.octacloud-ray-installed
+plots: $(VENV)/.octacloud-plots-installed
 
-# torch/transformers are only needed to build models (convert, the example repository).
-$(BUILDSTAMP): $(STAMP) requirements/build-models.txt
-	$(PIP) install --quiet -r requirements/build-models.txt
-	@touch $@
-
-build-tools: $(BUILDSTAMP)
+# Re-resolve every lock file (after a dependency changed in pyproject.toml or requirements/dev.in) with the
+# resolver pinned in dev.lock; commit the changed requirements/*.lock.
+lock: dev
+	scripts/lock $(BIN)/uv
 
 lint: dev
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 
-types: dev build-tools
+types: dev build-tools ray plots
 	$(BIN)/mypy
 
 layers: dev
@@ -67,7 +77,7 @@ browser:
 	else DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; fi
 
-pytest: dev build-tools models browser
+pytest: dev build-tools ray plots models browser
 	scripts/netns-run $(BIN)/pytest $(PYTEST_ARGS)
 
 test: lint types layers pytest

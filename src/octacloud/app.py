@@ -20,13 +20,14 @@ import uvicorn
 from octacloud.cluster.admin import build_admin_app
 from octacloud.cluster.auth import Guard, KeyStore, server_secret
 from octacloud.cluster.controller import Controller, ControllerSettings, NodeChange
-from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer
+from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer, local_nvml_node
 from octacloud.cluster.fleet import discover_fleet
 from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
 from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import RouteTable
 from octacloud.cluster.health import HttpProber, RepositoryFootprints
 from octacloud.cluster.launcher import LocalProcessLauncher, ReplicaLauncher
+from octacloud.cluster.mps import MpsDaemon, SharingCollector
 from octacloud.cluster.storage import FleetCacheStats, ModelCacheCollector
 from octacloud.cluster.store import StateStore
 from octacloud.cluster.tls import TlsConfig, check_exposure
@@ -57,6 +58,9 @@ class CloudConfig:
     grpc_port: int = 8001
     policy: str = PRODUCT_DEFAULT
     cpu_cards: int = 1
+    """Without GPUs or a fleet file: CPU "cards" per node."""
+    cpu_nodes: int = 1
+    """Without GPUs or a fleet file: 1 = this host as one node; more = a demo fleet of that many nodes."""
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     ray_address: str | None = None
     """Run on the Ray cluster at this address ("auto": the one this machine belongs to) instead of locally."""
@@ -94,8 +98,19 @@ class Cloud:
         prices = PriceSheet.load(config.prices) if config.prices is not None else None
         config.state_dir.mkdir(parents=True, exist_ok=True)
         clock = clock or SystemClock()
-        self.nodes = nodes if nodes is not None else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards)
+        self.nodes = (
+            nodes
+            if nodes is not None
+            else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards, cpu_nodes=config.cpu_nodes)
+        )
         self.store = StateStore.at(config.state_dir / "octacloud.db")
+        gpu_node = local_nvml_node(self.nodes)
+        self.mps: dict[str, MpsDaemon] = (
+            {gpu_node: MpsDaemon(config.state_dir, cards=tuple(g.index for g in _node(self.nodes, gpu_node).gpus))}
+            if gpu_node is not None
+            else {}
+        )
+        """This host's GPU node's MPS control daemon (none on a host without NVIDIA GPUs)."""
         self.monitoring = CloudMonitoring(
             lambda: self.controller, self.nodes, slice_prior(), clock, interval_s=config.telemetry_interval_s
         )
@@ -110,7 +125,7 @@ class Cloud:
             store=self.store,
             nodes=self.nodes,
             scheduler=scheduler,
-            launcher=launcher or LocalProcessLauncher(config.state_dir / "replicas", host=config.host),
+            launcher=launcher or self._local_launcher(),
             repository=config.repository.resolve(),
             routes=self.routes,
             clock=clock,
@@ -129,7 +144,7 @@ class Cloud:
         self.admin_key = bootstrap_admin_key(self.keys, config.state_dir / "admin.key")
         """The admin key created by this start (None when one existed): the CLI shows it once."""
         self.ledger = Ledger(self.store.engine)
-        self.usage = ClusterUsage(self.controller)
+        self.usage = ClusterUsage(self.controller, gpu_use=self.monitoring.sampler.gpu_use)
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
         self.grpc_gateway = GrpcGateway(self.routes, ready=self._ready, guard=self.guard)
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
@@ -137,7 +152,10 @@ class Cloud:
         dashboard, metrics = self.monitoring.apps(
             admin_authorizer(self.guard),
             ledger=self.ledger,
-            extra=[ModelCacheCollector(cache_stats)] if isinstance(cache_stats, FleetCacheStats) else [],
+            extra=[
+                SharingCollector(self.mps),
+                *([ModelCacheCollector(cache_stats)] if isinstance(cache_stats, FleetCacheStats) else []),
+            ],
         )
         self.rest_gateway = RestGateway(
             self.routes,
@@ -150,7 +168,26 @@ class Cloud:
         self.http_port = config.http_port
         self.grpc_port = config.grpc_port
 
+    def _local_launcher(self) -> LocalProcessLauncher:
+        workdir = self.config.state_dir / "replicas"
+        return LocalProcessLauncher(workdir, host=self.config.host, environment=self._node_environment)
+
+    def _node_environment(self) -> dict[str, str]:
+        """What every local replica gets from its node: the MPS daemon's folders (under time-slicing, nothing)."""
+        env: dict[str, str] = {}
+        for daemon in self.mps.values():
+            env.update(daemon.environment())
+        return env
+
+    async def _start_mps(self) -> None:
+        """Start (or adopt) each GPU node's MPS daemon before any replica starts; say how cards are shared."""
+        for node, daemon in self.mps.items():
+            mode = await asyncio.to_thread(daemon.start)
+            self.store.add_event("node", node, f"GPU sharing: {mode.value} ({daemon.reason})")
+            log.info("node %s shares its GPUs by %s (%s)", node, mode.value, daemon.reason)
+
     async def start(self) -> None:
+        await self._start_mps()
         self._grpc = grpc.aio.server(
             options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         )
@@ -213,6 +250,9 @@ class Cloud:
         await self._prober.close()
         await self.usage.close()
         await self.monitoring.close()
+        if stop_replicas:  # replicas that keep running keep their MPS daemon (the next start adopts both)
+            for daemon in self.mps.values():
+                await asyncio.to_thread(daemon.stop)
         self.store.close()
 
     async def serve_forever(self) -> None:
@@ -271,6 +311,9 @@ def bootstrap_admin_key(keys: KeyStore, path: Path) -> str | None:
 def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
     """The cloud on the Ray cluster at ``config.ray_address``: its fleet is Ray's node table (nodes started with
     ``octacloud node start``), its replicas Ray actors, and nodes that join or die are seen while it runs."""
+    from octacloud.core.extras import require
+
+    require("ray")
     from octacloud.cluster.ray_backend import RayFleet, RayLauncher, connect
 
     connect(config.ray_address)
@@ -293,3 +336,7 @@ def slice_prior() -> TargetWorkload:
     sizes = [Request("prior", num_gpu=1, gpu_milli=k * MILLI_PER_OCTANT) for k in range(1, OCTANTS_PER_GPU + 1)]
     sizes.append(Request("prior", num_gpu=2, gpu_milli=MILLI_PER_GPU))
     return TargetWorkload.from_requests(sizes, coverage=1.0)
+
+
+def _node(nodes: list[Node], name: str) -> Node:
+    return next(n for n in nodes if n.name == name)

@@ -78,8 +78,9 @@ def fleet(nodes: int = 2, cards: int = 1) -> list[Node]:
 class Harness:
     def __init__(self, tmp: Path, nodes: list[Node] | None = None, store: StateStore | None = None, **settings: float):
         self.tmp = tmp
-        (tmp / "models" / "m").mkdir(parents=True, exist_ok=True)
-        (tmp / "models" / "m2").mkdir(parents=True, exist_ok=True)
+        for model in ("m", "m2"):
+            for version in ("1", "2"):
+                (tmp / "models" / model / version).mkdir(parents=True, exist_ok=True)
         self.nodes = nodes or fleet()
         self.clock = ManualClock()
         self.launcher = FakeLauncher()

@@ -85,7 +85,9 @@ async def test_failover_re_places_on_another_node(tmp_path: Path) -> None:
 
 async def test_scale_down_stops_the_least_useful_after_draining_then_releases(tmp_path: Path) -> None:
     h = Harness(tmp_path, nodes=fleet(1, 1))
-    h.deploy("a", octants=3, replicas=3)  # the third fits nowhere: it stays pending
+    h.deploy("blocker", octants=4)
+    await h.reconcile()
+    h.deploy("a", octants=2, replicas=3)  # the third fits nowhere: it stays pending
     h.clock.advance(0.1)
     await h.controller.reconcile()  # both start now; make one of them the newer
     (second,) = [r for r in h.replicas("a") if r.state is ReplicaState.STARTING][1:]

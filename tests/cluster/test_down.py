@@ -1,15 +1,19 @@
-"""`octacloud down` stops the replicas a stopped `octacloud up` left running, and only those; `up` refuses bad
-intervals before it starts anything."""
+"""`octacloud down` stops the replicas a stopped `octacloud up` left running, and only those, and refuses while
+`up` runs (the state dir's lock, which a killed `up` does not leave behind); `up` refuses bad intervals and a
+state dir another `up` holds before it starts anything. (With the Ray backend: tests/ray/test_down_ray.py.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from typer.testing import CliRunner
 
 from octacloud.cli.main import app
+from octacloud.cli.up import hold_up_lock, up_record
 from octacloud.cluster.deployments import Replica, ReplicaState
 from octacloud.cluster.store import StateStore
 
@@ -49,3 +53,54 @@ def test_up_refuses_non_positive_intervals_before_starting_anything(tmp_path: Pa
         assert result.exit_code == 2, result.output
         assert f"{flag} must be a positive number of seconds, got 0" in result.output
         assert not (tmp_path / "var").exists()  # nothing was started or written
+
+
+def test_down_refuses_while_up_holds_the_state_dir(tmp_path: Path) -> None:
+    replica = subprocess.Popen(["sleep", "60"])
+    try:
+        store = StateStore.at(tmp_path / "octacloud.db")
+        store.put_replica(Replica("m-1", "m", "n0", (0,), 125, ReplicaState.READY, handle=str(replica.pid)))
+        store.close()
+        with hold_up_lock(tmp_path, {"backend": "local"}):
+            result = CliRunner().invoke(app, ["down", "--state-dir", str(tmp_path)])
+            assert result.exit_code == 1, result.output
+            assert f"octacloud up (PID {os.getpid()}) is running on {tmp_path}" in result.output
+            assert replica.poll() is None  # nothing was stopped
+        result = CliRunner().invoke(app, ["down", "--state-dir", str(tmp_path), "--grace", "2"])
+        assert result.exit_code == 0 and "stopped 1 replica(s)" in result.output, result.output
+    finally:
+        replica.kill()
+        replica.wait()
+
+
+def test_up_refuses_a_state_dir_another_up_holds(tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    with hold_up_lock(tmp_path / "var", {"backend": "local"}):
+        result = CliRunner().invoke(app, ["up", "--repository", str(tmp_path / "models"), "--state-dir",
+                                          str(tmp_path / "var")])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "is running on the state dir" in result.output and "one cloud per state dir" in result.output
+    assert not (tmp_path / "var" / "octacloud.db").exists()  # nothing was started
+
+
+def test_an_up_killed_with_sigkill_leaves_no_lock_behind(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from octacloud.cli.up import hold_up_lock\n"
+         "with hold_up_lock(Path(sys.argv[1]), {'backend': 'local'}):\n    print('held', flush=True); time.sleep(60)",
+         str(tmp_path)],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        running, record = up_record(tmp_path)
+        assert running and record["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+    running, record = up_record(tmp_path)
+    assert not running and record["pid"] == holder.pid and record["backend"] == "local"  # the record stays
+    StateStore.at(tmp_path / "octacloud.db").close()
+    result = CliRunner().invoke(app, ["down", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 0 and "stopped 0 replica(s)" in result.output, result.output

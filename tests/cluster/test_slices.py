@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from octacloud.cluster.fleet import CPU_CARD_MODEL
+from octacloud.cluster.fleet import CPU_CARD_MODEL, cpu_host_node
 from octacloud.cluster.slices import Slice, slice_environment, thread_budget
 from octacloud.core import Gpu, Node
 
@@ -36,3 +36,14 @@ def test_cpu_cards_get_a_thread_budget() -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == ""
     assert env["OCTACLOUD_THREADS"] == "8"
     assert thread_budget(_node(CPU_CARD_MODEL, cards=1, cores=2), Slice("n", (0,), 125)) == 1
+
+
+def test_every_slice_carries_its_memory_budget() -> None:
+    """The launcher's env gives the replica its memory budget (read by serving/memory.py and the CUDA arena)."""
+    env = slice_environment(_node("T4"), Slice("n", (3,), 250))
+    assert env["OCTACLOUD_MEMORY_BYTES"] == str(4096 * 1024 * 1024)
+    whole = slice_environment(_node("T4"), Slice("n", (1,), 1000))
+    assert whole["OCTACLOUD_MEMORY_BYTES"] == str(16384 * 80 // 100 * 1024 * 1024)  # the 80 % rule
+    node = cpu_host_node("h", cards=2)
+    cpu = slice_environment(node, Slice("h", (0,), 500))
+    assert int(cpu["OCTACLOUD_MEMORY_BYTES"]) == node.gpus[0].memory_mib * 500 // 1000 * 1024 * 1024

@@ -37,6 +37,7 @@ class FakeSource:
     counters: dict[tuple[str, str], Traffic] = field(default_factory=dict)
     replicas: dict[str, Work] = field(default_factory=dict)
     stored: list[Stored] = field(default_factory=list)
+    used: dict[str, int] = field(default_factory=dict)
 
     def allocations(self) -> list[Allocation]:
         return list(self.allocs)
@@ -49,6 +50,9 @@ class FakeSource:
 
     def storage(self) -> list[Stored]:
         return list(self.stored)
+
+    def gpu_use(self) -> Mapping[str, int]:
+        return dict(self.used)
 
     def send(self, tenant: str, deployment: str, requests: int, bytes_in: int, bytes_out: int) -> None:
         t = self.counters.get((tenant, deployment), Traffic())

@@ -41,6 +41,12 @@ class FakeCard:
     ecc: tuple[int, int] | None = (3, 0)  # corrected, uncorrected; None: not supported
     pcie_link: tuple[int, int] = (5, 16)
     nvlink: bool = True
+    power_limit_mw: int = 700_000
+    violations_ns: tuple[int, int] = (5_000_000, 0)  # power, thermal
+    retired: tuple[int, int] = (2, 1)  # single-bit, double-bit
+    remapped: tuple[int, int, int, int] = (4, 1, 0, 0)  # correctable, uncorrectable, pending, failure
+    processes: dict[int, tuple[int, int]] = field(default_factory=dict)  # pid -> (SM %, memory bytes)
+    sample_us: int = 1_000_000  # the timestamp of the newest process-utilisation sample
 
 
 class FakeNvml:
@@ -56,6 +62,12 @@ class FakeNvml:
     NVML_TEMPERATURE_GPU = 0
     NVML_CLOCK_SM = 1
     NVML_CLOCK_MEM = 2
+    NVML_CLOCK_VIDEO = 3
+    NVML_AGGREGATE_ECC = 1
+    NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS = 0
+    NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 1
+    NVML_PERF_POLICY_POWER = 0
+    NVML_PERF_POLICY_THERMAL = 1
     NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
     NVML_VOLATILE_ECC = 0
@@ -128,6 +140,8 @@ class FakeNvml:
         return self.cards[h].temperature
 
     def nvmlDeviceGetClockInfo(self, h: int, clock: int) -> int:
+        if clock > len(self.cards[h].clocks):
+            raise NVMLError_NotSupported()  # the video clock, on this card
         return self.cards[h].clocks[clock - 1]
 
     def nvmlDeviceGetTotalEccErrors(self, h: int, kind: int, counter: int) -> int:
@@ -135,6 +149,37 @@ class FakeNvml:
         if ecc is None:
             raise NVMLError_NotSupported()
         return ecc[kind]
+
+    # the extended fields (a subset: the reader must leave out what a card or nvidia-ml-py lacks)
+    def nvmlDeviceGetPowerManagementLimit(self, h: int) -> int:
+        return self.cards[h].power_limit_mw
+
+    def nvmlDeviceGetViolationStatus(self, h: int, policy: int) -> Any:
+        if policy >= len(self.cards[h].violations_ns):
+            raise NVMLError_NotSupported()
+        return SimpleNamespace(referenceTime=0, violationTime=self.cards[h].violations_ns[policy])
+
+    def nvmlDeviceGetRetiredPages(self, h: int, cause: int) -> list[int]:
+        return [0x1000 * i for i in range(self.cards[h].retired[cause])]
+
+    def nvmlDeviceGetRemappedRows(self, h: int) -> tuple[int, int, int, int]:
+        return self.cards[h].remapped
+
+    def nvmlDeviceGetFanSpeed(self, h: int) -> int:
+        raise NVMLError_NotSupported()  # passively cooled, as data-centre cards are
+
+    # per-process accounting
+    def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
+        return [SimpleNamespace(pid=pid, usedGpuMemory=mem) for pid, (_, mem) in self.cards[h].processes.items()]
+
+    def nvmlDeviceGetProcessUtilization(self, h: int, last_seen_us: int) -> list[Any]:
+        c = self.cards[h]
+        if c.sample_us <= last_seen_us:
+            raise self.NVMLError("Not Found")  # NVML's answer when no sample is newer than the one given
+        return [
+            SimpleNamespace(pid=pid, timeStamp=c.sample_us, smUtil=sm, memUtil=0, encUtil=0, decUtil=0)
+            for pid, (sm, _) in c.processes.items()
+        ]
 
     # XID events
     def nvmlEventSetCreate(self) -> str:

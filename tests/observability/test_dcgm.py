@@ -77,3 +77,16 @@ def test_close_shuts_nvml_down() -> None:
     nvml = FakeNvml([FakeCard()])
     NvmlCards(nvml).close()
     assert nvml.shutdown
+
+
+def test_extended_fields_in_dcgm_units_and_absent_when_not_there() -> None:
+    v = NvmlCards(FakeNvml([FakeCard()])).read(0.0)[0].values
+    assert v[dcgm.FB_TOTAL] == 80 * 1024  # MiB
+    assert v[dcgm.POWER_LIMIT] == 700.0  # mW -> W
+    assert v[dcgm.POWER_VIOLATION] == 5000.0  # ns -> us
+    assert v[dcgm.THERMAL_VIOLATION] == 0.0
+    assert (v[dcgm.RETIRED_SBE], v[dcgm.RETIRED_DBE]) == (2.0, 1.0)
+    assert (v[dcgm.REMAP_CORRECTABLE], v[dcgm.REMAP_UNCORRECTABLE], v[dcgm.REMAP_FAILURE]) == (4.0, 1.0, 0.0)
+    assert dcgm.FAN_SPEED not in v  # NotSupported on this card
+    assert dcgm.BAR1_USED not in v  # this NVML module has no such call: left out, nothing else lost
+    assert set(v) <= set(dcgm.FIELDS)

@@ -9,7 +9,7 @@ from pathlib import Path
 from .test_exporter import documented
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "octacloud.json"
-METRIC = re.compile(r"\b(?:DCGM_FI_[A-Z_]+|octacloud_[a-z_]+|nv_[a-z_]+)\b")
+METRIC = re.compile(r"\b(?:DCGM_FI_[A-Z0-9_]+|octacloud_[a-z_]+|nv_[a-z_]+)\b")
 
 
 def test_dashboard_is_importable_and_queries_documented_metrics() -> None:

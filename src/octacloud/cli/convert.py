@@ -80,6 +80,13 @@ def convert_command(
     force: bool = typer.Option(False, "--force", help="Publish variants outside parity tolerance too."),
 ) -> None:
     """Convert SOURCE to ONNX (fp32, fp16, int8), check parity, profile, and publish into the repository."""
+    from octacloud.core.extras import require
+
+    try:
+        require("build")
+    except OctacloudError as e:
+        _err.print(f"[red]convert failed:[/] {e}")
+        raise typer.Exit(2) from None
     from octacloud.toolchain.convert import ConvertOptions, convert
     from octacloud.toolchain.parity import DEFAULT_TOLERANCES, parse_tolerance
     from octacloud.toolchain.profiling import ProfileSettings

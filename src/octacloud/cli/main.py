@@ -13,6 +13,7 @@ import typer
 from octacloud import __version__
 
 COMMAND_MODULES: tuple[str, ...] = (
+    "up",
     "cloud",
     "convert",
     "models",

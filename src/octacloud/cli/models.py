@@ -34,10 +34,12 @@ def build(
 ) -> None:
     """Build the example models (seeded ResNet-50 and BERT-base, MiniLM-L6 with trained weights, a tiny MLP)."""
     from octacloud.cli.convert import result_table
+    from octacloud.core.extras import require
     from octacloud.toolchain.examples import build_examples
 
     started = time.monotonic()
     try:
+        require("build")
         outcomes = build_examples(
             out,
             only,

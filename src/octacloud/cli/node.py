@@ -13,6 +13,7 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -87,18 +88,28 @@ def _start(
     os.execve(argv[0], argv, env)
 
 
+# The options `node start` and `node join` share.
+FLEET: Any = typer.Option(None, "--fleet", help="Fleet file declaring this node (CPU-only, tests).")
+FLEET_NODE: Any = typer.Option(None, "--fleet-node", help="Which node of the fleet file this is.")
+NAME: Any = typer.Option(None, "--name", help="Node name (default: from the fleet file or hostname).")
+CPU_CARDS: Any = typer.Option(1, "--cpu-cards", help="Without GPUs or a fleet file: CPU 'cards' to offer.")
+NODE_IP: Any = typer.Option(None, "--node-ip-address", help="This server's address in the cluster.")
+BLOCK: Any = typer.Option(False, "--block", help="Stay in the foreground (for systemd or a container).")
+DRY_RUN: Any = typer.Option(False, "--dry-run", help="Print the `ray start` command and do nothing.")
+
+
 @node_app.command("start")
 def start(
     head: bool = typer.Option(False, "--head", help="Start a new cluster with this server as its head."),
     address: str | None = typer.Option(None, "--address", help="Join the cluster whose head is at HOST:PORT."),
-    fleet: Path | None = typer.Option(None, "--fleet", help="Fleet file declaring this node (CPU-only, tests)."),
-    fleet_node: str | None = typer.Option(None, "--fleet-node", help="Which node of the fleet file this is."),
-    name: str | None = typer.Option(None, "--name", help="Node name (default: from the fleet file or hostname)."),
-    cpu_cards: int = typer.Option(1, "--cpu-cards", help="Without GPUs or a fleet file: CPU 'cards' to offer."),
+    fleet: Path | None = FLEET,
+    fleet_node: str | None = FLEET_NODE,
+    name: str | None = NAME,
+    cpu_cards: int = CPU_CARDS,
     port: int = typer.Option(6379, "--port", help="The head's port (with --head)."),
-    node_ip: str | None = typer.Option(None, "--node-ip-address", help="This server's address in the cluster."),
-    block: bool = typer.Option(False, "--block", help="Stay in the foreground (for systemd or a container)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the `ray start` command and do nothing."),
+    node_ip: str | None = NODE_IP,
+    block: bool = BLOCK,
+    dry_run: bool = DRY_RUN,
 ) -> None:
     """Start (--head) or join (--address) the Ray cluster, advertising this server's cards as octants."""
     _start(head, address, fleet, fleet_node, name, cpu_cards, port, node_ip, block, dry_run)
@@ -107,13 +118,13 @@ def start(
 @node_app.command("join")
 def join(
     address: str = typer.Argument(..., help="The head's HOST:PORT."),
-    fleet: Path | None = typer.Option(None, "--fleet"),
-    fleet_node: str | None = typer.Option(None, "--fleet-node"),
-    name: str | None = typer.Option(None, "--name"),
-    cpu_cards: int = typer.Option(1, "--cpu-cards"),
-    node_ip: str | None = typer.Option(None, "--node-ip-address"),
-    block: bool = typer.Option(False, "--block"),
-    dry_run: bool = typer.Option(False, "--dry-run"),
+    fleet: Path | None = FLEET,
+    fleet_node: str | None = FLEET_NODE,
+    name: str | None = NAME,
+    cpu_cards: int = CPU_CARDS,
+    node_ip: str | None = NODE_IP,
+    block: bool = BLOCK,
+    dry_run: bool = DRY_RUN,
 ) -> None:
     """Join the cluster at ADDRESS (the same as ``node start --address ADDRESS``)."""
     _start(False, address, fleet, fleet_node, name, cpu_cards, 6379, node_ip, block, dry_run)

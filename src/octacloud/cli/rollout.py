@@ -12,7 +12,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from octacloud.cli.cloud import CACERT, KEY, _call, _url, console
+from octacloud.cli.cloud import CACERT, KEY, URL, _call, _url, console
 
 rollout_app = typer.Typer(help="Rolling updates: status and undo.", no_args_is_help=True)
 
@@ -43,7 +43,7 @@ def _show(data: dict[str, Any]) -> None:
 @rollout_app.command("status")
 def rollout_status(
     deployment: str = typer.Argument(..., help="The deployment's name."),
-    url: str | None = typer.Option(None, "--url"),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -57,7 +57,7 @@ def rollout_undo(
     to_revision: int | None = typer.Option(
         None, "--to-revision", help="Go back to this revision (default: the previous one)."
     ),
-    url: str | None = typer.Option(None, "--url"),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:

@@ -77,10 +77,13 @@ def simulate(
     """Replay traces under the FGD paper's protocol (or in churn mode) and write results to --out."""
     if ctx.invoked_subcommand is not None:
         return
+    from octacloud.core.extras import MissingExtraError, require
     from octacloud.sim.experiment import ChurnSpec, RunSpec, check_policies, parse_seeds
     from octacloud.sim.synthetic import parse_arrivals, parse_lifetime
 
     try:
+        if plots:
+            require("plots")
         fleet = _existing(nodes, "--nodes")
         traces = [_existing(p, "--pods") for p in (pods or [])]
         if not traces:
@@ -116,8 +119,8 @@ def simulate(
                 for s in seed_list
             ]
         out.mkdir(parents=True, exist_ok=True)
-    except InvalidSpecError as exc:
-        raise _fail(str(exc)) from None
+    except (InvalidSpecError, MissingExtraError) as exc:
+        raise _fail(f"{exc} (or pass --no-plots)" if isinstance(exc, MissingExtraError) else str(exc)) from None
     except OSError as exc:
         raise _fail(f"--out {out}: {exc.strerror or exc}") from None
 

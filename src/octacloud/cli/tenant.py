@@ -8,7 +8,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from octacloud.cli.cloud import CACERT, KEY, _call, _url, console, err
+from octacloud.cli.cloud import CACERT, KEY, URL, _call, _url, console, err
 
 tenant_app = typer.Typer(help="Tenants: who uses the cloud, with which quotas.", no_args_is_help=True)
 key_app = typer.Typer(help="API keys: shown once when created, stored hashed.", no_args_is_help=True)
@@ -31,7 +31,7 @@ def tenant_create(
     rate: float | None = typer.Option(None, "--rate", help="Requests per second (token bucket)."),
     burst: int = typer.Option(50, "--burst", help="Requests allowed in a burst above the rate."),
     with_key: bool = typer.Option(True, "--key/--no-key", help="Also create a tenant key and show it once."),
-    url: str | None = typer.Option(None, "--url"),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -45,9 +45,7 @@ def tenant_create(
 
 
 @tenant_app.command("list")
-def tenant_list(
-    url: str | None = typer.Option(None, "--url"), key: str | None = KEY, cacert: Path | None = CACERT
-) -> None:
+def tenant_list(url: str | None = URL, key: str | None = KEY, cacert: Path | None = CACERT) -> None:
     """Tenants and their quotas (a tenant key sees its own)."""
     data = _call("GET", _url(url), "/admin/tenants", None, key, cacert)
     table = Table(title="tenants")
@@ -60,7 +58,7 @@ def tenant_list(
 
 @tenant_app.command("set")
 def tenant_set(
-    name: str = typer.Argument(...),
+    name: str = typer.Argument(..., help="The tenant."),
     octants: int | None = typer.Option(None, "--octants", help="Quota: octants its deployments may hold."),
     deployments: int | None = typer.Option(None, "--deployments", help="Quota: number of deployments."),
     rate: float | None = typer.Option(None, "--rate", help="Requests per second (token bucket)."),
@@ -68,7 +66,7 @@ def tenant_set(
     unlimited: list[str] = typer.Option(
         [], "--unlimited", help="Remove a limit: octants, deployments or rate (repeatable)."
     ),
-    url: str | None = typer.Option(None, "--url"),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -93,8 +91,8 @@ def _set(name: str, action: str, url: str | None, key: str | None, cacert: Path 
 
 @tenant_app.command("disable")
 def tenant_disable(
-    name: str = typer.Argument(...),
-    url: str | None = typer.Option(None, "--url"),
+    name: str = typer.Argument(..., help="The tenant."),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -104,8 +102,8 @@ def tenant_disable(
 
 @tenant_app.command("enable")
 def tenant_enable(
-    name: str = typer.Argument(...),
-    url: str | None = typer.Option(None, "--url"),
+    name: str = typer.Argument(..., help="The tenant."),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -118,7 +116,7 @@ def key_create(
     tenant: str | None = typer.Option(None, "--tenant", help="Whose key (default: the caller's tenant)."),
     admin: bool = typer.Option(False, "--admin", help="An admin key (tenant 'admin')."),
     note: str = typer.Option("", "--note", help="What the key is for."),
-    url: str | None = typer.Option(None, "--url"),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -134,8 +132,8 @@ def key_create(
 
 @key_app.command("list")
 def key_list(
-    tenant: str | None = typer.Option(None, "--tenant"),
-    url: str | None = typer.Option(None, "--url"),
+    tenant: str | None = typer.Option(None, "--tenant", help="Only this tenant's keys (admin; default: all)."),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -152,7 +150,7 @@ def key_list(
 @key_app.command("revoke")
 def key_revoke(
     key_id: str = typer.Argument(..., help="The key's id (the part after 'oc_')."),
-    url: str | None = typer.Option(None, "--url"),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:

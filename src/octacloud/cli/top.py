@@ -7,6 +7,7 @@ replicas and the last events.
 
 from __future__ import annotations
 
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -171,9 +172,10 @@ def top(
     state_dir: Path = typer.Option(Path("var"), "--state-dir", help="Where admin.key is (without --key)."),
     cacert: str | None = typer.Option(None, "--cacert", envvar="OCTACLOUD_CACERT", help="CA certificate (https)."),
     interval: float = typer.Option(1.0, "--interval", min=0.2, help="Seconds between redraws."),
-    once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
+    once: bool = typer.Option(False, "--once", help="Print one frame and exit (so does a top whose output is piped)."),
 ) -> None:
     """The fleet, the slices and the load, live in the terminal (needs an admin key)."""
+    once = once or not sys.stdout.isatty()
     base = (url or DEFAULT_URL).rstrip("/")
     admin_key = _key(key, state_dir)
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}

@@ -12,7 +12,7 @@ from urllib.parse import urlencode
 import typer
 from rich.table import Table
 
-from octacloud.cli.cloud import CACERT, KEY, _call, _url, console, err
+from octacloud.cli.cloud import CACERT, KEY, URL, _call, _url, console, err
 
 COLUMNS = ("tenant", "group", "octant_seconds", "exec_seconds", "inferences", "requests", "bytes_in", "bytes_out",
            "storage_gb_months", "cost")  # fmt: skip
@@ -25,7 +25,7 @@ def usage(
     by: str = typer.Option("deployment", "--by", help="Group by deployment, day, gpu-model or tenant."),
     deployment: str | None = typer.Option(None, "--deployment", help="One deployment only."),
     fmt: str = typer.Option("table", "--format", help="table, csv or json."),
-    url: str | None = typer.Option(None, "--url"),
+    url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
@@ -49,11 +49,14 @@ def usage(
         return
     priced = data.get("currency") is not None
     table = Table(title=f"usage by {data['by']}" + (f" ({data['currency']})" if priced else ""))
-    headers = ["tenant", data["by"], "octant-s", "exec s", "inferences", "requests", "MB in", "MB out", "GB-months"]
+    by_tenant = data["by"] == "tenant"  # the group is the tenant: one column for both
+    names = ["tenant"] if by_tenant else ["tenant", data["by"]]
+    headers = [*names, "octant-s", "exec s", "inferences", "requests", "MB in", "MB out", "GB-months"]
     for col in [*headers, *(["cost"] if priced else [])]:
-        table.add_column(col, justify="left" if col in ("tenant", data["by"]) else "right")
+        table.add_column(col, justify="left" if col in names else "right")
     for r in rows:
-        cells = [r["tenant"], r["group"], f"{r['octant_seconds']:.1f}", f"{r['exec_seconds']:.3f}",
+        label = [r["tenant"] or r["group"]] if by_tenant else [r["tenant"], r["group"]]
+        cells = [*label, f"{r['octant_seconds']:.1f}", f"{r['exec_seconds']:.3f}",
                  str(r["inferences"]), str(r["requests"]), f"{r['bytes_in'] / 1e6:.3f}",
                  f"{r['bytes_out'] / 1e6:.3f}", f"{r['storage_gb_months']:.3g}"]  # fmt: skip
         table.add_row(*cells, *([f"{r['cost']:.4f}"] if priced else []))

@@ -127,7 +127,9 @@ def build_admin_app(
             return _error(400, str(exc))
         except NotFoundError as exc:
             return _error(404, str(exc))
-        return JSONResponse(deployment_json(d, controller.store.replicas(d.spec.name)), status_code=201)
+        created = deployment_json(d, controller.store.replicas(d.spec.name))
+        created["sizing"] = controller.sizing(d.spec).reason  # how the size was chosen, for the operator
+        return JSONResponse(created, status_code=201)
 
     async def get_deployment(request: Request) -> JSONResponse:
         p = caller(request)

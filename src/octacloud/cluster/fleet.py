@@ -2,9 +2,11 @@
 
 Three sources, tried in this order by :func:`discover_fleet`:
 
-1. a fleet file (YAML) that declares nodes — for test fleets, CPU-only machines, or fleets described by hand;
+1. a fleet file (YAML) that declares nodes — for test fleets, CPU-only machines, or fleets described by hand
+   (the format is in docs/cloud.md, "The fleet file");
 2. NVML (``nvidia-ml-py``) on this host, when NVIDIA GPUs are present: model, memory, NVLink peers, health;
-3. otherwise this host as one node whose "cards" are CPU capacity (see :func:`cpu_host_node`).
+3. otherwise this host's CPU, carved into CPU "cards": one node (:func:`cpu_host_node`) or a declared demo fleet
+   of several nodes (:func:`demo_fleet`, what ``octacloud up`` starts on a machine without GPUs).
 
 A fleet file looks like::
 
@@ -171,6 +173,38 @@ def _host_memory_mib() -> int:
         return 4096
 
 
+DEMO_LABEL = "octacloud.io/demo"
+"""Label of the nodes of a demo fleet: they are shares of one host, not machines of their own."""
+
+
+def demo_fleet(nodes: int = 2, cards: int = 4, host: str | None = None) -> list[Node]:
+    """A declared demo fleet carved out of this host: ``nodes`` nodes of ``cards`` CPU "cards" each.
+
+    For trying octacloud on a machine without GPUs: packing, scaling, preemption and failover behave as on a
+    real fleet. The nodes are named ``demo-a``, ``demo-b``, ...; each stands for ``1/nodes`` of the host's
+    cores and memory, and its cards split half of that memory evenly (as :func:`cpu_host_node` does). Every
+    replica still runs on this host; a node's cores become its replicas' thread budgets.
+    """
+    if not 1 <= nodes <= 26:
+        raise InvalidSpecError(f"a demo fleet has 1 to 26 nodes, got {nodes}")
+    if not 1 <= cards <= 64:
+        raise InvalidSpecError(f"a demo node has 1 to 64 cards, got {cards}")
+    cores = os.cpu_count() or 1
+    memory_mib = _host_memory_mib() // nodes
+    card_memory = memory_mib // 2 // cards
+    where = host or socket.gethostname() or "localhost"
+    return [
+        Node(
+            name=f"demo-{chr(ord('a') + i)}",
+            cpu_milli=max(1000, cores * 1000 // nodes),
+            memory_mib=memory_mib,
+            gpus=tuple(Gpu(g, CPU_CARD_MODEL, card_memory) for g in range(cards)),
+            labels={"octacloud.io/accelerator": "cpu", DEMO_LABEL: where},
+        )
+        for i in range(nodes)
+    ]
+
+
 def nvml_host_node(name: str | None = None) -> Node | None:
     """This host's NVIDIA GPUs through NVML, or ``None`` when NVML or GPUs are absent."""
     try:
@@ -249,12 +283,15 @@ def _nvml_health(pynvml: Any, handle: Any) -> Health:
     return Health.HEALTHY
 
 
-def discover_fleet(fleet_file: Path | None = None, *, cpu_cards: int = 1) -> list[Node]:
-    """The fleet: the fleet file if given, else this host through NVML, else this host's CPU as cards."""
+def discover_fleet(fleet_file: Path | None = None, *, cpu_cards: int = 1, cpu_nodes: int = 1) -> list[Node]:
+    """The fleet: the fleet file if given, else this host through NVML, else this host's CPU as ``cpu_nodes``
+    node(s) of ``cpu_cards`` cards (one node: this host by name; more: a demo fleet, see :func:`demo_fleet`)."""
     if fleet_file is not None:
         return load_fleet_file(fleet_file)
     node = nvml_host_node()
-    return [node] if node is not None else [cpu_host_node(cards=cpu_cards)]
+    if node is not None:
+        return [node]
+    return [cpu_host_node(cards=cpu_cards)] if cpu_nodes == 1 else demo_fleet(cpu_nodes, cpu_cards)
 
 
 @dataclass(slots=True)

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
 
 from octacloud.cluster.slices import Slice
 from octacloud.core.errors import InvalidSpecError, NotFoundError
@@ -91,42 +94,72 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-_NAME_LINE = re.compile(r'^\s*name\s*:\s*"[^"]*"\s*$', re.MULTILINE)
+def check_version(model_dir: Path, version: str) -> None:
+    """Raise unless ``version`` ('' = the model's own policy) names a version folder of ``model_dir``."""
+    if not version:
+        return
+    present = sorted((p.name for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=int)
+    if not version.isdigit():
+        raise InvalidSpecError(f"version must be a whole number (a version folder), got {version!r}")
+    if str(int(version)) not in present:
+        raise NotFoundError(
+            f"model {model_dir.name!r} has no version {version} (its versions: {', '.join(present) or 'none'})"
+        )
 
 
 def model_view(spec: LaunchSpec, root: Path) -> Path:
     """A one-model repository under ``root`` that serves ``spec.model_dir`` as ``spec.serve_as``.
 
-    Version folders are symlinked (no copy of the weights); ``config.pbtxt`` is copied with its ``name``
-    rewritten, since Triton's layout requires the folder and the configured name to agree.
+    Version folders are symlinked (no copy of the weights); ``config.pbtxt`` is rewritten with its ``name``
+    set to ``serve_as``, since Triton's layout requires the folder and the configured name to agree. A
+    deployment pinned to a version (``spec.version``) links only that version's folder and sets the
+    config's ``version_policy`` to ``specific { versions: [N] }``, so exactly that version is served, also
+    after the repository gains a newer one. Without a version the model's own policy applies (the latest).
     """
     if not spec.model_dir.is_dir():
         raise NotFoundError(f"model folder {spec.model_dir} does not exist")
+    check_version(spec.model_dir, spec.version)
+    pinned = str(int(spec.version)) if spec.version else None
     repo = root / "repository"
     target = repo / spec.serve_as
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
+    config = mc.ModelConfig()
     for entry in sorted(spec.model_dir.iterdir()):
         if entry.is_dir() and entry.name.isdigit():
-            (target / entry.name).symlink_to(entry.resolve(), target_is_directory=True)
+            if pinned is None or str(int(entry.name)) == pinned:
+                (target / entry.name).symlink_to(entry.resolve(), target_is_directory=True)
         elif entry.name == "config.pbtxt":
-            text = entry.read_text()
-            if _NAME_LINE.search(text):
-                text = _NAME_LINE.sub(f'name: "{spec.serve_as}"', text, count=1)
-            (target / "config.pbtxt").write_text(text)
+            try:
+                text_format.Parse(entry.read_text(), config)
+            except text_format.ParseError as exc:
+                raise InvalidSpecError(f"{entry}: {exc}") from None
         elif entry.is_file():
             (target / entry.name).symlink_to(entry.resolve())
+    config.name = spec.serve_as
+    if pinned is not None:
+        config.version_policy.specific.versions[:] = [int(pinned)]
+    (target / "config.pbtxt").write_text(text_format.MessageToString(config))
     return repo
 
 
 class LocalProcessLauncher:
     """Replicas as local ``octacloud serve`` processes, one per slice."""
 
-    def __init__(self, workdir: Path, host: str = "127.0.0.1", python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        host: str = "127.0.0.1",
+        python: str = sys.executable,
+        environment: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:
         self.workdir = workdir
         self.host = host
         self.python = python
+        self.environment = environment
+        """The node's environment for every replica it starts (e.g. its MPS daemon's pipe folder), asked at each
+        launch; the slice's own variables come after it."""
         self._addresses: dict[str, ReplicaAddress] = {}
 
     def launch(self, spec: LaunchSpec) -> Launched:
@@ -147,7 +180,8 @@ class LocalProcessLauncher:
             "--metrics-port", str(ports[2]),
             "--threads", str(spec.threads),
         ]  # fmt: skip
-        env = {**os.environ, **spec.env, "OCTACLOUD_REPLICA_ID": spec.replica_id, "PYTHONUNBUFFERED": "1"}
+        node_env = self.environment() if self.environment is not None else {}
+        env = {**os.environ, **node_env, **spec.env, "OCTACLOUD_REPLICA_ID": spec.replica_id, "PYTHONUNBUFFERED": "1"}
         log = root / "replica.log"
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:

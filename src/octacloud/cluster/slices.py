@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from octacloud.cluster.fleet import CPU_CARD_MODEL
 from octacloud.core.model import Node
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, max_model_memory_mib
+from octacloud.serving.memory import MEMORY_ENV
+
+_MIB = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +41,27 @@ def thread_budget(node: Node, s: Slice) -> int:
     return max(1, share)
 
 
+def memory_budget_mib(node: Node, s: Slice) -> int:
+    """The memory a replica on slice ``s`` may use on each of its cards: its share of the card, and never more
+    than the 80 % of a card a single model may take."""
+    if not s.gpus:
+        return 0
+    card = node.gpus[s.gpus[0]].memory_mib
+    return min(card * s.milli_per_gpu // MILLI_PER_GPU, max_model_memory_mib(card))
+
+
 def slice_environment(node: Node, s: Slice) -> dict[str, str]:
-    """Environment variables that confine a replica process to slice ``s`` of ``node``."""
+    """Environment variables that confine a replica process to slice ``s`` of ``node``.
+
+    Every replica gets its memory budget (``OCTACLOUD_MEMORY_BYTES``, per card): the batcher caps batches by it
+    and, on a GPU, onnxruntime's CUDA arena is limited to it, so the budget holds with or without MPS."""
     env = {
         "OCTACLOUD_SLICE": str(s),
         "OCTACLOUD_OCTANTS": str(s.octants),
     }
+    budget = memory_budget_mib(node, s)
+    if budget:
+        env[MEMORY_ENV] = str(budget * _MIB)
     threads = thread_budget(node, s)
     env["OCTACLOUD_THREADS"] = str(threads)
     env["OMP_NUM_THREADS"] = str(threads)
@@ -52,10 +70,7 @@ def slice_environment(node: Node, s: Slice) -> dict[str, str]:
         return env
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in s.gpus)
     if s.milli_per_gpu < MILLI_PER_GPU:
-        card = node.gpus[s.gpus[0]]
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, s.milli_per_gpu * 100 // MILLI_PER_GPU))
-        share = card.memory_mib * s.milli_per_gpu // MILLI_PER_GPU
-        limit = min(share, max_model_memory_mib(card.memory_mib))
         # Device ordinals inside the process are renumbered from 0 by CUDA_VISIBLE_DEVICES.
-        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={limit}M"
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={budget}M"
     return env

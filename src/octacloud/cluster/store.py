@@ -8,8 +8,9 @@ controller adopts live replicas instead of starting them twice.
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -20,6 +21,12 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.core.errors import NotFoundError
+
+log = logging.getLogger("octacloud.store")
+
+EventListener = Callable[[dict[str, object]], None]
+"""Called with each event once it is stored (``at``, ``kind``, ``subject``, ``message``, ``deployment``,
+``tenant``); must not block."""
 
 
 class _Base(DeclarativeBase):
@@ -81,6 +88,7 @@ class StateStore:
         _Base.metadata.create_all(self.engine)
         _add_missing_columns(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._listeners: list[EventListener] = []
 
     @classmethod
     def at(cls, path: Path) -> StateStore:
@@ -159,17 +167,22 @@ class StateStore:
         tenant: str = "",
     ) -> None:
         """Record an event about ``subject`` (a replica, deployment or node), with the deployment and tenant it
-        concerns ('' for the fleet's own events)."""
-        row = _EventRow(
-            at=time.time() if at is None else at,
-            kind=kind,
-            subject=subject,
-            message=message,
-            deployment=deployment,
-            tenant=tenant,
-        )
+        concerns ('' for the fleet's own events), and tell the subscribers."""
+        at = time.time() if at is None else at
+        row = _EventRow(at=at, kind=kind, subject=subject, message=message, deployment=deployment, tenant=tenant)
         with self._tx() as s:
             s.add(row)
+        event = {"at": at, "kind": kind, "subject": subject, "message": message, "deployment": deployment,
+                 "tenant": tenant}  # fmt: skip
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a failing subscriber must not fail the controller's step
+                log.exception("event listener failed")
+
+    def subscribe(self, listener: EventListener) -> None:
+        """Call ``listener`` with every event stored from now on (``octacloud up`` logs them)."""
+        self._listeners.append(listener)
 
     def events(self, limit: int = 100, *, tenant: str | None = None) -> list[dict[str, object]]:
         """The newest ``limit`` events, newest first; only ``tenant``'s when given."""

@@ -69,8 +69,10 @@ class ClusterUsage:
         scrape_timeout_s: float = 1.0,
         storage_ttl_s: float = 60.0,
         now: Callable[[], float] = time.monotonic,
+        gpu_use: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         self.controller = controller
+        self._gpu_use = gpu_use
         self.scrape_timeout_s = scrape_timeout_s
         self.storage_ttl_s = storage_ttl_s
         self._now = now
@@ -119,6 +121,10 @@ class ClusterUsage:
             a = owners[r.id]
             out[r.id] = Work(a.tenant, a.deployment, a.gpu_model, exec_us, inferences)
         return out
+
+    def gpu_use(self) -> Mapping[str, int]:
+        """What the telemetry sampler measured through NVML (nothing on a host without NVIDIA cards)."""
+        return self._gpu_use() if self._gpu_use is not None else {}
 
     def storage(self) -> list[Stored]:
         out = []

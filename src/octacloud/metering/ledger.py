@@ -38,6 +38,9 @@ class Metric(enum.Enum):
     BYTES_OUT = "bytes_out"
     STORAGE = "storage_byte_ms"
     """Model bytes in the repository × milliseconds, per deployment that serves the model."""
+    GPU_USED = "gpu_used_milli_ms"
+    """GPU actually used: the SM share NVML measured for the replica's process (its process utilisation
+    samples), milli-GPU × milliseconds like ``ALLOC``; recorded only on NVIDIA cards."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,10 @@ class UsageSource(Protocol):
 
     def storage(self) -> list[Stored]: ...
 
+    def gpu_use(self) -> Mapping[str, int]:
+        """Replica → milli-GPU it is measured to use right now (NVML); replicas not measured are absent."""
+        ...
+
 
 class Meter:
     def __init__(
@@ -103,6 +107,7 @@ class Meter:
         self.start_ms = now if closed is None else max(now, closed)
         self._sampled_ms = self.start_ms
         self._alloc: dict[tuple[str, str, str, str], int] = {}
+        self._used: dict[tuple[str, str, str, str], int] = {}
         self._traffic: dict[tuple[str, str], Traffic] = dict(source.traffic())
         self._work: dict[str, Work] = {}  # the replicas' counters at the last close (or at prime())
         self.closed = 0
@@ -127,9 +132,12 @@ class Meter:
         dt = until_ms - self._sampled_ms
         if dt <= 0:
             return
+        used = self.source.gpu_use()
         for a in self.source.allocations():
             key = (a.tenant, a.deployment, a.replica, a.gpu_model)
             self._alloc[key] = self._alloc.get(key, 0) + a.milli * dt
+            if a.replica in used:  # never more than the slice it holds
+                self._used[key] = self._used.get(key, 0) + min(used[a.replica], a.milli) * dt
         self._sampled_ms = until_ms
 
     async def tick(self) -> int:
@@ -153,6 +161,11 @@ class Meter:
         work = dict(await self.source.work())
         records = [
             UsageRecord(t, d, r, Metric.ALLOC, start, length, q, model) for (t, d, r, model), q in self._alloc.items()
+        ]
+        records += [
+            UsageRecord(t, d, r, Metric.GPU_USED, start, length, q, model)
+            for (t, d, r, model), q in self._used.items()
+            if q > 0
         ]
         for (tenant, deployment), now in traffic.items():
             was = self._traffic.get((tenant, deployment), Traffic())
@@ -184,6 +197,7 @@ class Meter:
         held = {a.replica for a in self.source.allocations()}
         self._work = {r: w for r, w in {**self._work, **work}.items() if r in held or r in work}
         self._alloc = {}
+        self._used = {}
         self.start_ms = self._sampled_ms = end_ms
         self.closed += 1
         return True

@@ -82,6 +82,7 @@ class UsageLine:
     bytes_in: int = 0
     bytes_out: int = 0
     storage_byte_ms: int = 0
+    gpu_used_milli_ms: int = 0
     cost: float = 0.0
 
     @property
@@ -107,6 +108,7 @@ class UsageLine:
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "storage_gb_months": float(f"{self.gb_months:.6g}"),  # tiny models: keep the significant digits
+            "gpu_used_octant_seconds": round(self.gpu_used_milli_ms / 125_000, 3),
             "cost": round(self.cost, 6),
         }
 
@@ -119,6 +121,7 @@ _FIELD = {
     Metric.BYTES_IN: "bytes_in",
     Metric.BYTES_OUT: "bytes_out",
     Metric.STORAGE: "storage_byte_ms",
+    Metric.GPU_USED: "gpu_used_milli_ms",
 }
 
 

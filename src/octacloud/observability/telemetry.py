@@ -82,6 +82,11 @@ class ReplicaTelemetry:
     cpu_seconds: float | None = None
     rss_bytes: int | None = None
     serving: ReplicaServing | None = None
+    gpu_busy: float | None = None
+    """Cards' worth of SM time the replica's process used over NVML's last sample period (NVML process samples,
+    summed over its cards: 0.5 = half of one card). None off NVIDIA cards or when NVML has no sample for it."""
+    gpu_memory_bytes: int | None = None
+    """Framebuffer memory the replica's process holds, summed over its cards (NVML)."""
 
 
 @dataclass(slots=True)
@@ -161,10 +166,13 @@ class TelemetrySampler:
         now = self.clock.monotonic()
         replicas = list(self.replicas())
         serving = await self.scraper.scrape(replicas) if self.scraper is not None else {}
-        readings = await asyncio.to_thread(self.nvml.read, now) if self.nvml is not None else []
+        readings, processes = (
+            await asyncio.to_thread(self._read_nvml, self.nvml, now) if self.nvml is not None else ([], [])
+        )
         sample = FleetSample(self.clock.time(), now)
         for r in replicas:
             sample.replicas[r.id] = self._replica(r, serving.get(r.id), now)
+        self._attribute(sample, replicas, processes)
         self._previous = {k: v for k, v in self._previous.items() if k in sample.replicas}
         on_card: dict[CardKey, list[ReplicaInfo]] = {}
         for r in replicas:
@@ -195,6 +203,37 @@ class TelemetrySampler:
         sample.nodes = self._node_metrics(sample)
         self.latest = sample
         return sample
+
+    @staticmethod
+    def _read_nvml(nvml: NvmlCards, now: float) -> tuple[list[dcgm.CardReading], list[dcgm.ProcessUse]]:
+        return nvml.read(now), nvml.processes()
+
+    def _attribute(
+        self, sample: FleetSample, replicas: Sequence[ReplicaInfo], processes: Sequence[dcgm.ProcessUse]
+    ) -> None:
+        """Give each replica on this host's NVIDIA cards what NVML saw its process use there."""
+        by_pid: dict[int, list[dcgm.ProcessUse]] = {}
+        for use in processes:
+            by_pid.setdefault(use.pid, []).append(use)
+        for r in replicas:
+            if r.node != self.nvml_node or r.pid is None:
+                continue
+            uses = [u for u in by_pid.get(r.pid, ()) if u.gpu in r.gpus]
+            if not uses:
+                continue
+            t = sample.replicas[r.id]
+            sm = [u.sm_percent for u in uses if u.sm_percent is not None]
+            t.gpu_busy = sum(sm) / 100.0 if sm else None
+            memory = [u.memory_bytes for u in uses if u.memory_bytes is not None]
+            t.gpu_memory_bytes = sum(memory) if memory else None
+
+    def gpu_use(self) -> dict[str, int]:
+        """Replica id → milli-GPU it is using now (its NVML-measured SM share), for the ledger's GPU-used
+        metric; replicas with no measurement are absent. Nothing once the latest sample is stale."""
+        latest = self.latest
+        if latest is None or self.clock.monotonic() - latest.monotonic > self.max_age_s:
+            return {}
+        return {rid: round(t.gpu_busy * 1000) for rid, t in latest.replicas.items() if t.gpu_busy is not None}
 
     def _replica(self, r: ReplicaInfo, serving: ReplicaServing | None, now: float) -> ReplicaTelemetry:
         last = self._previous.get(r.id)

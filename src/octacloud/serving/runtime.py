@@ -1,4 +1,5 @@
-"""Model runtimes: what computes a batch. ONNX Runtime here (CUDA when present, CPU otherwise)."""
+"""Model runtimes: what computes a batch. ONNX Runtime here: on the providers the model's config and the host
+allow (TensorRT, CUDA, the CPU; :mod:`octacloud.serving.providers`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import numpy as np
 import numpy.typing as npt
 
 from octacloud.serving.errors import ModelConfigError
+from octacloud.serving.memory import MEMORY_ENV
+from octacloud.serving.providers import CPU, ProviderChoice, choose_providers, gpu_visible
 from octacloud.serving.repository.config import ONNX_BACKEND, ONNX_PLATFORM, ModelConfig
 from octacloud.serving.types import TensorMetadata
 
@@ -89,9 +92,11 @@ _ORT_TYPES = {
 
 
 class OnnxRuntime:
-    """One ``onnxruntime.InferenceSession``: CUDAExecutionProvider when available, CPU otherwise."""
+    """One ``onnxruntime.InferenceSession`` on the providers of ``choice`` (see :mod:`octacloud.serving.providers`;
+    default: the CPU). On a GPU, batches go through I/O binding: inputs are copied to the card once and outputs
+    come back once, with no intermediate host copies."""
 
-    def __init__(self, path: Path, threads: int, providers: Sequence[str] | None = None) -> None:
+    def __init__(self, path: Path, threads: int, choice: ProviderChoice | None = None) -> None:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -101,20 +106,24 @@ class OnnxRuntime:
         # Replicas share a host's cores with other replicas and the gateway: idle intra-op threads must sleep,
         # not spin (onnxruntime's default), or they burn the CPU the neighbours' slices paid for.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        available = ort.get_available_providers()
-        chosen = (
-            list(providers)
-            if providers
-            else [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-        )
+        choice = choice or ProviderChoice(((CPU, {}),), "cpu")
         try:
-            self._session = ort.InferenceSession(str(path), options, providers=chosen)
+            self._session = ort.InferenceSession(
+                str(path), options, providers=choice.names, provider_options=[o for _, o in choice.providers]
+            )
         except Exception as e:  # onnxruntime raises its own exception types for broken files
-            raise ModelConfigError(f"{path}: onnxruntime cannot load it: {e}") from None
-        self._device = "cuda" if self._session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
+            raise ModelConfigError(f"{path}: onnxruntime cannot load it on {', '.join(choice.names)}: {e}") from None
+        active = self._session.get_providers()
+        if choice.device == "cuda" and active[0] == CPU:
+            raise ModelConfigError(
+                f"{path}: onnxruntime could not open {choice.names[0]} (the CUDA libraries or the card are "
+                "missing); the replica refuses to fall back to the CPU silently"
+            )
+        self._device = choice.device
         self._inputs = tuple(self._meta(x) for x in self._session.get_inputs())
         self._outputs = tuple(self._meta(x) for x in self._session.get_outputs())
         self._string_inputs = {t.name for t in self._inputs if t.datatype == "BYTES"}
+        self._bind = self._device == "cuda" and not self._string_inputs
 
     @staticmethod
     def _meta(node: Any) -> TensorMetadata:
@@ -141,7 +150,7 @@ class OnnxRuntime:
             name: (np.vectorize(bytes.decode, otypes=[object])(a) if name in self._string_inputs else a)
             for name, a in inputs.items()
         }
-        results = self._session.run(list(outputs), feed)
+        results = self._run_bound(feed, outputs) if self._bind else self._session.run(list(outputs), feed)
         out: dict[str, npt.NDArray[Any]] = {}
         for name, value in zip(outputs, results, strict=True):
             array = np.asarray(value)
@@ -150,24 +159,46 @@ class OnnxRuntime:
             out[name] = array
         return out
 
+    def _run_bound(self, feed: Arrays, outputs: Sequence[str]) -> list[Any]:
+        """One batch through I/O binding: host inputs bound once, outputs left on the card and copied back once."""
+        binding = self._session.io_binding()
+        for name, array in feed.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        for name in outputs:
+            binding.bind_output(name, "cuda")
+        self._session.run_with_iobinding(binding)
+        return list(binding.copy_outputs_to_cpu())
+
     def close(self) -> None:
         del self._session
 
 
 class OnnxRuntimeFactory:
-    """Loads ``<version>/<default_model_filename or model.onnx>`` with :class:`OnnxRuntime`."""
+    """Loads ``<version>/<default_model_filename or model.onnx>`` with :class:`OnnxRuntime`, on the providers
+    :func:`~octacloud.serving.providers.choose_providers` picks for its config (``available``: onnxruntime's
+    providers, asked once per load when not given)."""
 
     platform = ONNX_PLATFORM
     backend = ONNX_BACKEND
 
-    def __init__(self, providers: Sequence[str] | None = None) -> None:
-        self._providers = providers
+    def __init__(self, available: Sequence[str] | None = None) -> None:
+        self._available = available
+
+    def choice(self, config: ModelConfig) -> ProviderChoice:
+        if self._available is None:
+            import onnxruntime as ort
+
+            available: Sequence[str] = ort.get_available_providers()
+        else:
+            available = self._available
+        budget = int(os.environ.get(MEMORY_ENV, "0") or 0)
+        return choose_providers(config, available, visible=gpu_visible(), memory_budget=budget or None)
 
     def __call__(self, version_dir: Path, config: ModelConfig, threads: int) -> ModelRuntime:
         path = version_dir / (config.default_model_filename or "model.onnx")
         if not path.is_file():
             raise ModelConfigError(f"{path} is missing (each version folder holds the model file)")
-        return OnnxRuntime(path, threads, self._providers)
+        return OnnxRuntime(path, threads, self.choice(config))
 
 
 def default_runtimes() -> dict[str, RuntimeFactory]:

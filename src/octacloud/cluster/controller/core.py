@@ -31,8 +31,8 @@ from octacloud.cluster.controller.world import (
 )
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.cluster.gateway.routing import Owner, RouteTable
-from octacloud.cluster.launcher import ReplicaLauncher
-from octacloud.cluster.sizing import Autoscaler, size_deployment
+from octacloud.cluster.launcher import ReplicaLauncher, check_version
+from octacloud.cluster.sizing import Autoscaler, FleetCapacity, Sizing, plan_size, reserve_percent
 from octacloud.cluster.store import StateStore
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError
@@ -125,7 +125,9 @@ class Controller:
         w = self.w
         if not (w.repository / spec.model).is_dir():
             raise NotFoundError(f"model {spec.model!r} is not in the repository {w.repository}")
-        octants, replicas = self.resolve_size(spec)
+        check_version(w.repository / spec.model, spec.version)
+        sizing = self.sizing(spec)
+        octants, replicas = sizing.octants, sizing.replicas
         try:
             old: Deployment | None = w.store.get_deployment(spec.name)
         except NotFoundError:
@@ -137,7 +139,7 @@ class Controller:
                 raise InvalidSpecError(f"deployment {spec.name!r} belongs to another tenant")
             d = Deployment(spec, replicas, octants, old.created_at, old.generation + 1)
         w.store.put_deployment(d)
-        what = f"{spec.model} × {replicas} on {octants} octant(s)"
+        what = f"{spec.model} × {replicas} on {octants} octant(s)" + (f": {sizing.reason}" if sizing.reason else "")
         if old is None or old.template() != d.template():  # a new revision: what each replica runs changed
             revision = w.store.add_revision(d, w.clock.time())
             what += f", revision {revision}"
@@ -150,19 +152,16 @@ class Controller:
 
     def resolve_size(self, spec: DeploymentSpec) -> tuple[int, int]:
         """Octants per replica and replica count ``spec`` resolves to (auto-sizing done); raises as deploy does."""
-        if spec.octants is not None:
-            return spec.octants, max(spec.min_replicas, 1) if spec.max_replicas else 0
-        cards = [g.memory_mib for n in self.w.nodes for g in n.gpus]
-        if not cards:
-            raise InvalidSpecError("the fleet has no cards to size a deployment for")
-        sizing = size_deployment(
-            self.w.footprint(spec.model),
-            max(cards),
-            target_qps=spec.target_qps,
-            min_replicas=spec.min_replicas,
-            max_replicas=spec.max_replicas,
-        )
+        sizing = self.sizing(spec)
         return sizing.octants, sizing.replicas
+
+    def sizing(self, spec: DeploymentSpec) -> Sizing:
+        """The size ``spec`` resolves to and why; raises when it could never be placed on this fleet."""
+        return plan_size(spec, lambda: self.w.footprint(spec.model), self.capacity(spec.priority))
+
+    def capacity(self, priority: int = 0) -> FleetCapacity:
+        """What the fleet could ever give a deployment of ``priority`` (the failover reserve kept from it)."""
+        return FleetCapacity.of(self.w.nodes, reserve_percent(self.w.scheduler.profile, priority))
 
     def scale(self, name: str, replicas: int) -> Deployment:
         d = self.w.store.get_deployment(name)
@@ -171,6 +170,11 @@ class Controller:
                 f"deployment {name!r}: replicas must be within {d.spec.min_replicas}..{d.spec.max_replicas}, "
                 f"got {replicas} (change min/max with deploy)"
             )
+        try:
+            memory = self.w.footprint(d.spec.model).memory_mib
+        except (NotFoundError, InvalidSpecError):
+            memory = 0
+        self.capacity(d.spec.priority).check(name, d.octants, replicas, memory)
         d.replicas = replicas
         d.generation += 1
         self.w.store.put_deployment(d)

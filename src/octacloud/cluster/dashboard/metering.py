@@ -27,6 +27,7 @@ _HELP = {
     UsageMetric.BYTES_IN: "Request bytes the gateway received for the tenant.",
     UsageMetric.BYTES_OUT: "Response bytes the gateway sent for the tenant.",
     UsageMetric.STORAGE: "Model bytes stored × milliseconds.",
+    UsageMetric.GPU_USED: "GPU the tenant's replicas actually used (NVML SM share), milli-GPU × milliseconds.",
 }
 
 
@@ -59,6 +60,7 @@ class LedgerTotals:
                 {
                     "tenant": tenant,
                     "octant_seconds": round(per.get(UsageMetric.ALLOC, 0) / 125_000, 1),
+                    "gpu_used_octant_seconds": round(per.get(UsageMetric.GPU_USED, 0) / 125_000, 1),
                     "exec_seconds": round(per.get(UsageMetric.EXEC, 0) / 1e6, 3),
                     "inferences": per.get(UsageMetric.INFERENCES, 0),
                     "requests": per.get(UsageMetric.REQUESTS, 0),

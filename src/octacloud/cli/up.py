@@ -1,0 +1,439 @@
+"""``octacloud up`` (the cloud in the foreground) and ``octacloud down`` (stop the replicas it left running).
+
+``up`` holds a lock on ``<state-dir>/up.lock`` while it runs (it records its PID, backend and gateway there),
+so that a second ``up`` on the same state and a ``down`` that would kill its live replicas refuse instead.
+It logs one timed line per event the controller records (deployments, placements, replicas ready or failed,
+preemptions, moves, scaling), and prints the dashboard's address and a ready-to-paste request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import shlex
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import typer
+from rich.table import Table
+
+from octacloud.cli.cloud import console, err
+
+LOCK_FILE = "up.lock"
+EVENTS_LOGGER = "octacloud.events"
+DEFAULT_MAX_REPLICAS = 4
+"""The most replicas a model deployed by ``up --deploy`` may be scaled to (``--deploy-max-replicas``)."""
+
+
+# ---- the lock that says `up` runs on a state dir --------------------------------------------------------
+
+
+class CloudRunningError(RuntimeError):
+    """``octacloud up`` holds the state dir's lock; ``holder`` is what it recorded (PID, backend, URL)."""
+
+    def __init__(self, holder: dict[str, Any]) -> None:
+        super().__init__(f"octacloud up (PID {holder.get('pid', '?')}) is running")
+        self.holder = holder
+
+
+@contextlib.contextmanager
+def hold_up_lock(state_dir: Path, info: dict[str, Any]) -> Iterator[None]:
+    """Hold ``<state_dir>/up.lock`` while the block runs, recording ``info`` in it; raises
+    :class:`CloudRunningError` when another ``up`` holds it. The lock dies with the process (even kill -9)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    f: IO[str] = os.fdopen(fd, "r+")
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CloudRunningError(_read_record(f)) from None
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "started_at": time.time(), **info}) + "\n")
+        f.flush()
+        yield
+    finally:
+        f.close()  # releases the lock; the record stays for `down` (the backend it ran on)
+
+
+def up_record(state_dir: Path) -> tuple[bool, dict[str, Any]]:
+    """Whether an ``up`` holds ``state_dir`` now, and what the last ``up`` recorded there ({} if none)."""
+    path = state_dir / LOCK_FILE
+    if not path.exists():
+        return False, {}
+    with path.open("r+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True, _read_record(f)
+        return False, _read_record(f)
+
+
+def _read_record(f: IO[str]) -> dict[str, Any]:
+    f.seek(0)
+    try:
+        data = json.loads(f.read() or "{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# ---- the event log ------------------------------------------------------------------------------------------
+
+
+def event_line(event: dict[str, object]) -> str:
+    """One event as ``up`` logs it: kind, subject, what happened."""
+    return f"{event['kind']:<13} {event['subject']!s:<22} {event['message']}"
+
+
+def log_events(store: Any) -> None:
+    """Subscribe to ``store``'s events: each becomes one INFO line on the ``octacloud.events`` logger."""
+    logger = logging.getLogger(EVENTS_LOGGER)
+    store.subscribe(lambda event: logger.info("%s", event_line(event)))
+
+
+class _Lines(logging.Formatter):
+    """``HH:MM:SS message`` for events; the level and logger name too for everything else."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = self.formatTime(record, "%H:%M:%S")
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        if record.name == EVENTS_LOGGER:
+            return f"{when} {text}"
+        return f"{when} {record.levelname.lower():<7} {record.name}: {text}"
+
+
+def configure_logging() -> None:
+    """Timed lines on stderr, unless logging is configured already (as basicConfig: a host's handlers stay)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Lines())
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per metrics scrape and probe
+
+
+# ---- a ready-to-paste request ---------------------------------------------------------------------------------
+
+_SAMPLE = {"BOOL": True, "BYTES": "hello"}
+_NUMPY = {"BOOL": "bool_", "BYTES": "object_", "FP16": "float16", "FP32": "float32", "FP64": "float64"}
+
+
+def sample_inputs(model_dir: Path) -> list[dict[str, Any]] | None:
+    """Inputs of one sample request to the model (name, shape, datatype, a value to fill it with), from its
+    ``config.pbtxt``; None when the config names no inputs."""
+    from octacloud.serving.repository.config import datatype_of_enum, parse_config
+
+    path = model_dir / "config.pbtxt"
+    try:
+        config = parse_config(path.read_text(), str(path))
+    except Exception:  # no config, or one the replica would refuse anyway: no sample then
+        return None
+    if not config.input:
+        return None
+    batch = [1] if config.max_batch_size > 0 else []
+    inputs = []
+    for i in config.input:
+        datatype = datatype_of_enum(i.data_type)
+        shape = batch + [8 if d < 0 else int(d) for d in i.dims]
+        value = _SAMPLE.get(datatype, 0.5 if datatype.startswith("FP") else 1)
+        inputs.append({"name": i.name, "shape": shape, "datatype": datatype, "value": value})
+    return inputs
+
+
+def sample_requests(base: str, grpc: str, model: str, inputs: list[dict[str, Any]], key_file: Path) -> list[str]:
+    """A curl command line (OIP REST) and a tritonclient one-liner (gRPC) that ask ``model`` once."""
+    tensors = ", ".join(
+        f'{{"name": {_lit(i["name"])}, "shape": {i["shape"]!r}, "datatype": {_lit(i["datatype"])}, '
+        f'"data": [{_lit(i["value"])}] * {math.prod(i["shape"])}}}'
+        for i in inputs
+    )
+    body = f'import json; print(json.dumps({{"inputs": [{tensors}]}}))'
+    key = shlex.quote(str(key_file))
+    curl = (
+        f"python3 -c {shlex.quote(body)} | curl -s {base}/v2/models/{model}/infer "
+        f'-H "Authorization: Bearer $(cat {key})" -H "Content-Type: application/json" -d @-'
+    )
+    arrays = ", ".join(f"g.InferInput({_lit(i['name'])}, {i['shape']!r}, {_lit(i['datatype'])})" for i in inputs)
+    fills = "; ".join(
+        f"x[{k}].set_data_from_numpy(np.full({i['shape']!r}, {_lit(i['value'])}, np.{_numpy_type(i['datatype'])}))"
+        for k, i in enumerate(inputs)
+    )
+    headers = f'{{"authorization": "Bearer " + open({_lit(str(key_file))}).read().strip()}}'
+    python = (
+        f"import numpy as np, tritonclient.grpc as g; c = g.InferenceServerClient({_lit(grpc)}); x = [{arrays}]; "
+        f"{fills}; r = c.infer({_lit(model)}, x, headers={headers}); "
+        "print({o.name: r.as_numpy(o.name) for o in r.get_response().outputs})"
+    )
+    return [curl, f"python3 -c {shlex.quote(python)}"]
+
+
+def _lit(value: object) -> str:
+    """A Python literal in double quotes (so that the command line needs no escaped single quotes)."""
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def _numpy_type(datatype: str) -> str:
+    return _NUMPY.get(datatype, datatype.lower())
+
+
+# ---- up ---------------------------------------------------------------------------------------------------
+
+
+def up(
+    repository: Path = typer.Option(Path("models"), "--repository", "-r", help="Model repository (Triton layout)."),
+    fleet: Path | None = typer.Option(
+        None, "--fleet", help="Fleet file (YAML, see docs/cloud.md); default: this host's GPUs, else a demo fleet."
+    ),
+    state_dir: Path = typer.Option(Path("var"), "--state-dir", help="Where the state store and replica logs live."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address the gateway binds."),
+    http_port: int = typer.Option(8000, "--http-port", help="Gateway port for OIP REST, the admin API, dashboard."),
+    grpc_port: int = typer.Option(8001, "--grpc-port", help="Gateway port for OIP gRPC."),
+    policy: str = typer.Option("octacloud", "--policy", help="Scheduling profile (built-in name or file)."),
+    interval: float = typer.Option(5.0, "--interval", help="Seconds between reconcile passes."),
+    cpu_nodes: int = typer.Option(
+        2, "--cpu-nodes", help="Without GPUs or --fleet: nodes of the demo fleet carved out of this host (1: the host)."
+    ),
+    cpu_cards: int = typer.Option(4, "--cpu-cards", help="Without GPUs or --fleet: CPU 'cards' per node."),
+    deploy: list[str] = typer.Option(
+        [],
+        "--deploy",
+        help="Once up, deploy MODEL (1 replica on the smallest slice that holds it) unless a deployment of that name "
+        "exists.",
+    ),
+    deploy_max_replicas: int = typer.Option(
+        DEFAULT_MAX_REPLICAS, "--deploy-max-replicas", help="How far `scale` may take a model deployed by --deploy."
+    ),
+    tls_cert: Path | None = typer.Option(None, "--tls-cert", help="Serve REST and gRPC over TLS with this cert."),
+    tls_key: Path | None = typer.Option(None, "--tls-key", help="The TLS certificate's private key."),
+    tls_client_ca: Path | None = typer.Option(None, "--tls-client-ca", help="Require client certs from this CA."),
+    allow_insecure: bool = typer.Option(False, "--allow-insecure", help="Allow plain text off loopback."),
+    meter_interval: float = typer.Option(10.0, "--meter-interval", help="Seconds per usage-ledger interval."),
+    prices: Path | None = typer.Option(None, "--prices", help="Price sheet (YAML) for usage reports."),
+    telemetry_interval: float = typer.Option(
+        1.0, "--telemetry-interval", help="Seconds between GPU telemetry samples (the dashboard and the scheduler)."
+    ),
+    backend: str = typer.Option("local", "--backend", help="Where replicas run: local (this machine) or ray."),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", "--ray", help="The Ray cluster (HOST:PORT; default: auto). Implies --backend ray."
+    ),
+    model_storage: str | None = typer.Option(
+        None, "--model-storage", help="On Ray: the repository as nodes reach it (shared path or fsspec URL)."
+    ),
+    model_cache: Path | None = typer.Option(None, "--model-cache", help="On Ray: each node's model cache folder."),
+) -> None:
+    """Run the cloud: fleet, controller, replicas on slices, and the OIP gateway (on this machine, or on Ray)."""
+    from octacloud.app import Cloud, CloudConfig, ray_cloud
+    from octacloud.cluster.controller import ControllerSettings
+    from octacloud.cluster.tls import TlsConfig
+    from octacloud.core.errors import OctacloudError
+
+    for flag, value in (("--interval", interval), ("--meter-interval", meter_interval),
+                        ("--telemetry-interval", telemetry_interval)):  # fmt: skip
+        if not value > 0:
+            err.print(f"[red]error:[/] {flag} must be a positive number of seconds, got {value:g}")
+            raise typer.Exit(2)
+    if not repository.is_dir():
+        err.print(f"[red]error:[/] model repository {repository} does not exist (build the examples: make models)")
+        raise typer.Exit(2)
+    if backend not in ("local", "ray"):
+        err.print(f"[red]error:[/] --backend must be local or ray, got {backend!r}")
+        raise typer.Exit(2)
+    if (tls_cert is None) != (tls_key is None):
+        err.print("[red]error:[/] --tls-cert and --tls-key go together")
+        raise typer.Exit(2)
+    if deploy_max_replicas < 1:
+        err.print(f"[red]error:[/] --deploy-max-replicas must be at least 1, got {deploy_max_replicas}")
+        raise typer.Exit(2)
+    config = CloudConfig(
+        repository=repository,
+        state_dir=state_dir,
+        fleet_file=fleet,
+        host=host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        policy=policy,
+        cpu_cards=cpu_cards,
+        cpu_nodes=cpu_nodes,
+        controller=ControllerSettings(interval_s=interval),
+        tls=TlsConfig(tls_cert, tls_key, tls_client_ca) if tls_cert is not None and tls_key is not None else None,
+        allow_insecure=allow_insecure,
+        meter_interval_s=meter_interval,
+        telemetry_interval_s=telemetry_interval,
+        prices=prices,
+        ray_address=ray_address,
+        model_storage=model_storage,
+        model_cache=model_cache,
+    )
+    on_ray = backend == "ray" or ray_address is not None
+    scheme = "https" if config.tls is not None else "http"
+
+    async def main() -> None:
+        configure_logging()
+        try:
+            cloud = ray_cloud(config) if on_ray else Cloud(config)
+        except OctacloudError as exc:
+            err.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+        log_events(cloud.store)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, cloud.request_stop)
+        await cloud.start()
+        _print_fleet_summary(cloud)
+        for model in deploy:
+            _deploy_once(cloud, model, deploy_max_replicas)
+        base = f"{scheme}://{host}:{cloud.http_port}"
+        console.print(
+            f"octacloud is up: OIP REST {base}  gRPC {host}:{cloud.grpc_port}  dashboard {base}/dashboard/\n"
+            "  (Ctrl-C stops the cloud; replicas keep running until `octacloud down`)",
+            soft_wrap=True,
+            highlight=False,
+        )
+        if cloud.admin_key is not None:
+            console.print(
+                f"admin API key (shown once; also in {state_dir / 'admin.key'}, mode 0600):\n  {cloud.admin_key}",
+                soft_wrap=True,
+            )
+        _print_sample(cloud, deploy, base, f"{host}:{cloud.grpc_port}", state_dir / "admin.key")
+        await cloud.serve_forever()
+
+    from octacloud.protocols.server import new_event_loop
+
+    info = {"backend": "ray" if on_ray else "local", "ray_address": ray_address, "host": host}
+    try:
+        with hold_up_lock(state_dir, info), asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(main())
+    except CloudRunningError as exc:
+        err.print(f"[red]error:[/] {exc} on the state dir {state_dir}: one cloud per state dir")
+        raise typer.Exit(2) from None
+
+
+def _deploy_once(cloud: Any, model: str, max_replicas: int) -> None:
+    """``--deploy MODEL``: create the deployment when it is absent; leave an existing one as the operator set it."""
+    from octacloud.cluster.deployments import DeploymentSpec
+    from octacloud.core.errors import NotFoundError, OctacloudError
+
+    log = logging.getLogger("octacloud.up")
+    try:
+        existing = cloud.store.get_deployment(model)
+    except NotFoundError:
+        pass
+    else:
+        log.info("deployment %s exists (%d replica(s)): left as it is", model, existing.replicas)
+        return
+    try:
+        spec = DeploymentSpec(name=model, model=model, octants=None, tenant="admin", max_replicas=max_replicas)
+        cloud.controller.deploy(spec)
+    except OctacloudError as exc:
+        err.print(f"[red]cannot deploy {model}:[/] {exc}")
+
+
+def _print_fleet_summary(cloud: Any) -> None:
+    from octacloud.cluster.fleet import DEMO_LABEL
+
+    demo = {n.labels.get(DEMO_LABEL) for n in cloud.nodes} - {None}
+    title = f"fleet (a demo fleet carved out of {', '.join(sorted(demo))})" if demo else "fleet"
+    table = Table(title=title)
+    for col in ("node", "cards", "model", "memory MiB/card", "CPU cores"):
+        table.add_column(col)
+    for n in cloud.nodes:
+        card_memory = str(n.gpus[0].memory_mib if n.gpus else 0)
+        table.add_row(n.name, str(n.gpu_count), n.gpu_model, card_memory, str(n.cpu_milli // 1000))
+    console.print(table)
+
+
+def _print_sample(cloud: Any, deploy: list[str], base: str, grpc: str, key_file: Path) -> None:
+    names = [*deploy, *(d.spec.name for d in cloud.store.deployments())]
+    for name in names:
+        try:
+            d = cloud.store.get_deployment(name)
+        except Exception:  # not deployed after all (refused above)
+            continue
+        inputs = sample_inputs(cloud.config.repository / d.spec.model)
+        if inputs is None:
+            continue
+        curl, python = sample_requests(base, grpc, name, inputs, key_file)
+        console.print(f"ask {name} (REST, then gRPC with tritonclient):", highlight=False)
+        console.print(f"  {curl}", soft_wrap=True, highlight=False, markup=False)
+        console.print(f"  {python}", soft_wrap=True, highlight=False, markup=False)
+        return
+
+
+# ---- down ---------------------------------------------------------------------------------------------------
+
+
+def down(
+    state_dir: Path = typer.Option(Path("var"), "--state-dir", help="The state dir `octacloud up` used."),
+    grace: float = typer.Option(5.0, "--grace", help="Seconds a replica gets to finish before it is killed."),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="The Ray cluster of Ray replicas (default: the one `up` recorded, else auto)."
+    ),
+) -> None:
+    """Stop the replicas a stopped `octacloud up` left running (local processes and Ray actors). Deployments stay:
+    the next `up` starts them again. Refused while `up` runs on the state dir: stop it first (Ctrl-C), or use
+    `undeploy` / `scale` to stop replicas of a running cloud."""
+    from octacloud.cluster.launcher import LocalProcessLauncher
+    from octacloud.cluster.store import StateStore
+
+    db = state_dir / "octacloud.db"
+    if not db.exists():
+        err.print(f"[red]error:[/] no octacloud state in {state_dir} (give the --state-dir `octacloud up` used)")
+        raise typer.Exit(2)
+    running, record = up_record(state_dir)
+    if running:
+        err.print(
+            f"[red]error:[/] octacloud up (PID {record.get('pid', '?')}) is running on {state_dir}: stop it first "
+            "(Ctrl-C in its terminal, or kill -TERM that PID), then run `octacloud down`; to stop replicas of the "
+            "running cloud use `octacloud undeploy` or `octacloud scale`"
+        )
+        raise typer.Exit(1)
+    store = StateStore.at(db)
+    try:
+        handles = [r.handle for r in store.replicas() if r.handle]
+    finally:
+        store.close()
+    local = LocalProcessLauncher(state_dir / "replicas")
+    stopped = 0
+    for handle in (h for h in handles if h.isdigit()):
+        if local.alive(handle):
+            local.stop(handle, grace)
+            stopped += 1
+    actors = [h for h in handles if not h.isdigit()]
+    if actors:
+        stopped += _stop_ray_replicas(actors, ray_address or record.get("ray_address"), state_dir, grace)
+    console.print(f"stopped {stopped} replica(s) of {state_dir}")
+
+
+def _stop_ray_replicas(handles: list[str], address: str | None, state_dir: Path, grace: float) -> int:
+    """Stop the Ray replica actors named ``handles`` that still exist; how many there were."""
+    from octacloud.cluster.ray_backend import RayFleet, RayLauncher, connect
+    from octacloud.core.errors import OctacloudError
+
+    try:
+        connect(address)
+    except OctacloudError as exc:
+        err.print(f"[red]error:[/] {len(handles)} replica(s) ran on Ray, which is out of reach: {exc}")
+        raise typer.Exit(1) from None
+    launcher = RayLauncher(RayFleet(), "", state_dir / "model-cache")
+    stopped = 0
+    for handle in handles:
+        if launcher.alive(handle):
+            launcher.stop(handle, grace)
+            stopped += 1
+    return stopped
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(up)
+    app.command()(down)

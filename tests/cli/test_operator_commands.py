@@ -1,0 +1,101 @@
+"""The operator's commands as a user sees them: keys found where `up` saved them, events with times, tables
+whole when piped, usage by tenant without an empty column, and auto-sizing's reasoning printed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from octacloud.cli import cloud
+from octacloud.cli.main import app
+
+
+class FakeAdmin:
+    """The admin API's answers, and what the CLI sent."""
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        self.answers = answers
+        self.sent: list[tuple[str, str, dict[str, str], Any]] = []
+
+    def __call__(self, method: str, url: str, json: Any = None, headers: Any = None, **_: Any) -> httpx.Response:
+        path = httpx.URL(url).path
+        self.sent.append((method, path, dict(headers or {}), json))
+        return httpx.Response(200, json=self.answers[path])
+
+
+@pytest.fixture
+def admin(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeAdmin:
+    fake = FakeAdmin({})
+    monkeypatch.setattr(cloud.httpx, "request", fake)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OCTACLOUD_KEY", raising=False)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    return fake
+
+
+def _deployments(n: int) -> dict[str, Any]:
+    spec = {"name": "a-deployment-with-a-long-name", "model": "a-model-with-a-long-name-too"}
+    instance = {"id": "a-deployment-with-a-long-name-0f0f0f", "state": "ready", "node": "demo-a", "gpus": [3],
+                "milli_per_gpu": 125, "message": "a message long enough to pass the eighty columns"}  # fmt: skip
+    return {"deployments": [{"spec": spec, "replicas": n, "octants": 1, "instances": [instance] * n}]}
+
+
+def test_status_reads_the_key_up_saved_and_prints_whole_rows_when_piped(admin: FakeAdmin, tmp_path: Path) -> None:
+    (tmp_path / "var").mkdir()
+    (tmp_path / "var" / "admin.key").write_text("oc_saved\n")
+    admin.answers["/admin/deployments"] = _deployments(2)
+    result = CliRunner().invoke(app, ["status"])
+    assert result.exit_code == 0, result.output
+    assert admin.sent[0][2]["Authorization"] == "Bearer oc_saved"
+    row = next(line for line in result.output.splitlines() if "0f0f0f" in line)
+    assert "a-deployment-with-a-long-name-0f0f0f" in row and "pass the eighty columns" in row  # one line, uncut
+    assert len(row) > 80
+
+
+def test_a_given_key_wins_over_the_saved_one(admin: FakeAdmin, tmp_path: Path) -> None:
+    (tmp_path / "var").mkdir()
+    (tmp_path / "var" / "admin.key").write_text("oc_saved\n")
+    admin.answers["/admin/deployments"] = _deployments(1)
+    assert CliRunner().invoke(app, ["status", "--key", "oc_given"]).exit_code == 0
+    assert admin.sent[0][2]["Authorization"] == "Bearer oc_given"
+
+
+def test_events_show_their_times(admin: FakeAdmin) -> None:
+    at = time.mktime((2026, 3, 4, 5, 6, 7, 0, 0, -1))
+    admin.answers["/admin/events"] = {"events": [{"at": at, "kind": "ready", "subject": "mlp-1", "message": "ok"}]}
+    result = CliRunner().invoke(app, ["events"])
+    assert result.exit_code == 0, result.output
+    assert "2026-03-04 05:06:07" in result.output
+
+
+def test_usage_by_tenant_has_one_tenant_column(admin: FakeAdmin) -> None:
+    line = {"tenant": "acme", "group": "", "octant_seconds": 1.0, "exec_seconds": 0.5, "inferences": 3,
+            "requests": 3, "bytes_in": 10, "bytes_out": 20, "storage_gb_months": 0.0, "cost": 0.0}  # fmt: skip
+    total = {**line, "tenant": "total"}
+    admin.answers["/admin/usage"] = {"by": "tenant", "lines": [line], "total": total, "currency": None}
+    result = CliRunner().invoke(app, ["usage", "--by", "tenant"])
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.output.splitlines() if "octant-s" in line)
+    cells = [c.strip() for c in header.strip("┃│ ").split("┃")]
+    assert cells[:2] == ["tenant", "octant-s"], cells
+    row = next(line for line in result.output.splitlines() if "acme" in line)
+    assert [c.strip() for c in row.strip("│ ").split("│")][:2] == ["acme", "1.0"]
+
+
+def test_deploy_prints_how_auto_sizing_chose(admin: FakeAdmin) -> None:
+    admin.answers["/admin/deployments"] = {
+        "spec": {"name": "bert"},
+        "replicas": 2,
+        "octants": 3,
+        "sizing": "needs 420 MiB ...; 2.0 samples/s per octant; target 10 req/s → 2 replica(s) × 3 octant(s)",
+    }
+    result = CliRunner().invoke(app, ["deploy", "bert", "--octants", "auto", "--target-qps", "10", "--key", "k"])
+    assert result.exit_code == 0, result.output
+    assert "deployed bert: 2 replica(s) × 3 octant(s)" in result.output
+    assert "sizing: needs 420 MiB" in result.output and "per octant" in result.output
+    assert admin.sent[0][3]["octants"] is None and admin.sent[0][3]["target_qps"] == 10

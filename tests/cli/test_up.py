@@ -1,0 +1,89 @@
+"""What `octacloud up` prints: one timed line per controller event, and a request that can be pasted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from octacloud.cli.up import _Lines, event_line, log_events, sample_inputs, sample_requests
+from octacloud.cluster.store import StateStore
+
+
+def test_every_stored_event_becomes_one_timed_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = StateStore.at(tmp_path / "octacloud.db")
+    try:
+        log_events(store)
+        with caplog.at_level(logging.INFO, logger="octacloud.events"):
+            store.add_event("ready", "mlp-0a0a0a", "serving on demo-a cards [0]")
+            store.add_event("preempted", "low-1b1b1b", "by high-2c2c2c")
+        assert [r.getMessage().split()[:2] for r in caplog.records] == [["ready", "mlp-0a0a0a"],
+                                                                       ["preempted", "low-1b1b1b"]]  # fmt: skip
+        line = _Lines().format(caplog.records[0])
+        assert line[:8].count(":") == 2 and line[9:].startswith("ready")  # HH:MM:SS, then the event
+        assert len(store.events()) == 2
+    finally:
+        store.close()
+
+
+def test_a_failing_subscriber_does_not_fail_the_controller(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = StateStore.at(tmp_path / "octacloud.db")
+    try:
+
+        def broken(event: dict[str, object]) -> None:
+            raise RuntimeError("full disk")
+
+        store.subscribe(broken)
+        store.add_event("ready", "x", "y")  # does not raise
+        assert store.events()[0]["kind"] == "ready"
+        assert "event listener failed" in caplog.text
+    finally:
+        store.close()
+
+
+def test_event_line() -> None:
+    assert event_line({"kind": "moved", "subject": "a-1", "message": "demo-a → demo-b"}).split() == [
+        "moved", "a-1", "demo-a", "→", "demo-b"
+    ]  # fmt: skip
+
+
+CONFIG = """name: "embed"
+max_batch_size: 8
+input { name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] }
+input { name: "text" data_type: TYPE_STRING dims: [ 1 ] }
+input { name: "scale" data_type: TYPE_FP32 dims: [ 2, 3 ] }
+output { name: "out" data_type: TYPE_FP32 dims: [ 4 ] }
+"""
+
+
+def test_the_printed_request_is_valid_for_the_model(tmp_path: Path) -> None:
+    (tmp_path / "embed").mkdir()
+    (tmp_path / "embed" / "config.pbtxt").write_text(CONFIG)
+    inputs = sample_inputs(tmp_path / "embed")
+    assert inputs is not None
+    assert [(i["name"], i["shape"], i["datatype"]) for i in inputs] == [
+        ("input_ids", [1, 8], "INT64"), ("text", [1, 1], "BYTES"), ("scale", [1, 2, 3], "FP32")
+    ]  # fmt: skip
+    curl, python = sample_requests("http://127.0.0.1:8000", "127.0.0.1:8001", "embed", inputs, Path("var/admin.key"))
+    assert "curl -s http://127.0.0.1:8000/v2/models/embed/infer" in curl and "$(cat var/admin.key)" in curl
+    body_command = shlex.split(curl.split(" | ")[0])
+    assert body_command[:2] == ["python3", "-c"]
+    body = json.loads(subprocess.run([sys.executable, "-c", body_command[2]], capture_output=True, text=True,
+                                     check=True).stdout)  # fmt: skip
+    assert [(t["name"], len(t["data"])) for t in body["inputs"]] == [("input_ids", 8), ("text", 1), ("scale", 6)]
+    assert body["inputs"][1]["data"] == ["hello"]
+    code = shlex.split(python)[2]
+    compile(code, "<printed request>", "exec")  # a valid Python one-liner
+    assert "'authorization'" not in code and '"authorization": "Bearer "' in code  # gRPC metadata: lower case
+
+
+def test_no_request_is_printed_for_a_model_without_declared_inputs(tmp_path: Path) -> None:
+    (tmp_path / "bare").mkdir()
+    assert sample_inputs(tmp_path / "bare") is None
+    (tmp_path / "bare" / "config.pbtxt").write_text('name: "bare"\n')
+    assert sample_inputs(tmp_path / "bare") is None

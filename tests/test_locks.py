@@ -1,0 +1,63 @@
+"""The lock files in requirements/ cover every declared dependency with one exact version, consistently.
+
+A dependency added to pyproject.toml or requirements/dev.in without `make lock` fails here, so that a clean
+machine never installs something the locks do not pin.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIREMENTS = ROOT / "requirements"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+?)(?:\s+#.*)?$")
+
+
+def pins(lock: str) -> dict[str, str]:
+    """Name → version of every requirement line; any line that is not an exact pin fails."""
+    out: dict[str, str] = {}
+    for line in (REQUIREMENTS / lock).read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        m = PIN.match(line.strip())
+        assert m, f"{lock}: not an exact pin: {line!r}"
+        out[canonicalize_name(m.group(1))] = m.group(2)
+    return out
+
+
+def declared(requirements: list[str]) -> set[str]:
+    return {canonicalize_name(Requirement(r).name) for r in requirements if Requirement(r).marker is None}
+
+
+def dev_inputs() -> list[str]:
+    lines = (REQUIREMENTS / "dev.in").read_text().splitlines()
+    return [line.split("#")[0].strip() for line in lines if line.split("#")[0].strip()]
+
+
+SETS = {"runtime.lock": PYPROJECT["project"]["dependencies"], "dev.lock": dev_inputs()} | {
+    f"{extra}.lock": PYPROJECT["project"]["dependencies"] + reqs
+    for extra, reqs in PYPROJECT["project"]["optional-dependencies"].items()
+}
+
+
+@pytest.mark.parametrize("lock", sorted(SETS))
+def test_each_lock_pins_every_declared_dependency(lock: str) -> None:
+    assert (REQUIREMENTS / lock).is_file(), f"requirements/{lock} is missing: run `make lock`"
+    missing = declared(SETS[lock]) - set(pins(lock))
+    assert not missing, f"requirements/{lock} lacks {sorted(missing)}: run `make lock`"
+
+
+@pytest.mark.parametrize("lock", sorted(SETS))
+def test_each_lock_agrees_with_the_joint_resolution(lock: str) -> None:
+    if "-c requirements/all.lock" not in (REQUIREMENTS / lock).read_text().split("\n", 2)[1]:
+        pytest.skip(f"requirements/{lock} is resolved on its own (scripts/lock SEPARATE), not inside all.lock")
+    joint = pins("all.lock")
+    differ = {n: (v, joint.get(n)) for n, v in pins(lock).items() if joint.get(n) != v}
+    assert not differ, f"requirements/{lock} disagrees with all.lock (name: (this, all)): {differ}; run `make lock`"
