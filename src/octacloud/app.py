@@ -40,7 +40,6 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node, Request
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
 from octacloud.metering import Ledger, Meter, PriceSheet
-from octacloud.scheduler.actions.preempt import preempt
 from octacloud.scheduler.fragmentation import TargetWorkload
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
@@ -148,7 +147,6 @@ class Cloud:
             clock=clock,
             prober=self._prober,
             footprint=RepositoryFootprints(config.repository),
-            preemptor=lambda request: _preempt_names(self.scheduler, request),
             settings=config.controller,
         )
         self._started = False
@@ -166,7 +164,7 @@ class Cloud:
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
         self.grpc_gateway = GrpcGateway(
             self.routes,
-            ready=lambda: self._started,
+            ready=self._ready,
             guard=self.guard,
             limits=config.limits,
             internal_secret=self.internal_secret,
@@ -184,7 +182,7 @@ class Cloud:
         self.rest_gateway = RestGateway(
             self.routes,
             admin=admin,
-            ready=lambda: self._started,
+            ready=self._ready,
             guard=self.guard,
             dashboard=dashboard,
             metrics=metrics,
@@ -247,6 +245,7 @@ class Cloud:
             await asyncio.sleep(0.02)
         self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
         self._tasks.append(asyncio.create_task(self.controller.run(self._stop)))
+        await asyncio.sleep(0)  # the controller's loop starts (readiness reports it from now on)
         self._tasks.append(asyncio.create_task(self.monitoring.run(self._stop)))
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self._watch_fleet(self.watcher)))
@@ -261,10 +260,10 @@ class Cloud:
         self._started = False
         self._stop.set()
         self.controller.poke()
-        if stop_replicas:
-            for r in self.store.replicas():
-                if r.handle:
-                    self.controller.launcher.stop(r.handle, self.config.controller.stop_grace_s)
+        if stop_replicas:  # all at once, in threads: each may take its grace period
+            grace = self.config.controller.stop_grace_s
+            stop = self.controller.launcher.stop
+            await asyncio.gather(*(asyncio.to_thread(stop, r.handle, grace) for r in self.store.replicas() if r.handle))
         if self._http is not None:
             self._http.should_exit = True
         if self._grpc is not None:
@@ -289,6 +288,10 @@ class Cloud:
             await self._stop.wait()
         finally:
             await self.stop()
+
+    def _ready(self) -> bool:
+        """Ready: started, and the controller's loop runs and completes iterations."""
+        return self._started and self.controller.ready()[0]
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -363,9 +366,3 @@ def slice_prior() -> TargetWorkload:
 
 def _node(nodes: list[Node], name: str) -> Node:
     return next(n for n in nodes if n.name == name)
-
-
-def _preempt_names(scheduler: Scheduler, request: Request) -> list[str] | None:
-    """The controller's preemption hook: place ``request`` by evicting lower-priority replicas, or None."""
-    outcome = preempt(scheduler, request)
-    return None if outcome is None else [v.request.name for v in outcome.victims]

@@ -73,10 +73,9 @@ def defragment(
     state = scheduler.state
     direct = scheduler.decide(request)
     if direct.placement is not None:
-        with Transaction(state) as tx:
+        with scheduler.transaction() as tx:
             tx.allocate(direct.request, direct.placement)
             operations = tx.commit()
-        scheduler.reserve(direct.request, direct.placement)
         return Defragmentation(direct.request, direct.placement, [], operations)
     if max_moves == 0:
         return None
@@ -103,16 +102,13 @@ def defragment(
     if best is None:
         return None
     _cost, target, movers_found = best
-    with Transaction(state) as tx:
+    with scheduler.transaction() as tx:
         moves = _apply_moves(scheduler, tx, movers_found, target)
         decision = scheduler.decide(request, [target]) if moves is not None else None
         if moves is None or decision is None or decision.placement is None:
             return None  # the context manager rolls back
         tx.allocate(decision.request, decision.placement)
         operations = tx.commit()
-    for move in moves:
-        scheduler.reserve(move.request, move.destination)
-    scheduler.reserve(decision.request, decision.placement)
     return Defragmentation(decision.request, decision.placement, moves, operations)
 
 
@@ -142,9 +138,8 @@ def _first_working_set(
     scheduler: Scheduler, request: Request, target: int, movers: Sequence[Allocation], k: int, limit: int
 ) -> tuple[Allocation, ...] | None:
     """The first set of ``k`` movers (in order) whose moves all succeed and after which ``request`` fits."""
-    state = scheduler.state
     for chosen in islice(combinations(movers, k), limit):
-        with Transaction(state) as tx:
+        with scheduler.transaction() as tx:
             if _apply_moves(scheduler, tx, chosen, target) is None:
                 continue
             if scheduler.decide(request, [target]).placement is not None:

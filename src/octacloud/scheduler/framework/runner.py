@@ -27,7 +27,8 @@ from octacloud.scheduler.framework.api import (
     ReservePlugin,
     ScorePlugin,
 )
-from octacloud.scheduler.framework.state import ClusterState
+from octacloud.scheduler.framework.state import Allocation, ClusterState
+from octacloud.scheduler.framework.transaction import Transaction
 
 
 class PluginError(RuntimeError):
@@ -153,17 +154,22 @@ class Scheduler:
             self.commit(decision.request, decision.placement)
         return decision
 
+    def transaction(self) -> Transaction:
+        """A transaction on this scheduler's state that tells the profile's reserve plugins of every change."""
+        return Transaction(self.state, tuple(self.profile.reservers))
+
     def commit(self, request: Request, placement: Placement) -> None:
         """Allocate ``placement`` for ``request`` in the state and tell the reserve plugins."""
-        self.state.allocate(request, placement)
-        self.reserve(request, placement)
+        with self.transaction() as tx:
+            tx.allocate(request, placement)
+            tx.commit()
 
-    def reserve(self, request: Request, placement: Placement) -> None:
-        """Tell the reserve plugins about an allocation already made in the state (e.g. by a transaction)."""
-        ctx = CycleContext(self.state, request)
-        node = self.state.node_index(placement.node)
-        for r in self.profile.reservers:
-            r.reserve(ctx, node, placement.gpus)
+    def release(self, name: str) -> Allocation:
+        """Give back what request ``name`` holds and tell the reserve plugins (``unreserve``)."""
+        with self.transaction() as tx:
+            allocation = tx.evict(name)
+            tx.commit()
+        return allocation
 
     # ---- mechanism -------------------------------------------------------------------------------------
 

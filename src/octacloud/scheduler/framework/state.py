@@ -16,13 +16,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Health, Node, Placement, Request
 from octacloud.core.units import MILLI_PER_GPU
 
-NodeSignature = tuple[str, int, int, tuple[int, ...]]
-"""(GPU model, free CPU milli, free memory MiB, free milli-GPU per card in index order; 0 on failed cards)."""
+
+class NodeSignature(NamedTuple):
+    """What is free on a node, hashable: equal signatures (and GPU model) score the same for the same request."""
+
+    gpu_model: str
+    free_cpu: int
+    """Free CPU milli (0 on a node that is not healthy)."""
+    free_memory: int
+    """Free memory MiB (0 on a node that is not healthy)."""
+    free_gpu: tuple[int, ...]
+    """Free milli-GPU per card in index order; 0 on failed cards and nodes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +92,7 @@ class ClusterState:
 
     def free_gpu_milli(self, i: int) -> int:
         """Free milli-GPU on node ``i``'s usable cards."""
-        return sum(self.signature[i][3])
-
-    def fully_free_cards(self, i: int) -> list[int]:
-        return [g for g, free in enumerate(self.free_gpu[i]) if free == MILLI_PER_GPU and self.card_usable(i, g)]
+        return sum(self.signature[i].free_gpu)
 
     def utilisation(self) -> float:
         """Allocated share of all GPU capacity, 0..1."""
@@ -192,10 +199,10 @@ class ClusterState:
     def _signature(self, i: int) -> NodeSignature:
         node = self.nodes[i]
         if node.health is not Health.HEALTHY:
-            return (node.gpu_model, 0, 0, (0,) * node.gpu_count)
+            return NodeSignature(node.gpu_model, 0, 0, (0,) * node.gpu_count)
         # A failed card offers nothing: it counts as full, so card indices stay aligned with the tuple.
         free = tuple(f if node.gpus[g].health is Health.HEALTHY else 0 for g, f in enumerate(self.free_gpu[i]))
-        return (node.gpu_model, self.free_cpu[i], self.free_memory[i], free)
+        return NodeSignature(node.gpu_model, self.free_cpu[i], self.free_memory[i], free)
 
 
 def _replace_node(node: Node, **changes: object) -> Node:

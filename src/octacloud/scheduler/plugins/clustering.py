@@ -43,7 +43,7 @@ class GpuClustering:
             if cached is None or cached[0] != versions[i]:
                 cached = self._kinds[i] = (versions[i], self._node_kinds(ctx, i))
             kinds = cached[1]
-            fill = int(25 * (MAX_SPEC_GPU - sum(sigs[i][3])) / MAX_SPEC_GPU)  # Go truncates toward zero
+            fill = int(25 * (MAX_SPEC_GPU - sum(sigs[i].free_gpu)) / MAX_SPEC_GPU)  # Go truncates toward zero
             if kind in kinds:
                 out.append(float(fill + (75 if len(kinds) == 1 else 50)))
             else:

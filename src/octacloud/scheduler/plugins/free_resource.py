@@ -32,7 +32,7 @@ class FreeResource:
             elif self.resource == "memory":
                 free, cap = state.free_memory[i] - r.memory_mib, node.memory_mib
             elif self.resource == "gpu":
-                free, cap = sum(state.signature[i][3]) - r.total_gpu_milli, node.gpu_milli
+                free, cap = sum(state.signature[i].free_gpu) - r.total_gpu_milli, node.gpu_milli
             else:
                 free = sum(state.free_gpu_memory[i]) - r.num_gpu * r.gpu_memory_mib
                 cap = sum(g.memory_mib for g in node.gpus)

@@ -46,7 +46,7 @@ class GpuPacking:
         if r.num_gpu == 0:
             return [0.0] * len(nodes)
         sigs = ctx.state.signature
-        return [float(packing_score(sigs[i][3], r.gpu_milli, r.num_gpu)) for i in nodes]
+        return [float(packing_score(sigs[i].free_gpu, r.gpu_milli, r.num_gpu)) for i in nodes]
 
     def normalize(self, ctx: CycleContext, scores: list[float]) -> list[float]:
         return identity_normalize(scores)

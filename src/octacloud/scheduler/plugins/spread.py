@@ -22,9 +22,9 @@ class Spread:
         for i in nodes:
             node = all_nodes[i]
             if ctx.request.num_gpu and node.gpu_count:
-                out.append(100.0 * sum(sigs[i][3]) / node.gpu_milli)
+                out.append(100.0 * sum(sigs[i].free_gpu) / node.gpu_milli)
             else:
-                out.append(100.0 * sigs[i][1] / node.cpu_milli if node.cpu_milli else 0.0)
+                out.append(100.0 * sigs[i].free_cpu / node.cpu_milli if node.cpu_milli else 0.0)
         return out
 
     def normalize(self, ctx: CycleContext, scores: list[float]) -> list[float]:

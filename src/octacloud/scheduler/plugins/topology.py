@@ -20,7 +20,7 @@ from octacloud.scheduler.registry import Args, PluginContext
 
 def free_cards_by_group(ctx: CycleContext, node: int) -> dict[int | None, list[int]]:
     gpus = ctx.state.nodes[node].gpus
-    free = ctx.state.signature[node][3]
+    free = ctx.state.signature[node].free_gpu
     groups: dict[int | None, list[int]] = defaultdict(list)
     for g in cards_that_fit(ctx.state, ctx.request, node):
         if free[g] == MILLI_PER_GPU:
