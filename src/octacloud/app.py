@@ -40,6 +40,8 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node, Request
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
 from octacloud.metering import Ledger, Meter, PriceSheet
+from octacloud.observability.card_health import CardHealthWatch
+from octacloud.observability.dcgm import CardReading
 from octacloud.scheduler.fragmentation import TargetWorkload
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
@@ -120,6 +122,8 @@ class Cloud:
             else {}
         )
         """This host's GPU node's MPS control daemon (none on a host without NVIDIA GPUs)."""
+        self.card_health = CardHealthWatch(gpu_node) if gpu_node is not None else None
+        """Turns this host's NVML readings (XIDs, ECC, a lost GPU) into card health for the controller."""
         self.monitoring = CloudMonitoring(
             lambda: self.controller,
             self.nodes,
@@ -127,6 +131,7 @@ class Cloud:
             clock,
             interval_s=config.telemetry_interval_s,
             replica_headers=internal,
+            on_card_readings=self._card_readings,
         )
         """Telemetry (the scheduler's telemetry source), the cloud's ``/metrics`` and the dashboard."""
         profile = build_profile(
@@ -204,6 +209,28 @@ class Cloud:
             env.update(daemon.environment())
         return env
 
+    def _card_readings(self, readings: list[CardReading]) -> None:
+        """A card that got worse (observability/card_health.py) is marked so: no new work, or failover."""
+        if self.card_health is None:
+            return
+        for verdict in self.card_health.observe(readings):
+            log.error("node %s card %d is %s: %s", verdict.node, verdict.gpu, verdict.health.value, verdict.reason)
+            self.controller.mark_card(verdict.node, verdict.gpu, verdict.health, verdict.reason)
+
+    async def _watch_mps(self) -> None:
+        """Each health interval: a dead MPS daemon is restarted, and a node whose MPS server died restarts its
+        GPU replicas (their CUDA contexts went with it)."""
+        interval = self.config.controller.health_interval_s
+        while not self._stop.is_set():
+            for node, daemon in self.mps.items():
+                check = await asyncio.to_thread(daemon.check)
+                if check.clients_lost:
+                    why = "MPS control daemon restarted" if check.daemon_restarted else "MPS server exited"
+                    self.store.add_event("node", node, f"{why}: GPU replicas restart ({daemon.mode.value})")
+                    self.controller.restart_gpu_replicas(node, why)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), interval)
+
     async def _start_mps(self) -> None:
         """Start (or adopt) each GPU node's MPS daemon before any replica starts; say how cards are shared."""
         for node, daemon in self.mps.items():
@@ -250,6 +277,8 @@ class Cloud:
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self._watch_fleet(self.watcher)))
         self._tasks.append(asyncio.create_task(self.meter.run(self._stop)))
+        if self.mps:
+            self._tasks.append(asyncio.create_task(self._watch_mps()))
         self._started = True
         scheme = "https" if tls is not None else "http"
         log.info("octacloud gateway on %s://%s:%d (gRPC %d)", scheme, self.config.host, self.http_port, self.grpc_port)

@@ -30,6 +30,7 @@ from octacloud.cluster.controller.world import (
     log,
 )
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
+from octacloud.cluster.fleet import CPU_CARD_MODEL
 from octacloud.cluster.gateway.routing import Owner, RouteTable
 from octacloud.cluster.launcher import ReplicaLauncher, check_version
 from octacloud.cluster.sizing import Autoscaler, FleetCapacity, Sizing, plan_size, reserve_percent
@@ -344,19 +345,41 @@ class Controller:
         w.scheduler.state.set_node_health(name, health)
         w.store.add_event("node", name, health.value)
         if health is Health.FAILED:
-            for r in w.store.replicas():
-                if r.node != name:
-                    continue
-                if r.replaces:  # a replacement that was starting there: rolled back
-                    self.executor.failed(r, f"node {name} failed", kill=True)
-                    continue
-                w.unroute(r.id)  # first: the gateway stops routing to it at once
-                if r.handle:
-                    self.executor.kill(r.handle)
-                w.release(r.id)
-                w.to_pending(r, f"node {name} failed", failover=True)
-                w.replica_event("failover", r, f"node {name} failed: re-placed elsewhere")
+            self._fail_over([r for r in w.store.replicas() if r.node == name], f"node {name} failed")
         self.poke()
+
+    def mark_card(self, node: str, gpu: int, health: Health, reason: str) -> None:
+        """A card's health changed (NVML: an XID, ECC errors, a lost GPU): a DEGRADED card takes no new
+        replicas; a FAILED one also fails its replicas over to other cards (using the failover headroom)."""
+        w = self.w
+        w.scheduler.state.set_card_health(node, gpu, health)
+        w.store.add_event("node", node, f"card {gpu} {health.value}: {reason}")
+        if health is Health.FAILED:
+            on_card = [r for r in w.store.replicas() if r.node == node and gpu in r.gpus]
+            self._fail_over(on_card, f"card {gpu} of {node} failed ({reason})")
+        self.poke()
+
+    def restart_gpu_replicas(self, node: str, why: str) -> None:
+        """The GPU replicas of ``node`` lost their CUDA contexts (its MPS server died): each restarts on its
+        slice, with the usual back-off."""
+        gpu_cards = {g.index for n in self.w.nodes if n.name == node for g in n.gpus if g.model != CPU_CARD_MODEL}
+        for r in self.w.store.replicas():
+            if r.node == node and r.handle and gpu_cards.intersection(r.gpus):
+                self.executor.failed(r, why, kill=True)
+        self.poke()
+
+    def _fail_over(self, replicas: list[Replica], why: str) -> None:
+        w = self.w
+        for r in replicas:
+            if r.replaces:  # a replacement that was starting there: rolled back
+                self.executor.failed(r, why, kill=True)
+                continue
+            w.unroute(r.id)  # first: the gateway stops routing to it at once
+            if r.handle:
+                self.executor.kill(r.handle)
+            w.release(r.id)
+            w.to_pending(r, why, failover=True)
+            w.replica_event("failover", r, f"{why}: re-placed elsewhere")
 
     def node_changed(self, change: NodeChange) -> None:
         """Apply what a fleet watcher saw: a new node joins the fleet (the scheduler may use it at once), a known
