@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence, Set
+from dataclasses import dataclass, field, fields
 
 from octacloud.core.model import Placement, Request
 from octacloud.core.units import MILLI_PER_GPU
@@ -27,7 +27,14 @@ from octacloud.scheduler.framework.api import (
     ReservePlugin,
     ScorePlugin,
 )
+from octacloud.scheduler.framework.index import NodeClasses
 from octacloud.scheduler.framework.state import ClusterState
+
+_REQUEST_FIELDS = tuple(f.name for f in fields(Request) if f.name != "name")
+"""What a filter may read of a request: every field but the name (the shape the index caches verdicts for)."""
+MAX_EXCLUDED = 64
+"""``decide(nodes=...)`` uses the index when ``nodes`` leaves out at most this many nodes."""
+_NONE_EXCLUDED: Set[int] = frozenset()
 
 
 class PluginError(RuntimeError):
@@ -98,7 +105,7 @@ class Profile:
 class Scheduler:
     """Places requests on a :class:`ClusterState` according to a :class:`Profile`."""
 
-    def __init__(self, state: ClusterState, profile: Profile) -> None:
+    def __init__(self, state: ClusterState, profile: Profile, *, indexed: bool = True) -> None:
         self.state = state
         self.profile = profile
         self._rng = random.Random(profile.seed)
@@ -108,6 +115,9 @@ class Scheduler:
         for rank, i in enumerate(order):
             self.tie_rank[i] = rank
         self._all_nodes = list(range(len(state)))
+        self.indexed = indexed
+        """Decide over node classes where the profile allows it (``False``: always visit every node)."""
+        self._classes: NodeClasses | None = None
 
     def decide(self, request: Request, nodes: Sequence[int] | None = None) -> Decision:
         """Choose a placement for ``request`` without committing it (``decision.request`` is what was scheduled,
@@ -123,18 +133,12 @@ class Scheduler:
                 return decision
             if status.code is Code.SKIP:
                 ctx.skipped.add(pf.name)
-        candidates: list[int] = self._all_nodes if nodes is None else list(nodes)
-        for flt in self.profile.filters:
-            if flt.name in ctx.skipped:
-                continue
-            kept = flt.filter(ctx, candidates)
-            if len(kept) != len(candidates):
-                decision.reasons[flt.name] = len(candidates) - len(kept)
-            candidates = kept
-            if not candidates:
-                return decision
+        excluded = self._excluded(ctx, nodes) if self.indexed else None
+        if excluded is not None:
+            candidates = self._feasible_representatives(ctx, decision, excluded)
+        else:
+            candidates = self._feasible(ctx, decision, self._all_nodes if nodes is None else list(nodes))
         if not candidates:
-            decision.reasons["no nodes"] = 1
             return decision
         best, score = self._pick(ctx, candidates)
         cards = self._select_cards(ctx, best)
@@ -166,6 +170,93 @@ class Scheduler:
             r.reserve(ctx, node, placement.gpus)
 
     # ---- mechanism -------------------------------------------------------------------------------------
+
+    def _feasible(self, ctx: CycleContext, decision: Decision, candidates: list[int]) -> list[int]:
+        """The exhaustive path: every filter over every candidate node."""
+        for flt in self.profile.filters:
+            if flt.name in ctx.skipped:
+                continue
+            kept = flt.filter(ctx, candidates)
+            if len(kept) != len(candidates):
+                decision.reasons[flt.name] = len(candidates) - len(kept)
+            candidates = kept
+            if not candidates:
+                return candidates
+        if not candidates:
+            decision.reasons["no nodes"] = 1
+        return candidates
+
+    def _excluded(self, ctx: CycleContext, nodes: Sequence[int] | None) -> Set[int] | None:
+        """The nodes left out of ``nodes`` when the indexed path applies to this cycle, else ``None``.
+
+        It applies when the profile does not choose at random, every filter and scorer of the cycle declares
+        ``node_local``, and ``nodes`` is every node or all but a few (each at most once).
+        """
+        profile = self.profile
+        if profile.random_choice:
+            return None
+        skipped = ctx.skipped
+        for plugin in (*profile.filters, *(ws.plugin for ws in profile.scorers)):
+            if plugin.name not in skipped and getattr(plugin, "node_local", False) is not True:
+                return None
+        if nodes is None:
+            return _NONE_EXCLUDED
+        n = len(self.state)
+        if len(nodes) < n - MAX_EXCLUDED:
+            return None
+        excluded = set(range(n))
+        excluded.difference_update(nodes)
+        if n - len(excluded) != len(nodes):  # a duplicate or an index out of range: the exhaustive path says so
+            return None
+        return excluded
+
+    def _feasible_representatives(self, ctx: CycleContext, decision: Decision, excluded: Set[int]) -> list[int]:
+        """The indexed path: one node per feasible class, the class member first in the node order.
+
+        Fills ``decision.reasons`` with the same counts as the exhaustive path.
+        """
+        classes = self.classes()
+        active = [flt for flt in self.profile.filters if flt.name not in ctx.skipped]
+        shape = (*(getattr(ctx.request, f) for f in _REQUEST_FIELDS), *((f.name, id(f)) for f in active))
+
+        def evaluate(cids: list[int]) -> dict[int, int]:
+            remaining = [first for cid in cids if (first := classes.first(cid)) is not None]
+            verdict: dict[int, int] = {}
+            for k, flt in enumerate(active):
+                kept = flt.filter(ctx, remaining)
+                if len(kept) != len(remaining):
+                    keep = set(kept)
+                    for i in remaining:
+                        if i not in keep:
+                            verdict[classes.of[i]] = k
+                remaining = kept
+            for i in remaining:
+                verdict[classes.of[i]] = len(active)
+            return verdict
+
+        f = classes.feasibility(shape, len(active), evaluate)
+        dropped, feasible = f.dropped, f.feasible
+        if excluded:
+            dropped = list(dropped)
+            feasible = set(feasible)
+            for i in excluded:
+                v = f.verdict[classes.of[i]]
+                if v < f.passes:
+                    dropped[v] -= 1
+        for k, flt in enumerate(active):
+            if dropped[k]:
+                decision.reasons[flt.name] = dropped[k]
+        representatives = [first for cid in feasible if (first := classes.first(cid, excluded)) is not None]
+        if not representatives and not active:
+            decision.reasons["no nodes"] = 1
+        representatives.sort()
+        return representatives
+
+    def classes(self) -> NodeClasses:
+        """The equivalence classes of the state's nodes in this scheduler's node order (built on first use)."""
+        if self._classes is None:
+            self._classes = NodeClasses(self.state, self.tie_rank)
+        return self._classes
 
     def _pick(self, ctx: CycleContext, candidates: list[int]) -> tuple[int, float]:
         rank = self.tie_rank

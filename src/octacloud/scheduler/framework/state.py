@@ -14,7 +14,8 @@ GPU model score the same for the same request.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from octacloud.core.errors import InvalidSpecError, NotFoundError
@@ -61,6 +62,7 @@ class ClusterState:
         self._usable: list[bool] = [n.health is Health.HEALTHY for n in self.nodes]
         self.node_usable: Sequence[bool] = self._usable
         """Read-only view: ``node_usable[i]`` is :meth:`usable` ``(i)`` (for hot loops)."""
+        self._watchers: list[weakref.WeakMethod[Callable[[int], None]]] = []
 
     # ---- queries ---------------------------------------------------------------------------------------
 
@@ -95,6 +97,11 @@ class ClusterState:
         return iter(self.allocations.values())
 
     # ---- changes ---------------------------------------------------------------------------------------
+
+    def watch(self, callback: Callable[[int], None]) -> None:
+        """Call the bound method ``callback(i)`` after every change of node ``i`` (held weakly: a watcher that is
+        no longer referenced elsewhere stops being called). Indexes over the nodes keep themselves current so."""
+        self._watchers.append(weakref.WeakMethod(callback))
 
     def check_fits(self, request: Request, placement: Placement) -> None:
         """Raise :class:`InvalidSpecError` naming the first resource that ``placement`` would overrun."""
@@ -188,6 +195,19 @@ class ClusterState:
     def _changed(self, i: int) -> None:
         self.version[i] += 1
         self.signature[i] = self._signature(i)
+        if self._watchers:
+            self._notify(i)
+
+    def _notify(self, i: int) -> None:
+        dead = False
+        for ref in self._watchers:
+            callback = ref()
+            if callback is None:
+                dead = True
+            else:
+                callback(i)
+        if dead:
+            self._watchers = [ref for ref in self._watchers if ref() is not None]
 
     def _signature(self, i: int) -> NodeSignature:
         node = self.nodes[i]
