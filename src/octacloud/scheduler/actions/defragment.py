@@ -120,8 +120,17 @@ def _targets(state: ClusterState, request: Request, movable: object, limit: int)
     """Usable nodes whose capacity could host ``request`` once their movable replicas left, least missing first."""
     assert callable(movable)
     need_gpu = request.total_gpu_milli
-    ranked: list[tuple[int, int]] = []
-    for i, node in enumerate(state.nodes):
+    sigs = state.signature
+    # Rank every node by what it misses now (cheap), then check the movers of as few as the limit needs (costly).
+    ranked = sorted(
+        (max(0, need_gpu - sum(sigs[i][3])) + max(0, request.cpu_milli - state.free_cpu[i]), i)
+        for i in range(len(state))
+    )
+    out: list[int] = []
+    for _missing, i in ranked:
+        if len(out) >= limit:
+            break
+        node = state.nodes[i]
         if not state.node_usable[i] or node.gpu_count < request.num_gpu:
             continue
         if request.num_gpu and not any(request.allows_model(g.model) for g in node.gpus):
@@ -132,10 +141,8 @@ def _targets(state: ClusterState, request: Request, movable: object, limit: int)
         mem = state.free_memory[i] + sum(r.memory_mib for r in movers)
         if not movers or gpu < need_gpu or cpu < request.cpu_milli or mem < request.memory_mib:
             continue
-        missing = max(0, need_gpu - state.free_gpu_milli(i)) + max(0, request.cpu_milli - state.free_cpu[i])
-        ranked.append((missing, i))
-    ranked.sort()
-    return [i for _missing, i in ranked[:limit]]
+        out.append(i)
+    return out
 
 
 def _first_working_set(
@@ -155,13 +162,11 @@ def _first_working_set(
 
 def _apply_moves(scheduler: Scheduler, tx: Transaction, movers: Sequence[Allocation], target: int) -> list[Move] | None:
     """Move each of ``movers`` off ``target``, make-before-break, inside ``tx``; ``None`` if one has no home."""
-    state = scheduler.state
-    others = [i for i in range(len(state)) if i != target]
     moves: list[Move] = []
     for allocation in movers:
         replica = allocation.request
         shadow = replace(replica, name=replica.name + SHADOW_SUFFIX)
-        decision = scheduler.decide(shadow, others)
+        decision = scheduler.decide(shadow, exclude=(target,))
         if decision.placement is None:
             return None
         tx.allocate(decision.request, decision.placement)  # reserve the destination: make ...

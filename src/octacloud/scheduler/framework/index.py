@@ -76,6 +76,8 @@ class NodeClasses:
         self._spec_of: list[int] = [self._spec_id(n) for n in self._specs]
         self.size: list[int] = []
         self._heaps: list[list[tuple[int, int]]] = []
+        self.top: list[int] = []
+        """Per class: its member first in the rank order, -1 when not known (then :meth:`first` finds it)."""
         self.nonempty: set[int] = set()
         self.of: list[int] = []
         for i in range(len(state)):
@@ -86,6 +88,7 @@ class NodeClasses:
             self.nonempty.add(cid)
         for heap in self._heaps:
             heapq.heapify(heap)
+        self.top = [heap[0][1] if heap else -1 for heap in self._heaps]
         self.log: list[tuple[int, int]] = []
         self.epoch = getattr(self, "epoch", -1) + 1
         self.generation = getattr(self, "generation", -1) + 1
@@ -119,6 +122,7 @@ class NodeClasses:
             cid = self._ids[key] = len(self.size)
             self.size.append(0)
             self._heaps.append([])
+            self.top.append(-1)
         return cid
 
     def update(self, i: int) -> None:
@@ -127,12 +131,18 @@ class NodeClasses:
         if new == old:
             return
         self.of[i] = new
-        self.size[old] -= 1
-        if not self.size[old]:
+        size, top, rank = self.size, self.top, self.rank
+        size[old] -= 1
+        if not size[old]:
             self.nonempty.discard(old)
-        self.size[new] += 1
-        if self.size[new] == 1:
+        if top[old] == i:
+            top[old] = -1
+        size[new] += 1
+        if size[new] == 1:
             self.nonempty.add(new)
+            top[new] = i
+        elif top[new] >= 0 and rank[i] < rank[top[new]]:
+            top[new] = i
         heap = self._heaps[new]
         heapq.heappush(heap, (self.rank[i], i))
         if len(heap) > 2 * self.size[new] + 16:
@@ -145,16 +155,28 @@ class NodeClasses:
         if len(self.size) > MAX_CLASSES:
             self._build()
 
-    def first(self, cid: int, excluded: Set[int] | None = None) -> int | None:
-        """The member of class ``cid`` first in the rank order (not in ``excluded``), ``None`` when there is none."""
+    def first(self, cid: int) -> int:
+        """The member of the non-empty class ``cid`` first in the rank order."""
+        t = self.top[cid]
+        if t >= 0:
+            return t
         heap, of = self._heaps[cid], self.of
         while heap and of[heap[0][1]] != cid:
             heapq.heappop(heap)
         if not heap:
+            raise LookupError(f"node class {cid} is empty")
+        t = self.top[cid] = heap[0][1]
+        return t
+
+    def first_not_in(self, cid: int, excluded: Set[int]) -> int | None:
+        """The member of class ``cid`` first in the rank order that is not in ``excluded`` (``None``: none is)."""
+        if not self.size[cid]:
             return None
-        if not excluded or heap[0][1] not in excluded:
-            return heap[0][1]
-        for _rank, node in sorted(heap):
+        t = self.first(cid)
+        if t not in excluded:
+            return t
+        of = self.of
+        for _rank, node in sorted(self._heaps[cid]):
             if of[node] == cid and node not in excluded:
                 return node
         return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence, Set
+from collections.abc import Collection, Sequence, Set
 from dataclasses import dataclass, field, fields
 
 from octacloud.core.model import Placement, Request
@@ -119,9 +119,11 @@ class Scheduler:
         """Decide over node classes where the profile allows it (``False``: always visit every node)."""
         self._classes: NodeClasses | None = None
 
-    def decide(self, request: Request, nodes: Sequence[int] | None = None) -> Decision:
+    def decide(
+        self, request: Request, nodes: Sequence[int] | None = None, *, exclude: Collection[int] = ()
+    ) -> Decision:
         """Choose a placement for ``request`` without committing it (``decision.request`` is what was scheduled,
-        after the profile's rewriters)."""
+        after the profile's rewriters), among ``nodes`` (default: all) except those in ``exclude``."""
         for rw in self.profile.rewriters:
             request = rw.rewrite(self.state, request)
         ctx = CycleContext(self.state, request)
@@ -133,11 +135,15 @@ class Scheduler:
                 return decision
             if status.code is Code.SKIP:
                 ctx.skipped.add(pf.name)
-        excluded = self._excluded(ctx, nodes) if self.indexed else None
+        excluded = self._excluded(ctx, nodes, exclude) if self.indexed else None
         if excluded is not None:
             candidates = self._feasible_representatives(ctx, decision, excluded)
         else:
-            candidates = self._feasible(ctx, decision, self._all_nodes if nodes is None else list(nodes))
+            candidates = self._all_nodes if nodes is None else list(nodes)
+            if exclude:
+                left_out = set(exclude)
+                candidates = [i for i in candidates if i not in left_out]
+            candidates = self._feasible(ctx, decision, candidates)
         if not candidates:
             return decision
         best, score = self._pick(ctx, candidates)
@@ -150,9 +156,11 @@ class Scheduler:
         decision.score = score
         return decision
 
-    def schedule(self, request: Request, nodes: Sequence[int] | None = None) -> Decision:
+    def schedule(
+        self, request: Request, nodes: Sequence[int] | None = None, *, exclude: Collection[int] = ()
+    ) -> Decision:
         """Choose a placement for ``request`` and commit it to the state when there is one."""
-        decision = self.decide(request, nodes)
+        decision = self.decide(request, nodes, exclude=exclude)
         if decision.placement is not None:
             self.commit(decision.request, decision.placement)
         return decision
@@ -186,29 +194,34 @@ class Scheduler:
             decision.reasons["no nodes"] = 1
         return candidates
 
-    def _excluded(self, ctx: CycleContext, nodes: Sequence[int] | None) -> Set[int] | None:
-        """The nodes left out of ``nodes`` when the indexed path applies to this cycle, else ``None``.
+    def _excluded(self, ctx: CycleContext, nodes: Sequence[int] | None, exclude: Collection[int]) -> Set[int] | None:
+        """The nodes this cycle leaves out when the indexed path applies to it, else ``None``.
 
         It applies when the profile does not choose at random, every filter and scorer of the cycle declares
-        ``node_local``, and ``nodes`` is every node or all but a few (each at most once).
+        ``node_local``, and the cycle looks at every node but a few: ``nodes`` is ``None`` (or all nodes but
+        at most :data:`MAX_EXCLUDED`, each once) and ``exclude`` names at most that many.
         """
         profile = self.profile
-        if profile.random_choice:
+        if profile.random_choice or len(exclude) > MAX_EXCLUDED:
             return None
         skipped = ctx.skipped
         for plugin in (*profile.filters, *(ws.plugin for ws in profile.scorers)):
             if plugin.name not in skipped and getattr(plugin, "node_local", False) is not True:
                 return None
-        if nodes is None:
-            return _NONE_EXCLUDED
         n = len(self.state)
+        if nodes is None:
+            if not exclude:
+                return _NONE_EXCLUDED
+            excluded = {i for i in exclude if 0 <= i < n}
+            return excluded if len(excluded) <= MAX_EXCLUDED else None
         if len(nodes) < n - MAX_EXCLUDED:
             return None
         excluded = set(range(n))
         excluded.difference_update(nodes)
         if n - len(excluded) != len(nodes):  # a duplicate or an index out of range: the exhaustive path says so
             return None
-        return excluded
+        excluded.update(i for i in exclude if 0 <= i < n)
+        return excluded if len(excluded) <= MAX_EXCLUDED else None
 
     def _feasible_representatives(self, ctx: CycleContext, decision: Decision, excluded: Set[int]) -> list[int]:
         """The indexed path: one node per feasible class, the class member first in the node order.
@@ -220,7 +233,7 @@ class Scheduler:
         shape = (*(getattr(ctx.request, f) for f in _REQUEST_FIELDS), *((f.name, id(f)) for f in active))
 
         def evaluate(cids: list[int]) -> dict[int, int]:
-            remaining = [first for cid in cids if (first := classes.first(cid)) is not None]
+            remaining = [classes.first(cid) for cid in cids]
             verdict: dict[int, int] = {}
             for k, flt in enumerate(active):
                 kept = flt.filter(ctx, remaining)
@@ -246,7 +259,11 @@ class Scheduler:
         for k, flt in enumerate(active):
             if dropped[k]:
                 decision.reasons[flt.name] = dropped[k]
-        representatives = [first for cid in feasible if (first := classes.first(cid, excluded)) is not None]
+        top = classes.top
+        if excluded:
+            representatives = [first for cid in feasible if (first := classes.first_not_in(cid, excluded)) is not None]
+        else:
+            representatives = [t if (t := top[cid]) >= 0 else classes.first(cid) for cid in feasible]
         if not representatives and not active:
             decision.reasons["no nodes"] = 1
         representatives.sort()
