@@ -142,8 +142,8 @@ def test_every_profile_decides_as_the_exhaustive_search_on_an_openb_slice(
     requests = inflate(pods, seed=seed, tune=1.3, capacity_milli=capacity)
     t = twins(nodes, policy, workload, seed)
     placed = replay(t, requests, seed)
-    assert placed > len(requests) // 2
-    assert t.exhaustive.state.utilisation() > 0.85  # the slice was driven to full, where the index matters most
+    assert len(requests) // 2 < placed < len(requests)  # driven to full, where requests stop fitting
+    assert t.exhaustive.state.utilisation() > 0.6
     assert (t.indexed._classes is None) == (policy in FALLBACK)
 
 
@@ -282,7 +282,7 @@ def test_an_undeclared_plugin_makes_the_runner_visit_every_node() -> None:
 # ---- the classes themselves ----------------------------------------------------------------------------
 
 
-def test_classes_group_equal_nodes_and_keep_the_rank_order_through_changes() -> None:
+def test_classes_group_equal_nodes_and_keep_the_rank_order_and_free_gpu_per_model_through_changes() -> None:
     nodes = generated_fleet(6)
     requests = generated_requests(6, 400)
     scheduler = Scheduler(ClusterState(nodes), build_profile("spread", seed=6, rules=True))
@@ -308,6 +308,11 @@ def test_classes_group_equal_nodes_and_keep_the_rank_order_through_changes() -> 
         assert classes.size[cid] == len(members)
         assert classes.first(cid) == min(members, key=scheduler.tie_rank.__getitem__)
         assert classes.first_not_in(cid, set(members)) is None
+    free: dict[str, int] = {}
+    for sig in state.signature:
+        if sig[3]:
+            free[sig[0]] = free.get(sig[0], 0) + sum(sig[3])
+    assert dict(state.free_gpu_milli_by_model()) == free
     empty = [cid for cid in range(len(classes.size)) if cid not in by_class]
     assert all(classes.first_not_in(cid, set()) is None for cid in empty)
 

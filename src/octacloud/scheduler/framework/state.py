@@ -15,8 +15,9 @@ GPU model score the same for the same request.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Health, Node, Placement, Request
@@ -63,6 +64,11 @@ class ClusterState:
         self.node_usable: Sequence[bool] = self._usable
         """Read-only view: ``node_usable[i]`` is :meth:`usable` ``(i)`` (for hot loops)."""
         self._watchers: list[weakref.WeakMethod[Callable[[int], None]]] = []
+        self._free_by_model: dict[str, int] = {}
+        for sig in self.signature:
+            if sig[3]:
+                self._free_by_model[sig[0]] = self._free_by_model.get(sig[0], 0) + sum(sig[3])
+        self._free_view: Mapping[str, int] = MappingProxyType(self._free_by_model)
 
     # ---- queries ---------------------------------------------------------------------------------------
 
@@ -85,6 +91,12 @@ class ClusterState:
     def free_gpu_milli(self, i: int) -> int:
         """Free milli-GPU on node ``i``'s usable cards."""
         return sum(self.signature[i][3])
+
+    def free_gpu_milli_by_model(self) -> Mapping[str, int]:
+        """Free milli-GPU on usable cards per GPU model (a node's cards count under its ``gpu_model``), kept as
+        the state changes: reading it costs nothing, unlike a walk over every node's signature. Every model of a
+        node with cards is a key, with 0 when nothing is free on it."""
+        return self._free_view
 
     def fully_free_cards(self, i: int) -> list[int]:
         return [g for g, free in enumerate(self.free_gpu[i]) if free == MILLI_PER_GPU and self.card_usable(i, g)]
@@ -194,7 +206,12 @@ class ClusterState:
 
     def _changed(self, i: int) -> None:
         self.version[i] += 1
-        self.signature[i] = self._signature(i)
+        old = self.signature[i]
+        new = self.signature[i] = self._signature(i)
+        if old[3]:
+            self._free_by_model[old[0]] -= sum(old[3])
+        if new[3]:
+            self._free_by_model[new[0]] = self._free_by_model.get(new[0], 0) + sum(new[3])
         if self._watchers:
             self._notify(i)
 
