@@ -22,6 +22,7 @@ class ids do; they are renumbered only when more than :data:`MAX_CLASSES` keys w
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence, Set
 from dataclasses import dataclass, field
 
@@ -89,7 +90,9 @@ class NodeClasses:
         for heap in self._heaps:
             heapq.heapify(heap)
         self.top = [heap[0][1] if heap else -1 for heap in self._heaps]
-        self.log: list[tuple[int, int]] = []
+        self.left: list[int] = []
+        """The log of class changes: the ``k``-th change moved a node from class ``left[k]`` to ``joined[k]``."""
+        self.joined: list[int] = []
         self.epoch = getattr(self, "epoch", -1) + 1
         self.generation = getattr(self, "generation", -1) + 1
         """Bumped when class ids are renumbered (every verdict is void)."""
@@ -147,10 +150,10 @@ class NodeClasses:
         heapq.heappush(heap, (self.rank[i], i))
         if len(heap) > 2 * self.size[new] + 16:
             self._heaps[new] = heap = sorted({e for e in heap if self.of[e[1]] == new})
-        self.log.append((old, -1))
-        self.log.append((new, 1))
-        if len(self.log) > LOG_LIMIT:
-            self.log = []
+        self.left.append(old)
+        self.joined.append(new)
+        if len(self.joined) > LOG_LIMIT:
+            self.left, self.joined = [], []
             self.epoch += 1
         if len(self.size) > MAX_CLASSES:
             self._build()
@@ -188,14 +191,13 @@ class NodeClasses:
         f = self._shapes.get(shape)
         if f is not None and f.passes != filters:
             f = None
-        if f is None or f.epoch != self.epoch or len(self.log) - f.pos > len(self.nonempty):
+        if f is None or f.epoch != self.epoch or len(self.joined) - f.pos > len(self.nonempty):
             return self._recount(shape, filters, evaluate, f.verdict if f is not None else {})
-        if f.pos == len(self.log):
+        if f.pos == len(self.joined):
             return f
-        net: dict[int, int] = {}
-        for cid, delta in self.log[f.pos :]:
-            net[cid] = net.get(cid, 0) + delta
-        f.pos = len(self.log)
+        net = Counter(self.joined[f.pos :])
+        net.subtract(self.left[f.pos :])
+        f.pos = len(self.joined)
         verdict = f.verdict
         unknown = [cid for cid, d in net.items() if d and cid not in verdict]  # empty when last counted
         if unknown:
@@ -219,7 +221,7 @@ class NodeClasses:
         unknown = [cid for cid in self.nonempty if cid not in verdict]
         if unknown:
             verdict.update(evaluate(unknown))
-        f = Feasibility(self.epoch, len(self.log), verdict, filters, [0] * filters)
+        f = Feasibility(self.epoch, len(self.joined), verdict, filters, [0] * filters)
         size = self.size
         for cid in self.nonempty:
             v = verdict[cid]

@@ -266,7 +266,6 @@ class Scheduler:
             representatives = [t if (t := top[cid]) >= 0 else classes.first(cid) for cid in feasible]
         if not representatives and not active:
             decision.reasons["no nodes"] = 1
-        representatives.sort()
         return representatives
 
     def classes(self) -> NodeClasses:
@@ -300,7 +299,7 @@ class Scheduler:
             weight = ws.weight
             if total is None:
                 total = [weight * s for s in normalized] if weight != 1 else list(normalized)
-            else:
+            elif weight:  # t + 0 × s is t: a weight-0 scorer is range-checked but adds nothing
                 total = [t + weight * s for t, s in zip(total, normalized, strict=True)]
         if total is None:
             return min(candidates, key=rank.__getitem__), 0.0
