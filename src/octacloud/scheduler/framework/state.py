@@ -92,12 +92,6 @@ class ClusterState:
         """Free milli-GPU on node ``i``'s usable cards."""
         return sum(self.signature[i][3])
 
-    def free_gpu_milli_by_model(self) -> Mapping[str, int]:
-        """Free milli-GPU on usable cards per GPU model (a node's cards count under its ``gpu_model``), kept as
-        the state changes: reading it costs nothing, unlike a walk over every node's signature. Every model of a
-        node with cards is a key, with 0 when nothing is free on it."""
-        return self._free_view
-
     def fully_free_cards(self, i: int) -> list[int]:
         return [g for g, free in enumerate(self.free_gpu[i]) if free == MILLI_PER_GPU and self.card_usable(i, g)]
 
@@ -107,6 +101,12 @@ class ClusterState:
 
     def __iter__(self) -> Iterator[Allocation]:
         return iter(self.allocations.values())
+
+    def free_gpu_milli_by_model(self) -> Mapping[str, int]:
+        """Free milli-GPU on usable cards per GPU model (a node's cards count under its ``gpu_model``), kept as
+        the state changes: reading it costs nothing, unlike a walk over every node's signature. Every model of a
+        node with cards is a key, with 0 when nothing is free on it."""
+        return self._free_view
 
     # ---- changes ---------------------------------------------------------------------------------------
 
