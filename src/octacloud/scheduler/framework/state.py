@@ -17,7 +17,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Health, Node, Placement, Request
@@ -68,7 +67,6 @@ class ClusterState:
         for sig in self.signature:
             if sig[3]:
                 self._free_by_model[sig[0]] = self._free_by_model.get(sig[0], 0) + sum(sig[3])
-        self._free_view: Mapping[str, int] = MappingProxyType(self._free_by_model)
 
     # ---- queries ---------------------------------------------------------------------------------------
 
@@ -105,8 +103,8 @@ class ClusterState:
     def free_gpu_milli_by_model(self) -> Mapping[str, int]:
         """Free milli-GPU on usable cards per GPU model (a node's cards count under its ``gpu_model``), kept as
         the state changes: reading it costs nothing, unlike a walk over every node's signature. Every model of a
-        node with cards is a key, with 0 when nothing is free on it."""
-        return self._free_view
+        node with cards is a key, with 0 when nothing is free on it. Read-only: the state owns it."""
+        return self._free_by_model
 
     # ---- changes ---------------------------------------------------------------------------------------
 
