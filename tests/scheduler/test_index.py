@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from octacloud.core import Gpu, Health, Node, Request
+from octacloud.scheduler.actions.defragment import _targets
 from octacloud.scheduler.fragmentation import TargetWorkload
 from octacloud.scheduler.framework import (
     ClusterState,
@@ -325,3 +326,24 @@ def test_a_forgotten_scheduler_stops_watching_the_state() -> None:
     del scheduler
     state.set_node_health(state.nodes[0].name, Health.FAILED)
     assert state._watchers == []
+
+
+def test_defragmentation_targets_ranked_per_class_are_the_targets_ranked_per_node() -> None:
+    nodes = generated_fleet(8)
+    requests = generated_requests(8, 700)
+    scheduler = Scheduler(
+        ClusterState(nodes), build_profile("fgd", seed=8, workload=TargetWorkload.from_requests(requests))
+    )
+    state = scheduler.state
+    rng = random.Random(8)
+    for r in requests[:600]:
+        scheduler.schedule(r)
+        if rng.random() < 0.1 and state.allocations:
+            state.release(rng.choice(sorted(state.allocations)))
+    classes = scheduler.node_classes
+    assert classes is not None
+    for r in requests[600:]:
+        for limit in (4, len(state)):
+            assert _targets(state, r, lambda a: not a.request.pinned, limit, classes) == _targets(
+                state, r, lambda a: not a.request.pinned, limit
+            )

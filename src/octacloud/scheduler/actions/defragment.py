@@ -16,12 +16,13 @@ if the request is then placed, otherwise the state is rolled back exactly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import combinations, islice
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Placement, Request
+from octacloud.scheduler.framework.index import NodeClasses
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import Allocation, ClusterState
 from octacloud.scheduler.framework.transaction import Operation, Transaction
@@ -86,7 +87,7 @@ def defragment(
         return (allow_pinned or not r.pinned) and (allow_higher_priority or r.priority <= request.priority)
 
     best: tuple[tuple[int, int, int], int, tuple[Allocation, ...]] | None = None
-    for target in _targets(state, request, movable, max_targets):
+    for target in _targets(state, request, movable, max_targets, scheduler.node_classes):
         movers = sorted(
             (a for a in state.on_node[target].values() if movable(a)),
             key=lambda a: (a.request.total_gpu_milli, a.request.cpu_milli, a.request.name),
@@ -116,16 +117,14 @@ def defragment(
     return Defragmentation(decision.request, decision.placement, moves, operations)
 
 
-def _targets(state: ClusterState, request: Request, movable: object, limit: int) -> list[int]:
+def _targets(
+    state: ClusterState, request: Request, movable: object, limit: int, classes: NodeClasses | None = None
+) -> list[int]:
     """Usable nodes whose capacity could host ``request`` once their movable replicas left, least missing first."""
     assert callable(movable)
     need_gpu = request.total_gpu_milli
-    sigs = state.signature
-    # Rank every node by what it misses now (cheap), then check the movers of as few as the limit needs (costly).
-    ranked = sorted(
-        (max(0, need_gpu - sum(sigs[i][3])) + max(0, request.cpu_milli - state.free_cpu[i]), i)
-        for i in range(len(state))
-    )
+    ranked = _by_missing(state, request) if classes is None else _by_missing_per_class(state, request, classes)
+    # Nodes come ranked by what they miss now (cheap); the movers of only as many as the limit needs are summed.
     out: list[int] = []
     for _missing, i in ranked:
         if len(out) >= limit:
@@ -143,6 +142,26 @@ def _targets(state: ClusterState, request: Request, movable: object, limit: int)
             continue
         out.append(i)
     return out
+
+
+def _missing(state: ClusterState, request: Request, i: int) -> int:
+    free_gpu = sum(state.signature[i][3])
+    return max(0, request.total_gpu_milli - free_gpu) + max(0, request.cpu_milli - state.free_cpu[i])
+
+
+def _by_missing(state: ClusterState, request: Request) -> Iterator[tuple[int, int]]:
+    """(milli the node misses now, node) for every node, in that order."""
+    return iter(sorted((_missing(state, request, i), i) for i in range(len(state))))
+
+
+def _by_missing_per_class(state: ClusterState, request: Request, classes: NodeClasses) -> Iterator[tuple[int, int]]:
+    """The same order as :func:`_by_missing`, computed once per class of equal nodes."""
+    levels: dict[int, list[int]] = {}
+    for cid in classes.nonempty:
+        levels.setdefault(_missing(state, request, classes.first(cid)), []).append(cid)
+    for missing in sorted(levels):
+        for i in sorted(i for cid in levels[missing] for i in classes.members(cid)):
+            yield missing, i
 
 
 def _first_working_set(

@@ -171,6 +171,11 @@ class NodeClasses:
         t = self.top[cid] = heap[0][1]
         return t
 
+    def members(self, cid: int) -> list[int]:
+        """The nodes of class ``cid``, in no particular order."""
+        of = self.of
+        return list({node for _rank, node in self._heaps[cid] if of[node] == cid})
+
     def first_not_in(self, cid: int, excluded: Set[int]) -> int | None:
         """The member of class ``cid`` first in the rank order that is not in ``excluded`` (``None``: none is)."""
         if not self.size[cid]:

@@ -268,6 +268,11 @@ class Scheduler:
             decision.reasons["no nodes"] = 1
         return representatives
 
+    @property
+    def node_classes(self) -> NodeClasses | None:
+        """The classes of equal nodes when a decision has built them (actions may rank nodes per class)."""
+        return self._classes
+
     def classes(self) -> NodeClasses:
         """The equivalence classes of the state's nodes in this scheduler's node order (built on first use)."""
         if self._classes is None:
