@@ -308,9 +308,12 @@ class Scheduler:
                 total = [t + weight * s for t, s in zip(total, normalized, strict=True)]
         if total is None:
             return min(candidates, key=rank.__getitem__), 0.0
-        # Highest score; among equals, the node first in the run's order (C-level tuple comparison).
-        best_score, _neg_rank, best = max(zip(total, [-rank[c] for c in candidates], candidates, strict=True))
-        return best, best_score
+        # Highest score; among equals, the node first in the run's order.
+        best_score = max(total)
+        k = total.index(best_score)
+        if total.count(best_score) > 1:
+            k = min((j for j, t in enumerate(total) if t == best_score), key=lambda j: rank[candidates[j]])
+        return candidates[k], total[k]
 
     def _select_cards(self, ctx: CycleContext, node: int) -> tuple[int, ...] | None:
         for selector in self.profile.card_selectors:
