@@ -4,6 +4,11 @@ The runner, not the plugins, normalises each scorer's scores to 0..100, range-ch
 profile's weights and breaks ties. Ties go to the node that comes first in the profile's node order: the
 authors of FGD broke ties by node name with a random per-run prefix, i.e. one random node priority order per
 run, and a seeded permutation reproduces that.
+
+When every filter and scorer of a cycle declares ``node_local`` (see ``index.py`` and docs/scheduler.md), the
+runner filters and scores one node per class of equal nodes — the member first in the node order — instead of
+every node: the scorers see the same set of values, so the same node wins with the same score, and the reasons
+count the same nodes. Otherwise (or with ``Scheduler(indexed=False)``) it visits every node.
 """
 
 from __future__ import annotations
@@ -230,6 +235,7 @@ class Scheduler:
         """
         classes = self.classes()
         active = [flt for flt in self.profile.filters if flt.name not in ctx.skipped]
+        # The filters by identity: a profile whose filters are replaced gets verdicts of its own.
         shape = (*(getattr(ctx.request, f) for f in _REQUEST_FIELDS), *((f.name, id(f)) for f in active))
 
         def evaluate(cids: list[int]) -> dict[int, int]:
@@ -251,7 +257,6 @@ class Scheduler:
         dropped, feasible = f.dropped, f.feasible
         if excluded:
             dropped = list(dropped)
-            feasible = set(feasible)
             for i in excluded:
                 v = f.verdict[classes.of[i]]
                 if v < f.passes:
