@@ -347,3 +347,19 @@ def test_defragmentation_targets_ranked_per_class_are_the_targets_ranked_per_nod
             assert _targets(state, r, lambda a: not a.request.pinned, limit, classes) == _targets(
                 state, r, lambda a: not a.request.pinned, limit
             )
+
+
+def test_decisions_stay_equal_when_the_class_log_restarts_and_the_ids_are_renumbered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from octacloud.scheduler.framework import index
+
+    monkeypatch.setattr(index, "LOG_LIMIT", 40)
+    monkeypatch.setattr(index, "MAX_CLASSES", 150)
+    monkeypatch.setattr(index, "MAX_SHAPES", 8)
+    nodes = generated_fleet(9)
+    requests = generated_requests(9, 500)
+    t = twins(nodes, "octacloud", TargetWorkload.from_requests(requests), 9, rules=True)
+    replay(t, requests, 9, churn=0.3)
+    classes = t.indexed.node_classes
+    assert classes is not None and classes.epoch > 3 and classes.generation > 0
