@@ -14,7 +14,8 @@ GPU model score the same for the same request.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -71,6 +72,11 @@ class ClusterState:
         self._usable: list[bool] = [n.health is Health.HEALTHY for n in self.nodes]
         self.node_usable: Sequence[bool] = self._usable
         """Read-only view: ``node_usable[i]`` is :meth:`usable` ``(i)`` (for hot loops)."""
+        self._watchers: list[weakref.WeakMethod[Callable[[int], None]]] = []
+        self._free_by_model: dict[str, int] = {}
+        for sig in self.signature:
+            if sig[3]:
+                self._free_by_model[sig[0]] = self._free_by_model.get(sig[0], 0) + sum(sig[3])
 
     # ---- queries ---------------------------------------------------------------------------------------
 
@@ -101,7 +107,18 @@ class ClusterState:
     def __iter__(self) -> Iterator[Allocation]:
         return iter(self.allocations.values())
 
+    def free_gpu_milli_by_model(self) -> Mapping[str, int]:
+        """Free milli-GPU on usable cards per GPU model (a node's cards count under its ``gpu_model``), kept as
+        the state changes: reading it costs nothing, unlike a walk over every node's signature. Every model of a
+        node with cards is a key, with 0 when nothing is free on it. Read-only: the state owns it."""
+        return self._free_by_model
+
     # ---- changes ---------------------------------------------------------------------------------------
+
+    def watch(self, callback: Callable[[int], None]) -> None:
+        """Call the bound method ``callback(i)`` after every change of node ``i`` (held weakly: a watcher that is
+        no longer referenced elsewhere stops being called). Indexes over the nodes keep themselves current so."""
+        self._watchers.append(weakref.WeakMethod(callback))
 
     def check_fits(self, request: Request, placement: Placement) -> None:
         """Raise :class:`InvalidSpecError` naming the first resource that ``placement`` would overrun."""
@@ -194,7 +211,25 @@ class ClusterState:
 
     def _changed(self, i: int) -> None:
         self.version[i] += 1
-        self.signature[i] = self._signature(i)
+        old = self.signature[i]
+        new = self.signature[i] = self._signature(i)
+        if old[3]:
+            self._free_by_model[old[0]] -= sum(old[3])
+        if new[3]:
+            self._free_by_model[new[0]] = self._free_by_model.get(new[0], 0) + sum(new[3])
+        if self._watchers:
+            self._notify(i)
+
+    def _notify(self, i: int) -> None:
+        dead = False
+        for ref in self._watchers:
+            callback = ref()
+            if callback is None:
+                dead = True
+            else:
+                callback(i)
+        if dead:
+            self._watchers = [ref for ref in self._watchers if ref() is not None]
 
     def _signature(self, i: int) -> NodeSignature:
         node = self.nodes[i]

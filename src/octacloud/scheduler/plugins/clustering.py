@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from octacloud.core.model import Request
 from octacloud.core.units import MILLI_PER_GPU
@@ -28,6 +29,9 @@ def kind_of(request: Request) -> str:
 
 @dataclass(slots=True)
 class GpuClustering:
+    node_local: ClassVar[bool] = False
+    """Not node-local: its score depends on the kinds of requests already on the node (not in a node class)."""
+
     name: str = "gpu-clustering"
     _kinds: dict[int, tuple[int, frozenset[str]]] = field(default_factory=dict)
 

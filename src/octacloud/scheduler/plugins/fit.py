@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.core.model import Request
 from octacloud.core.units import MILLI_PER_GPU
@@ -44,6 +45,9 @@ def node_fits(state: ClusterState, request: Request, node: int) -> bool:
 class ResourceFit:
     """Keeps nodes where the request fits now. The fast path reads only the node signature; card memory,
     mixed-model nodes and GPU-model constraints take the exact per-card path."""
+
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
 
     name: str = "resource-fit"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.scheduler.framework.api import CycleContext, identity_normalize
 from octacloud.scheduler.registry import Args, PluginContext
@@ -18,6 +19,9 @@ RESOURCES = ("cpu", "memory", "gpu", "gpu_memory")
 
 @dataclass(slots=True)
 class FreeResource:
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
+
     resource: str = "cpu"
     prefer: str = "high"
     name: str = "free-resource"

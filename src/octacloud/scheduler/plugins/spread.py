@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.scheduler.framework.api import CycleContext, identity_normalize
 from octacloud.scheduler.registry import Args, PluginContext
@@ -12,6 +13,9 @@ from octacloud.scheduler.registry import Args, PluginContext
 @dataclass(slots=True)
 class Spread:
     """Score 0..100: free share of the node's GPU capacity (of its CPU, for CPU-only requests)."""
+
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
 
     name: str = "spread"
 

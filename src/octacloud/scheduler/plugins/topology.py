@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.core.units import MILLI_PER_GPU
 from octacloud.scheduler.framework.api import CycleContext, identity_normalize
@@ -30,6 +31,9 @@ def free_cards_by_group(ctx: CycleContext, node: int) -> dict[int | None, list[i
 
 @dataclass(slots=True)
 class NvlinkTopology:
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
+
     name: str = "nvlink-topology"
 
     def score(self, ctx: CycleContext, nodes: Sequence[int]) -> list[float]:
