@@ -10,7 +10,7 @@ PIP      := $(PY) -m pip
 STAMP    := $(VENV)/.octacloud-installed
 PYTEST_ARGS ?=
 
-.PHONY: up install dev build-tools ray plots lock browser test lint types layers pytest models clean
+.PHONY: up install dev build-tools ray plots k8s lock browser test lint types layers pytest models gpu-check clean
 
 # The main job: the cloud on this machine, serving the example models (built once, cached) behind one
 # OIP endpoint on 127.0.0.1:8000 (REST) and :8001 (gRPC). Ctrl-C stops it; replicas keep running until
@@ -27,9 +27,17 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet pip==$(PIP_VERSION)
 
-# runtime (serving, the cloud, the CLI)
-$(STAMP): requirements/runtime.lock pyproject.toml | $(PY)
+# runtime (serving, the cloud, the CLI). On a host whose nvidia-smi lists a GPU the GPU set replaces the CPU
+# onnxruntime (requirements/gpu.lock: onnxruntime-gpu with its CUDA and cuDNN wheels); GPU=0 or GPU=1 overrides.
+GPU ?= $(if $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes),1,0)
+$(STAMP): requirements/runtime.lock requirements/gpu.lock pyproject.toml | $(PY)
+ifeq ($(GPU),1)
+	grep -v '^onnxruntime==' requirements/runtime.lock > $(VENV)/runtime-gpu.txt
+	$(PIP) uninstall --quiet --yes onnxruntime 2>/dev/null || true
+	$(PIP) install --quiet -r $(VENV)/runtime-gpu.txt -r requirements/gpu.lock
+else
 	$(PIP) install --quiet -r requirements/runtime.lock
+endif
 	$(PIP) install --quiet --no-deps -e .
 	@touch $@
 
@@ -40,6 +48,7 @@ install: $(STAMP)
 #   build-tools  the `build` extra: torch/transformers, only needed to build models (convert, make models)
 #   ray          the `ray` extra: the multi-node backend
 #   plots        the `plots` extra: the simulator's figures (matplotlib)
+#   k8s          the `k8s` extra: octacloud k8s extender | device-plugin | operator
 $(VENV)/.octacloud-%-installed: $(STAMP) requirements/%.lock
 	$(PIP) install --quiet -r requirements/$*.lock
 	@touch $@
@@ -48,6 +57,7 @@ dev: $(VENV)/.octacloud-dev-installed
 build-tools: $(VENV)/.octacloud-build-installed
 ray: $(VENV)/.octacloud-ray-installed
 plots: $(VENV)/.octacloud-plots-installed
+k8s: $(VENV)/.octacloud-k8s-installed
 
 # Re-resolve every lock file (after a dependency changed in pyproject.toml or requirements/dev.in) with the
 # resolver pinned in dev.lock; commit the changed requirements/*.lock.
@@ -58,7 +68,7 @@ lint: dev
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/ruff format --check src tests bench examples
 
-types: dev build-tools ray plots
+types: dev build-tools ray plots k8s
 	$(BIN)/mypy
 
 layers: dev
@@ -77,8 +87,13 @@ browser:
 	else DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; fi
 
-pytest: dev build-tools ray plots models browser
+pytest: dev build-tools ray plots k8s models browser
 	scripts/netns-run $(BIN)/pytest $(PYTEST_ARGS)
+
+# The GPU check (docs/gpu.md): on an NVIDIA machine, the GPU set, the example models, then bench/gpu.py.
+OUT ?= gpu-results
+gpu-check: install models
+	$(PY) bench/gpu.py --models $(MODELS) --out $(OUT)
 
 test: lint types layers pytest
 

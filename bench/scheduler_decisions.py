@@ -3,7 +3,9 @@
 Latency (default): for each policy, the 1,213-node openb fleet is filled with trace pods (the published
 protocol's shuffled, inflated default trace) by that policy up to ``--fill`` of GPU capacity; then the next
 ``--decisions`` pods are scheduled one by one and each decision is timed (``time.perf_counter`` around
-``Scheduler.schedule``). Prints p50 / p99 / max per policy, measured in this one run, single-threaded.
+``Scheduler.schedule``). Prints p50 / p99 / max per policy, measured in this one run, single-threaded, next to the
+same decisions taken by the exhaustive runner (``Scheduler(indexed=False)``, every node visited) on the same state,
+which must agree.
 
 Reproduction (``--reproduce``): runs the published protocol end to end for the given policies, seeds and trace
 families and prints our unallocated GPU % at arrived 100 % next to the authors' published values.
@@ -51,18 +53,20 @@ def latency(folder: Path, policies: list[str], fill: float, decisions: int, seed
     requests = inflate(pods, seed=seed, tune=1.3, capacity_milli=capacity)
     print(
         f"fleet: {len(nodes)} nodes, {capacity // 1000} GPUs; "
-        f"fill to {fill:.0%} of GPU, then time {decisions} decisions"
+        f"fill to {fill:.0%} of GPU, then time {decisions} decisions, indexed and exhaustive on the same state"
     )
     print(
         "wall: perf_counter (includes time the OS gave to other processes); cpu: thread_time (this thread on its core)"
     )
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(
-        f"{'policy':<12} {'filled %':>8} {'wall p50':>9} {'wall p99':>9} {'cpu p50':>8} {'cpu p99':>8} "
-        f"{'cpu max':>8} {'placed':>7}   (ms)"
+        f"{'policy':<16} {'filled %':>8} {'wall p50':>9} {'wall p99':>9} {'cpu p50':>8} {'cpu p99':>8} "
+        f"{'cpu max':>8} {'placed':>7} {'exh. p50':>9} {'exh. p99':>9} {'ratio':>6}   (ms; cpu; ratio of cpu sums)"
     )
     for policy in policies:
         state = ClusterState(nodes)
         scheduler = Scheduler(state, build_profile(policy, seed=seed, workload=workload))
+        exhaustive = Scheduler(state, build_profile(policy, seed=seed, workload=workload), indexed=False)
         k = 0
         while k < len(requests) and state.allocated_gpu_milli < fill * capacity:
             scheduler.schedule(requests[k])
@@ -70,19 +74,27 @@ def latency(folder: Path, policies: list[str], fill: float, decisions: int, seed
         filled = state.utilisation()
         wall: list[float] = []
         cpu: list[float] = []
+        slow: list[float] = []
         placed = 0
         clock, cpu_clock = time.perf_counter, time.thread_time
         for r in requests[k : k + decisions]:
+            cpu_start = cpu_clock()
+            reference = exhaustive.decide(r)
+            slow.append(cpu_clock() - cpu_start)
             start, cpu_start = clock(), cpu_clock()
             decision = scheduler.schedule(r)
             cpu.append(cpu_clock() - cpu_start)
             wall.append(clock() - start)
+            if (decision.placement, decision.score) != (reference.placement, reference.score):
+                raise SystemExit(f"{policy}: indexed {decision.explain()} ≠ exhaustive {reference.explain()}")
             placed += decision.placed
         print(
-            f"{policy:<12} {100 * filled:>8.1f} "
+            f"{policy:<16} {100 * filled:>8.1f} "
             f"{1e3 * percentile(wall, 0.5):>9.3f} {1e3 * percentile(wall, 0.99):>9.3f} "
             f"{1e3 * percentile(cpu, 0.5):>8.3f} {1e3 * percentile(cpu, 0.99):>8.3f} {1e3 * max(cpu):>8.3f} "
-            f"{placed:>7}"
+            f"{placed:>7} {1e3 * percentile(slow, 0.5):>9.3f} {1e3 * percentile(slow, 0.99):>9.3f} "
+            f"{sum(slow) / max(sum(cpu), 1e-9):>6.1f}",
+            flush=True,
         )
 
 

@@ -61,3 +61,13 @@ def test_each_lock_agrees_with_the_joint_resolution(lock: str) -> None:
     joint = pins("all.lock")
     differ = {n: (v, joint.get(n)) for n, v in pins(lock).items() if joint.get(n) != v}
     assert not differ, f"requirements/{lock} disagrees with all.lock (name: (this, all)): {differ}; run `make lock`"
+
+
+def test_the_gpu_set_installs_beside_the_runtime_without_the_cpu_onnxruntime() -> None:
+    """GPU hosts install runtime.lock less onnxruntime, plus gpu.lock: the two must agree on every package."""
+    gpu, runtime = pins("gpu.lock"), pins("runtime.lock")
+    assert "onnxruntime-gpu" in gpu and "onnxruntime" not in gpu
+    declared_gpu = declared([line for line in (REQUIREMENTS / "gpu.in").read_text().splitlines() if line[:1].isalpha()])
+    assert declared_gpu <= set(gpu), "requirements/gpu.lock lacks what gpu.in asks for: run `make lock`"
+    differ = {n: (v, runtime[n]) for n, v in gpu.items() if n in runtime and runtime[n] != v}
+    assert not differ, f"gpu.lock and runtime.lock disagree (name: (gpu, runtime)): {differ}; run `make lock`"

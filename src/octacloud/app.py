@@ -40,7 +40,8 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node, Request
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
 from octacloud.metering import Ledger, Meter, PriceSheet
-from octacloud.scheduler.actions.preempt import preempt
+from octacloud.observability.card_health import CardHealthWatch
+from octacloud.observability.dcgm import CardReading
 from octacloud.scheduler.fragmentation import TargetWorkload
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
@@ -121,6 +122,8 @@ class Cloud:
             else {}
         )
         """This host's GPU node's MPS control daemon (none on a host without NVIDIA GPUs)."""
+        self.card_health = CardHealthWatch(gpu_node) if gpu_node is not None else None
+        """Turns this host's NVML readings (XIDs, ECC, a lost GPU) into card health for the controller."""
         self.monitoring = CloudMonitoring(
             lambda: self.controller,
             self.nodes,
@@ -128,6 +131,7 @@ class Cloud:
             clock,
             interval_s=config.telemetry_interval_s,
             replica_headers=internal,
+            on_card_readings=self._card_readings,
         )
         """Telemetry (the scheduler's telemetry source), the cloud's ``/metrics`` and the dashboard."""
         profile = build_profile(
@@ -148,7 +152,6 @@ class Cloud:
             clock=clock,
             prober=self._prober,
             footprint=RepositoryFootprints(config.repository),
-            preemptor=lambda request: _preempt_names(self.scheduler, request),
             settings=config.controller,
         )
         self._started = False
@@ -166,7 +169,7 @@ class Cloud:
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
         self.grpc_gateway = GrpcGateway(
             self.routes,
-            ready=lambda: self._started,
+            ready=self._ready,
             guard=self.guard,
             limits=config.limits,
             internal_secret=self.internal_secret,
@@ -184,7 +187,7 @@ class Cloud:
         self.rest_gateway = RestGateway(
             self.routes,
             admin=admin,
-            ready=lambda: self._started,
+            ready=self._ready,
             guard=self.guard,
             dashboard=dashboard,
             metrics=metrics,
@@ -205,6 +208,28 @@ class Cloud:
         for daemon in self.mps.values():
             env.update(daemon.environment())
         return env
+
+    def _card_readings(self, readings: list[CardReading]) -> None:
+        """A card that got worse (observability/card_health.py) is marked so: no new work, or failover."""
+        if self.card_health is None:
+            return
+        for verdict in self.card_health.observe(readings):
+            log.error("node %s card %d is %s: %s", verdict.node, verdict.gpu, verdict.health.value, verdict.reason)
+            self.controller.mark_card(verdict.node, verdict.gpu, verdict.health, verdict.reason)
+
+    async def _watch_mps(self) -> None:
+        """Each health interval: a dead MPS daemon is restarted, and a node whose MPS server died restarts its
+        GPU replicas (their CUDA contexts went with it)."""
+        interval = self.config.controller.health_interval_s
+        while not self._stop.is_set():
+            for node, daemon in self.mps.items():
+                check = await asyncio.to_thread(daemon.check)
+                if check.clients_lost:
+                    why = "MPS control daemon restarted" if check.daemon_restarted else "MPS server exited"
+                    self.store.add_event("node", node, f"{why}: GPU replicas restart ({daemon.mode.value})")
+                    self.controller.restart_gpu_replicas(node, why)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), interval)
 
     async def _start_mps(self) -> None:
         """Start (or adopt) each GPU node's MPS daemon before any replica starts; say how cards are shared."""
@@ -247,10 +272,13 @@ class Cloud:
             await asyncio.sleep(0.02)
         self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
         self._tasks.append(asyncio.create_task(self.controller.run(self._stop)))
+        await asyncio.sleep(0)  # the controller's loop starts (readiness reports it from now on)
         self._tasks.append(asyncio.create_task(self.monitoring.run(self._stop)))
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self._watch_fleet(self.watcher)))
         self._tasks.append(asyncio.create_task(self.meter.run(self._stop)))
+        if self.mps:
+            self._tasks.append(asyncio.create_task(self._watch_mps()))
         self._started = True
         scheme = "https" if tls is not None else "http"
         log.info("octacloud gateway on %s://%s:%d (gRPC %d)", scheme, self.config.host, self.http_port, self.grpc_port)
@@ -261,10 +289,10 @@ class Cloud:
         self._started = False
         self._stop.set()
         self.controller.poke()
-        if stop_replicas:
-            for r in self.store.replicas():
-                if r.handle:
-                    self.controller.launcher.stop(r.handle, self.config.controller.stop_grace_s)
+        if stop_replicas:  # all at once, in threads: each may take its grace period
+            grace = self.config.controller.stop_grace_s
+            stop = self.controller.launcher.stop
+            await asyncio.gather(*(asyncio.to_thread(stop, r.handle, grace) for r in self.store.replicas() if r.handle))
         if self._http is not None:
             self._http.should_exit = True
         if self._grpc is not None:
@@ -289,6 +317,10 @@ class Cloud:
             await self._stop.wait()
         finally:
             await self.stop()
+
+    def _ready(self) -> bool:
+        """Ready: started, and the controller's loop runs and completes iterations."""
+        return self._started and self.controller.ready()[0]
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -363,9 +395,3 @@ def slice_prior() -> TargetWorkload:
 
 def _node(nodes: list[Node], name: str) -> Node:
     return next(n for n in nodes if n.name == name)
-
-
-def _preempt_names(scheduler: Scheduler, request: Request) -> list[str] | None:
-    """The controller's preemption hook: place ``request`` by evicting lower-priority replicas, or None."""
-    outcome = preempt(scheduler, request)
-    return None if outcome is None else [v.request.name for v in outcome.victims]

@@ -244,7 +244,10 @@ def test_deploy_infer_scale_fail_restart_undeploy(tmp_path: Path, linear_repo: P
 
         # undeploy: replicas stop and their slices return to the pool
         assert again.admin("DELETE", "/deployments/linear").status_code == 200
-        assert again.cloud.state.allocated_gpu_milli == 0
+        wait_until(
+            "the slice to return (after the drained replica stopped)",
+            lambda: again.cloud.state.allocated_gpu_milli == 0,
+        )
         wait_until("the replica process to exit", lambda: not _alive(before["pid"]), timeout=15)
     finally:
         again.stop(stop_replicas=True)

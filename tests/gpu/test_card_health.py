@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from octacloud.core.model import Health
@@ -69,3 +71,77 @@ def test_a_lost_gpu_fails_and_health_never_improves_by_itself() -> None:
     nvml.lost.clear()
     assert watch.observe(cards.read(2.0)) == []
     assert watch.health[0] is Health.FAILED
+
+
+async def test_a_failed_card_fails_its_replicas_over_and_a_degraded_one_takes_no_new_work(tmp_path: Path) -> None:
+    """The controller's side (manual clock, fake launcher and prober): the card's replicas are re-placed on the
+    node's other card; a degraded card keeps what it has."""
+    from octacloud.cluster.deployments import ReplicaState
+    from octacloud.core import Gpu, Node
+    from tests.cluster.controller_fakes import Harness
+
+    node = Node("gpu-a", 64_000, 512 * 1024, tuple(Gpu(i, "NVIDIA H100 80GB HBM3", 81_559) for i in range(2)))
+    h = Harness(tmp_path, nodes=[node])
+    h.deploy("a", octants=4)
+    await h.reconcile()
+    await h.health()
+    (r,) = h.replicas("a")
+    card = r.gpus[0]
+    h.controller.mark_card("gpu-a", card, Health.FAILED, "XID 79: GPU has fallen off the bus")
+    await h.settle()
+    lost = h.replicas("a")[0]
+    assert lost.state is ReplicaState.PENDING and lost.failover and h.routed("a") == []
+    await h.reconcile()
+    moved = h.replicas("a")[0]
+    assert moved.state is ReplicaState.STARTING and moved.gpus == (1 - card,)
+    other = 1 - card
+    h.controller.mark_card("gpu-a", other, Health.DEGRADED, "XID 94: contained ECC error")
+    await h.settle()
+    assert h.replicas("a")[0].gpus == (other,) and h.replicas("a")[0].state is not ReplicaState.PENDING
+    h.deploy("b", octants=2)
+    await h.reconcile()
+    assert h.replicas("b")[0].state is ReplicaState.PENDING  # no healthy card left for new work
+    assert any("card" in str(e["message"]) and "failed" in str(e["message"]) for e in h.store.events())
+
+
+async def test_a_dead_mps_server_restarts_the_nodes_gpu_replicas(tmp_path: Path) -> None:
+    from octacloud.cluster.deployments import ReplicaState
+    from octacloud.core import Gpu, Node
+    from tests.cluster.controller_fakes import Harness
+
+    node = Node("gpu-a", 64_000, 512 * 1024, tuple(Gpu(i, "NVIDIA H100 80GB HBM3", 81_559) for i in range(2)))
+    h = Harness(tmp_path, nodes=[node])
+    h.deploy("a", octants=2, replicas=2)
+    await h.reconcile()
+    await h.health()
+    before = {r.id: r.handle for r in h.replicas("a")}
+    h.controller.restart_gpu_replicas("gpu-a", "the node's MPS server exited")
+    await h.settle()
+    assert all(r.state is ReplicaState.FAILED for r in h.replicas("a"))
+    h.clock.advance(5)
+    await h.health()
+    await h.reconcile()
+    after = {r.id: r.handle for r in h.replicas("a")}
+    assert set(after) == set(before) and all(
+        after[k] and after[k] != before[k] for k in after
+    )  # same slices, new processes
+
+
+async def test_the_telemetry_sampler_hands_every_reading_to_the_watch() -> None:
+    """What ``octacloud up`` wires: each sample's NVML readings reach the card-health watch, and a handler that
+    fails never costs the sample."""
+    from octacloud.core import Gpu, Node
+    from octacloud.core.clock import ManualClock
+    from octacloud.observability.card_health import CardVerdict
+    from octacloud.observability.telemetry import TelemetrySampler
+
+    nvml, cards, watch = _watch()
+    node = Node("gpu-a", 64_000, 512 * 1024, tuple(Gpu(i, "NVIDIA H100 80GB HBM3", 81_559) for i in range(2)))
+    seen: list[CardVerdict] = []
+    sampler = TelemetrySampler(lambda: [node], list, ManualClock(), nvml=cards, nvml_node="gpu-a",
+                               on_readings=lambda readings: seen.extend(watch.observe(readings)))  # fmt: skip
+    nvml.xid(0, 48)
+    await sampler.sample()
+    assert [(v.gpu, v.health) for v in seen] == [(0, Health.FAILED)]
+    sampler.on_readings = lambda readings: 1 / 0
+    assert (await sampler.sample()).cards  # the sample is still taken

@@ -41,7 +41,7 @@ def test_nodes_join_fail_and_return(tmp_path: Path) -> None:
     controller.node_changed(NodeChange(node("a"), Health.FAILED))
     assert cloud.state.nodes[0].health is Health.FAILED and "r1" not in cloud.state.allocations
     r1 = controller.store.replicas("d")[0]
-    assert r1.state is ReplicaState.PENDING and r1.message == "failover: node a failed" and not r1.node
+    assert r1.state is ReplicaState.PENDING and r1.failover and r1.message == "node a failed" and not r1.node
     moved = cloud.scheduler.schedule(Request("r1", num_gpu=1, gpu_milli=250, failover=True))
     assert moved.placement is not None and moved.placement.node == "b"
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from octacloud.core.errors import InvalidSpecError
-from octacloud.scheduler.framework import ClusterState, Scheduler
+from octacloud.core.model import Placement
+from octacloud.scheduler.framework import ClusterState, CycleContext, ReservePlugin, Scheduler
 from octacloud.scheduler.loop import LoopSettings, ReevaluationLoop
 from octacloud.scheduler.policies import build_profile
 from tests.scheduler.helpers import check_invariants, node, place, req
@@ -78,3 +79,46 @@ def test_invalid_settings() -> None:
         LoopSettings(moves_per_pass=-1)
     with pytest.raises(InvalidSpecError, match="defrag_attempts"):
         LoopSettings(defrag_attempts=-1)
+
+
+class CountingReserver:
+    """A reserve plugin that keeps its own count of what each card holds (as a cache of a real plugin would)."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[int, int], int] = {}
+
+    def reserve(self, ctx: CycleContext, node: int, cards: tuple[int, ...]) -> None:
+        for g in cards:
+            self.held[(node, g)] = self.held.get((node, g), 0) + ctx.request.gpu_milli
+
+    def unreserve(self, ctx: CycleContext, node: int, cards: tuple[int, ...]) -> None:
+        for g in cards:
+            self.held[(node, g)] -= ctx.request.gpu_milli
+
+    def matches(self, state: ClusterState) -> bool:
+        used = {(i, g): 1000 - free for i, frees in enumerate(state.free_gpu) for g, free in enumerate(frees)}
+        return all(self.held.get(k, 0) == v for k, v in used.items())
+
+
+def test_reserve_plugins_follow_every_allocate_evict_and_undo() -> None:
+    state = ClusterState([node("a"), node("b")])
+    scheduler = Scheduler(state, build_profile("bestfit", seed=2))
+    counting = CountingReserver()
+    assert isinstance(counting, ReservePlugin)
+    scheduler.profile.reservers.append(counting)
+    for name, milli, where, card in (("x", 500, "a", 0), ("y", 500, "b", 0), ("u", 1000, "a", 1), ("v", 1000, "b", 1)):
+        scheduler.commit(req(name, milli), Placement(name, where, (card,), milli))
+    loop = ReevaluationLoop(scheduler, LoopSettings())
+    assert loop.run_pass(0.0, [req("p", 1000)]).moves  # defragments, with trial plans that rolled back
+    assert counting.matches(state)
+    assert loop.run_pass(5.0, [req("urgent", 1000, priority=9)]).preempted
+    assert counting.matches(state)
+    scheduler.release("urgent")
+    assert counting.matches(state)
+    with scheduler.transaction() as tx:
+        tx.evict("u")
+        tx.allocate(req("w", 500), Placement("w", "a", (1,), 500))
+        assert counting.matches(state)
+    assert counting.matches(state) and "u" in state.allocations and "w" not in state.allocations  # rolled back

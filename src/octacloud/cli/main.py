@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "cloud",
     "convert",
     "models",
+    "rollout",
     "node",
     "schedule",
     "serve",

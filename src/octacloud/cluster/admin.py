@@ -30,6 +30,7 @@ from octacloud.cluster.auth.api import (
 from octacloud.cluster.auth.priority import PriorityClasses
 from octacloud.cluster.controller import Controller
 from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica
+from octacloud.cluster.rollout_api import rollout_routes
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.metering import Ledger, PriceSheet
 from octacloud.serving import is_model_name
@@ -204,6 +205,7 @@ def build_admin_app(
             Route("/admin/deployments/{name}/scale", scale, methods=["POST"]),
             Route("/admin/fleet", fleet, methods=["GET"]),
             Route("/admin/events", events, methods=["GET"]),
+            *rollout_routes(controller, caller),
             *(tenant_routes(keys, ledger, prices, priorities) if keys is not None and priorities is not None else []),
         ],
         exception_handlers=EXCEPTION_HANDLERS,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.units import OCTANTS_PER_GPU
@@ -74,9 +74,6 @@ class DeploymentSpec:
             if value is not None and value <= 0:
                 raise InvalidSpecError(f"deployment {self.name!r}: {what} must be > 0, got {value}")
 
-    def with_changes(self, **changes: object) -> DeploymentSpec:
-        return replace(self, **changes)  # type: ignore[arg-type]
-
 
 @dataclass(slots=True)
 class Deployment:
@@ -89,6 +86,10 @@ class Deployment:
     """Resolved octants per replica (auto-sizing done)."""
     created_at: float = 0.0
     generation: int = 1
+
+    def template(self) -> tuple[str, str, int]:
+        """What each replica runs: model, version, octants (a change is rolled out replica by replica)."""
+        return (self.spec.model, self.spec.version, self.octants)
 
 
 @dataclass(slots=True)
@@ -113,9 +114,26 @@ class Replica:
     restarts: int = 0
     started_at: float = 0.0
     last_ready_at: float = 0.0
+    """Wall-clock time it last became READY (0: never): what ``rollout status`` shows as "ready since"."""
     message: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    model: str = ""
+    """What it serves: the model, version and octants of the deployment's spec when it was created. A replica
+    whose template differs from its deployment's is replaced by a rolling update ('' / 0: the deployment's)."""
+    version: str = ""
+    octants: int = 0
+    revision: int = 0
+    """The deployment revision its template comes from (0: from before revisions were recorded)."""
+    failover: bool = False
+    """It replaces work lost to a node or card failure: it may use the failover headroom."""
+    replaces: str = ""
+    """A surge replica: the replica it replaces (a move or a rolling update) once READY ('' for none)."""
+    after: list[str] = field(default_factory=list)
+    """Replicas that still occupy its slice: it is launched only once they have stopped (make-before-break)."""
 
     @property
     def placed(self) -> bool:
         return bool(self.node)
+
+    def template(self) -> tuple[str, str, int]:
+        return (self.model, self.version, self.octants)

@@ -9,6 +9,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from octacloud.cluster.controller.world import Probe
 from octacloud.cluster.deployments import Replica
 from octacloud.cluster.gateway.upstream import UpstreamError, UpstreamPool
 from octacloud.cluster.sizing import ModelFootprint
@@ -16,7 +17,9 @@ from octacloud.core.errors import InvalidSpecError, NotFoundError
 
 
 class HttpProber:
-    """Readiness through the replica's own OIP endpoint: ``GET /v2/models/<model>/ready``."""
+    """Readiness through the replica's own OIP endpoint: ``GET /v2/models/<model>/ready``. A replica that answers
+    but whose model is not ready is asked for its repository index: a model that failed to load is reported
+    there as UNAVAILABLE with a reason, which makes the probe's answer final (no wait for the start-up timeout)."""
 
     def __init__(
         self,
@@ -30,18 +33,24 @@ class HttpProber:
         self.on_ready = on_ready
         """Called with the id of each replica a probe found ready (the gateway ends its ejection)."""
 
-    async def ready(self, replica: Replica, model: str, timeout: float) -> bool:
+    async def probe(self, replica: Replica, model: str, timeout: float) -> Probe:
         if not replica.http_port:
-            return False
+            return Probe(False)
+        host = replica.host or "127.0.0.1"
         try:
             path = f"/v2/models/{model}/ready".encode()
-            host = replica.host or "127.0.0.1"
             response = await self.pool.request(host, replica.http_port, b"GET", path, self.headers, b"", timeout)
+            if response.status == 200:
+                if self.on_ready is not None:
+                    self.on_ready(replica.id)
+                return Probe(True)
+            headers = [(b"content-type", b"application/json"), *self.headers]
+            index = await self.pool.request(
+                host, replica.http_port, b"POST", b"/v2/repository/index", headers, b"{}", timeout
+            )
         except (UpstreamError, TimeoutError, OSError):
-            return False
-        if response.status == 200 and self.on_ready is not None:
-            self.on_ready(replica.id)
-        return response.status == 200
+            return Probe(False)
+        return Probe(False, _load_failure(index.status, index.body, model))
 
     async def close(self) -> None:
         """Close the probe connections kept alive to replicas."""
@@ -77,6 +86,20 @@ class RepositoryFootprints:
         per_sample = _int(params.get("octacloud.bytes_per_sample")) or 0
         throughput = _profile_throughput(versions[-1] / "profile.json")
         return ModelFootprint(weights, per_sample, max(1, config.max_batch_size), throughput)
+
+
+def _load_failure(status: int, body: bytes, model: str) -> str:
+    """The reason ``model`` failed to load, from a repository index answer ('' when it did not fail)."""
+    if status != 200:
+        return ""
+    try:
+        entries = json.loads(body)
+    except ValueError:
+        return ""
+    for e in entries if isinstance(entries, list) else []:
+        if isinstance(e, dict) and e.get("name") == model and e.get("state") == "UNAVAILABLE" and e.get("reason"):
+            return str(e["reason"])[:500]
+    return ""
 
 
 def _int(value: str | None) -> int | None:

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from sqlalchemy import Float, Integer, String, Text, create_engine, event, inspect, select, text
@@ -25,7 +25,8 @@ from octacloud.core.errors import NotFoundError
 log = logging.getLogger("octacloud.store")
 
 EventListener = Callable[[dict[str, object]], None]
-"""Called with each event once it is stored (``at``, ``kind``, ``subject``, ``message``); must not block."""
+"""Called with each event once it is stored (``at``, ``kind``, ``subject``, ``message``, ``deployment``,
+``tenant``); must not block."""
 
 _FLEET_KINDS = frozenset({"node"})
 """Event kinds about the fleet, not a deployment: admins only, whatever the subject is named."""
@@ -59,8 +60,20 @@ class _EventRow(_Base):
     kind: Mapped[str] = mapped_column(String(32))
     subject: Mapped[str] = mapped_column(String(128))
     message: Mapped[str] = mapped_column(Text)
-    deployment: Mapped[str | None] = mapped_column(String(64), nullable=True)
-    tenant: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)
+    deployment: Mapped[str] = mapped_column(String(64), default="")
+    tenant: Mapped[str] = mapped_column(String(64), default="", index=True)
+
+
+class _RevisionRow(_Base):
+    """Every spec a deployment was given, numbered from 1: what ``rollout undo`` goes back to."""
+
+    __tablename__ = "revisions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    deployment: Mapped[str] = mapped_column(String(64), index=True)
+    revision: Mapped[int] = mapped_column(Integer)
+    spec: Mapped[str] = mapped_column(Text)
+    octants: Mapped[int] = mapped_column(Integer)
+    at: Mapped[float] = mapped_column(Float)
 
 
 def sqlite_url(path: Path) -> str:
@@ -148,28 +161,38 @@ class StateStore:
 
     # ---- events ------------------------------------------------------------------------------------------
 
-    def add_event(self, kind: str, subject: str, message: str, at: float | None = None) -> None:
-        """Record an event about ``subject``: a replica id, a deployment name, or a node. The event is stamped
-        with the deployment and tenant the subject belongs to now (a replica's row, else a deployment's, else
-        the deployment just removed under that name), so that a tenant's events are selected by owner, never
-        by matching names (one tenant's name may be a prefix of another's)."""
+    def add_event(
+        self,
+        kind: str,
+        subject: str,
+        message: str,
+        at: float | None = None,
+        *,
+        deployment: str = "",
+        tenant: str = "",
+    ) -> None:
+        """Record an event about ``subject`` (a replica, deployment or node), with the deployment and tenant it
+        concerns, and tell the subscribers. Callers that know the owner pass it; otherwise the event is stamped
+        with the deployment and tenant the subject belongs to now (a replica's row, else a deployment's, else the
+        deployment just removed under that name), so that a tenant's events are selected by owner, never by
+        matching names (one tenant's name may be a prefix of another's). Fleet events (``node``) have none."""
         at = time.time() if at is None else at
         with self._tx() as s:
-            deployment = tenant = None
-            replica = s.get(_ReplicaRow, subject) if kind not in _FLEET_KINDS else None
-            if kind in _FLEET_KINDS:
-                pass
-            elif replica is not None:
-                deployment = replica.deployment
-            elif s.get(_DeploymentRow, subject) is not None or subject in self._removed:
-                deployment = subject
-            if deployment is not None:
-                row = s.get(_DeploymentRow, deployment)
-                tenant = _deployment(row).spec.tenant if row is not None else self._removed.pop(deployment, None)
+            if not deployment and kind not in _FLEET_KINDS:
+                replica = s.get(_ReplicaRow, subject)
+                if replica is not None:
+                    deployment = replica.deployment
+                elif s.get(_DeploymentRow, subject) is not None or subject in self._removed:
+                    deployment = subject
+            if deployment and not tenant:
+                owner = s.get(_DeploymentRow, deployment)
+                tenant = _deployment(owner).spec.tenant if owner is not None else self._removed.get(deployment, "")
             s.add(_EventRow(at=at, kind=kind, subject=subject, message=message, deployment=deployment, tenant=tenant))
+        event = {"at": at, "kind": kind, "subject": subject, "message": message, "deployment": deployment,
+                 "tenant": tenant}  # fmt: skip
         for listener in self._listeners:
             try:
-                listener({"at": at, "kind": kind, "subject": subject, "message": message})
+                listener(event)
             except Exception:  # a failing subscriber must not fail the controller's step
                 log.exception("event listener failed")
 
@@ -177,25 +200,68 @@ class StateStore:
         """Call ``listener`` with every event stored from now on (``octacloud up`` logs them)."""
         self._listeners.append(listener)
 
-    def events(self, limit: int = 100, tenant: str | None = None) -> list[dict[str, object]]:
-        """The latest events, newest first; only those of ``tenant``'s deployments when it is given."""
+    def events(self, limit: int = 100, *, tenant: str | None = None) -> list[dict[str, object]]:
+        """The newest ``limit`` events, newest first; only ``tenant``'s when given."""
         with self._tx() as s:
-            q = select(_EventRow).order_by(_EventRow.id.desc()).limit(max(0, limit))
+            q = select(_EventRow)
             if tenant is not None:
                 q = q.where(_EventRow.tenant == tenant)
-            return [{"at": r.at, "kind": r.kind, "subject": r.subject, "message": r.message} for r in s.scalars(q)]
+            rows = s.scalars(q.order_by(_EventRow.id.desc()).limit(limit))
+            return [
+                {
+                    "at": r.at,
+                    "kind": r.kind,
+                    "subject": r.subject,
+                    "message": r.message,
+                    "deployment": r.deployment or "",
+                    "tenant": r.tenant or "",
+                }
+                for r in rows
+            ]
+
+    # ---- revisions ---------------------------------------------------------------------------------------
+
+    def add_revision(self, d: Deployment, at: float) -> int:
+        """Record ``d``'s spec as its deployment's next revision; returns the revision's number."""
+        with self._tx() as s:
+            last = s.scalars(
+                select(_RevisionRow.revision)
+                .where(_RevisionRow.deployment == d.spec.name)
+                .order_by(_RevisionRow.revision.desc())
+                .limit(1)
+            ).first()
+            number = (last or 0) + 1
+            s.add(
+                _RevisionRow(
+                    deployment=d.spec.name, revision=number, spec=json.dumps(asdict(d.spec)), octants=d.octants, at=at
+                )
+            )
+            return number
+
+    def revisions(self, name: str) -> list[tuple[int, DeploymentSpec, int, float]]:
+        """``(revision, spec, octants, at)`` of deployment ``name``, oldest first."""
+        with self._tx() as s:
+            rows = s.scalars(
+                select(_RevisionRow).where(_RevisionRow.deployment == name).order_by(_RevisionRow.revision)
+            )
+            return [(r.revision, DeploymentSpec(**json.loads(r.spec)), r.octants, r.at) for r in rows]
+
+    def delete_revisions(self, name: str) -> None:
+        with self._tx() as s:
+            for row in s.scalars(select(_RevisionRow).where(_RevisionRow.deployment == name)):
+                s.delete(row)
 
     def close(self) -> None:
         self.engine.dispose()
 
 
 def _add_missing_columns(engine: Engine) -> None:
-    """Columns added since a database was created (an older cloud's events carry no owner: admins see them)."""
+    """Bring a store written by an older octacloud up to date: columns added since are created, empty."""
     have = {c["name"] for c in inspect(engine).get_columns("events")}
-    with engine.begin() as conn:
-        for name, kind in (("deployment", "VARCHAR(64)"), ("tenant", "VARCHAR(32)")):
-            if name not in have:
-                conn.execute(text(f"ALTER TABLE events ADD COLUMN {name} {kind}"))
+    with engine.begin() as connection:
+        for column in ("deployment", "tenant"):
+            if column not in have:
+                connection.execute(text(f"ALTER TABLE events ADD COLUMN {column} VARCHAR(64) DEFAULT ''"))
 
 
 def _sqlite_pragmas(dbapi_connection: object, _record: object) -> None:
@@ -216,8 +282,11 @@ def _deployment(row: _DeploymentRow) -> Deployment:
     )
 
 
+_REPLICA_FIELDS = {f.name for f in fields(Replica)}
+
+
 def _replica(row: _ReplicaRow) -> Replica:
-    data = json.loads(row.data)
+    data = {k: v for k, v in json.loads(row.data).items() if k in _REPLICA_FIELDS}
     data["state"] = ReplicaState(data["state"])
     data["gpus"] = tuple(data["gpus"])
     return Replica(**data)

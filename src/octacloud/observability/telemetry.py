@@ -136,6 +136,7 @@ class TelemetrySampler:
         processes: ProcessReader = read_process,
         interval_s: float = 1.0,
         max_age_s: float | None = None,
+        on_readings: Callable[[list[dcgm.CardReading]], None] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"telemetry interval must be > 0 seconds, got {interval_s}")
@@ -149,6 +150,8 @@ class TelemetrySampler:
         self.processes = processes
         self.interval_s = interval_s
         self.max_age_s = max_age_s if max_age_s is not None else 3 * interval_s
+        self.on_readings = on_readings
+        """Called with every sample's raw NVML readings (their fresh XIDs, a lost GPU): the card-health watch."""
         self.latest: FleetSample | None = None
         self._previous: dict[str, _Previous] = {}
 
@@ -173,6 +176,11 @@ class TelemetrySampler:
         for r in replicas:
             sample.replicas[r.id] = self._replica(r, serving.get(r.id), now)
         self._attribute(sample, replicas, processes)
+        if readings and self.on_readings is not None:
+            try:
+                self.on_readings(readings)
+            except Exception:  # the watch must never cost the sample
+                log.exception("card readings handler failed")
         self._previous = {k: v for k, v in self._previous.items() if k in sample.replicas}
         on_card: dict[CardKey, list[ReplicaInfo]] = {}
         for r in replicas:

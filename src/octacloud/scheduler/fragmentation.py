@@ -24,7 +24,7 @@ import math
 import statistics
 from bisect import bisect_left, bisect_right
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -138,14 +138,6 @@ class TargetWorkload:
             tuple(int(statistics.median(memories[s])) for s, _ in chosen),
             tuple((milli, n / total) for milli, n in sorted(shares.items())),
         )
-
-    @classmethod
-    def from_weights(cls, weights: Mapping[WorkloadShape, float]) -> TargetWorkload:
-        """A workload from relative weights (normalised here)."""
-        total = math.fsum(weights.values())
-        if total <= 0:
-            raise InvalidSpecError("target workload: weights must sum to more than 0")
-        return cls(tuple(weights), tuple(w / total for w in weights.values()))
 
 
 @dataclass(slots=True)
@@ -273,7 +265,7 @@ class FragmentationTracker:
 
     def idle_gpu_milli(self) -> int:
         """Free milli-GPU on usable cards of the whole cluster."""
-        return sum(sum(sig[3]) for sig in self.state.signature)
+        return sum(sum(sig.free_gpu) for sig in self.state.signature)
 
     def rate(self) -> float:
         """Fragmentation as a share of idle GPU (0..1; 0 when nothing is idle)."""

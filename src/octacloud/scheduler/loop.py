@@ -56,6 +56,27 @@ class LoopSettings:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Start ``request`` on ``placement``; its room is free only once every replica named in ``after`` left."""
+
+    request: Request
+    placement: Placement
+    after: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Stop running ``victim`` (preempted by ``by``): it holds nothing in the state any more and is pending again."""
+
+    victim: Allocation
+    by: str
+
+
+PassOperation = Evict | Move | Start
+"""What a pass asks its caller to carry out."""
+
+
 @dataclass(slots=True)
 class PassReport:
     """What one pass did. ``placed`` maps a pending request's name to its placement."""
@@ -69,6 +90,8 @@ class PassReport:
     """Still unplaced after the pass, in priority order (victims included)."""
     seconds: float = 0.0
     """Wall time the pass took (measured with the injected timer)."""
+    operations: list[PassOperation] = field(default_factory=list)
+    """What the caller carries out, in order (see the module's docstring)."""
 
 
 def _shape(r: Request) -> tuple[object, ...]:
@@ -114,6 +137,7 @@ class ReevaluationLoop:
                 waiting.append(r)
             else:
                 report.placed[r.name] = decision.placement
+                report.operations.append(Start(decision.request, decision.placement))
         if s.preempt and waiting:
             waiting = self._preempt(waiting, report)
         if s.defragment and waiting and s.moves_per_pass > 0:
@@ -141,6 +165,9 @@ class ReevaluationLoop:
                 continue
             report.placed[r.name] = outcome.placement
             report.preempted.extend(outcome.victims)
+            report.operations.extend(Evict(v, r.name) for v in outcome.victims)
+            after = tuple(v.request.name for v in outcome.victims)
+            report.operations.append(Start(outcome.request, outcome.placement, after))
             victims.extend(v.request for v in outcome.victims)
         return sorted([*still, *victims], key=lambda r: -r.priority)
 
@@ -163,5 +190,8 @@ class ReevaluationLoop:
                 continue
             report.placed[r.name] = outcome.placement
             report.moves.extend(outcome.moves)
+            report.operations.extend(outcome.moves)
+            after = tuple(m.request.name for m in outcome.moves)
+            report.operations.append(Start(outcome.request, outcome.placement, after))
             budget -= len(outcome.moves)
         return still

@@ -9,7 +9,8 @@ re-queued with the lifetime they have left.
 
 from __future__ import annotations
 
-from octacloud.scheduler.loop import ReevaluationLoop
+from octacloud.scheduler.actions.defragment import Move
+from octacloud.scheduler.loop import Evict, PassReport, ReevaluationLoop, Start
 from octacloud.sim.churn import ChurnSimulation, Pending
 
 
@@ -21,18 +22,23 @@ class LoopHook:
         self.moves = 0
         self.moved_gpu_milli = 0
         self.pass_seconds = 0.0
+        self.last: PassReport | None = None
+        """The latest pass's report (its operations are what was carried out)."""
 
     def __call__(self, sim: ChurnSimulation) -> None:
         items = sim.take_pending()
         waiting = {item.request.name: item for item in items}
-        report = self.loop.run_pass(sim.now, [item.request for item in items])
-        for victim in report.preempted:
-            running = sim.running.pop(victim.request.name)  # already released by the preemption
-            waiting[victim.request.name] = Pending(running.request, max(running.departs - sim.now, 0.0), sim.now)
-        for name in report.placed:
-            item = waiting.pop(name)
-            sim.start_placed(item.request, item.lifetime, since=item.since)
+        report = self.last = self.loop.run_pass(sim.now, [item.request for item in items])
+        for op in report.operations:  # simulated time: a move, a stop and a start take no time
+            if isinstance(op, Evict):
+                running = sim.running.pop(op.victim.request.name)  # already released by the preemption
+                left = max(running.departs - sim.now, 0.0)
+                waiting[op.victim.request.name] = Pending(running.request, left, sim.now)
+            elif isinstance(op, Move):
+                self.moves += 1
+                self.moved_gpu_milli += op.request.total_gpu_milli
+            elif isinstance(op, Start):
+                item = waiting.pop(op.request.name)
+                sim.start_placed(item.request, item.lifetime, since=item.since)
         sim.pending.extend(waiting[r.name] for r in report.pending)
-        self.moves += len(report.moves)
-        self.moved_gpu_milli += sum(m.request.total_gpu_milli for m in report.moves)
         self.pass_seconds += report.seconds

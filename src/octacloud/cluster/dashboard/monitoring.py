@@ -22,7 +22,7 @@ from octacloud.cluster.fleet import CPU_CARD_MODEL
 from octacloud.core.clock import Clock
 from octacloud.core.model import Node
 from octacloud.metering import Ledger
-from octacloud.observability.dcgm import NvmlCards, open_nvml
+from octacloud.observability.dcgm import CardReading, NvmlCards, open_nvml
 from octacloud.observability.exporter import CloudCollector, Collector, cloud_registry
 from octacloud.observability.monitor import CloudMonitor
 from octacloud.observability.replicas import ReplicaInfo, ReplicaScraper
@@ -94,6 +94,7 @@ class CloudMonitoring:
         interval_s: float = 1.0,
         history_points: int = 900,
         replica_headers: dict[str, str] | None = None,
+        on_card_readings: Callable[[list[CardReading]], None] | None = None,
     ) -> None:
         self._controller = controller
         nvml_node = local_nvml_node(nodes)
@@ -107,6 +108,7 @@ class CloudMonitoring:
             cpu_card_model=CPU_CARD_MODEL,
             scraper=ReplicaScraper(timeout_s=1.0, headers=replica_headers),
             interval_s=interval_s,
+            on_readings=on_card_readings,
         )
         self.monitor = CloudMonitor(
             self._state,

@@ -16,12 +16,13 @@ if the request is then placed, otherwise the state is rolled back exactly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import combinations, islice
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Placement, Request
+from octacloud.scheduler.framework.index import NodeClasses
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import Allocation, ClusterState
 from octacloud.scheduler.framework.transaction import Operation, Transaction
@@ -73,10 +74,9 @@ def defragment(
     state = scheduler.state
     direct = scheduler.decide(request)
     if direct.placement is not None:
-        with Transaction(state) as tx:
+        with scheduler.transaction() as tx:
             tx.allocate(direct.request, direct.placement)
             operations = tx.commit()
-        scheduler.reserve(direct.request, direct.placement)
         return Defragmentation(direct.request, direct.placement, [], operations)
     if max_moves == 0:
         return None
@@ -86,7 +86,7 @@ def defragment(
         return (allow_pinned or not r.pinned) and (allow_higher_priority or r.priority <= request.priority)
 
     best: tuple[tuple[int, int, int], int, tuple[Allocation, ...]] | None = None
-    for target in _targets(state, request, movable, max_targets):
+    for target in _targets(state, request, movable, max_targets, scheduler.node_classes):
         movers = sorted(
             (a for a in state.on_node[target].values() if movable(a)),
             key=lambda a: (a.request.total_gpu_milli, a.request.cpu_milli, a.request.name),
@@ -103,25 +103,29 @@ def defragment(
     if best is None:
         return None
     _cost, target, movers_found = best
-    with Transaction(state) as tx:
+    with scheduler.transaction() as tx:
         moves = _apply_moves(scheduler, tx, movers_found, target)
         decision = scheduler.decide(request, [target]) if moves is not None else None
         if moves is None or decision is None or decision.placement is None:
             return None  # the context manager rolls back
         tx.allocate(decision.request, decision.placement)
         operations = tx.commit()
-    for move in moves:
-        scheduler.reserve(move.request, move.destination)
-    scheduler.reserve(decision.request, decision.placement)
     return Defragmentation(decision.request, decision.placement, moves, operations)
 
 
-def _targets(state: ClusterState, request: Request, movable: object, limit: int) -> list[int]:
+def _targets(
+    state: ClusterState, request: Request, movable: object, limit: int, classes: NodeClasses | None = None
+) -> list[int]:
     """Usable nodes whose capacity could host ``request`` once their movable replicas left, least missing first."""
     assert callable(movable)
     need_gpu = request.total_gpu_milli
-    ranked: list[tuple[int, int]] = []
-    for i, node in enumerate(state.nodes):
+    ranked = _by_missing(state, request) if classes is None else _by_missing_per_class(state, request, classes)
+    # Nodes come ranked by what they miss now (cheap); the movers of only as many as the limit needs are summed.
+    out: list[int] = []
+    for _missing, i in ranked:
+        if len(out) >= limit:
+            break
+        node = state.nodes[i]
         if not state.node_usable[i] or node.gpu_count < request.num_gpu:
             continue
         if request.num_gpu and not any(request.allows_model(g.model) for g in node.gpus):
@@ -132,19 +136,36 @@ def _targets(state: ClusterState, request: Request, movable: object, limit: int)
         mem = state.free_memory[i] + sum(r.memory_mib for r in movers)
         if not movers or gpu < need_gpu or cpu < request.cpu_milli or mem < request.memory_mib:
             continue
-        missing = max(0, need_gpu - state.free_gpu_milli(i)) + max(0, request.cpu_milli - state.free_cpu[i])
-        ranked.append((missing, i))
-    ranked.sort()
-    return [i for _missing, i in ranked[:limit]]
+        out.append(i)
+    return out
+
+
+def _missing(state: ClusterState, request: Request, i: int) -> int:
+    free_gpu = sum(state.signature[i][3])
+    return max(0, request.total_gpu_milli - free_gpu) + max(0, request.cpu_milli - state.free_cpu[i])
+
+
+def _by_missing(state: ClusterState, request: Request) -> Iterator[tuple[int, int]]:
+    """(milli the node misses now, node) for every node, in that order."""
+    return iter(sorted((_missing(state, request, i), i) for i in range(len(state))))
+
+
+def _by_missing_per_class(state: ClusterState, request: Request, classes: NodeClasses) -> Iterator[tuple[int, int]]:
+    """The same order as :func:`_by_missing`, computed once per class of equal nodes."""
+    levels: dict[int, list[int]] = {}
+    for cid in classes.nonempty:
+        levels.setdefault(_missing(state, request, classes.first(cid)), []).append(cid)
+    for missing in sorted(levels):
+        for i in sorted(i for cid in levels[missing] for i in classes.members(cid)):
+            yield missing, i
 
 
 def _first_working_set(
     scheduler: Scheduler, request: Request, target: int, movers: Sequence[Allocation], k: int, limit: int
 ) -> tuple[Allocation, ...] | None:
     """The first set of ``k`` movers (in order) whose moves all succeed and after which ``request`` fits."""
-    state = scheduler.state
     for chosen in islice(combinations(movers, k), limit):
-        with Transaction(state) as tx:
+        with scheduler.transaction() as tx:
             if _apply_moves(scheduler, tx, chosen, target) is None:
                 continue
             if scheduler.decide(request, [target]).placement is not None:
@@ -155,13 +176,11 @@ def _first_working_set(
 
 def _apply_moves(scheduler: Scheduler, tx: Transaction, movers: Sequence[Allocation], target: int) -> list[Move] | None:
     """Move each of ``movers`` off ``target``, make-before-break, inside ``tx``; ``None`` if one has no home."""
-    state = scheduler.state
-    others = [i for i in range(len(state)) if i != target]
     moves: list[Move] = []
     for allocation in movers:
         replica = allocation.request
         shadow = replace(replica, name=replica.name + SHADOW_SUFFIX)
-        decision = scheduler.decide(shadow, others)
+        decision = scheduler.decide(shadow, exclude=(target,))
         if decision.placement is None:
             return None
         tx.allocate(decision.request, decision.placement)  # reserve the destination: make ...

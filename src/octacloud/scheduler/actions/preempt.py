@@ -20,7 +20,7 @@ from itertools import combinations, islice
 from octacloud.core.model import Placement, Request
 from octacloud.scheduler.framework.runner import Decision, Scheduler
 from octacloud.scheduler.framework.state import Allocation
-from octacloud.scheduler.framework.transaction import Operation, Transaction
+from octacloud.scheduler.framework.transaction import Operation
 
 DEFAULT_MAX_VICTIMS = 8
 DEFAULT_MAX_SETS_PER_NODE = 512
@@ -73,14 +73,13 @@ def preempt(
     if best is None:
         return None
     _, node, victims = best
-    with Transaction(state) as tx:
+    with scheduler.transaction() as tx:
         evicted = [tx.evict(v.request.name) for v in victims]
         placed = scheduler.decide(request, [node])
         if placed.placement is None:  # cannot happen: the same check passed above; roll back to be safe
             return None
         tx.allocate(placed.request, placed.placement)
         operations = tx.commit()
-    scheduler.reserve(placed.request, placed.placement)
     return Preemption(placed.request, placed.placement, evicted, operations)
 
 
@@ -120,7 +119,7 @@ def _cost(victims: Sequence[Allocation], rank: int) -> _Cost:
 
 def _try(scheduler: Scheduler, request: Request, node: int, victims: Sequence[Allocation]) -> Decision | None:
     """Would ``request`` fit on ``node`` with ``victims`` gone? The state is restored before returning."""
-    with Transaction(scheduler.state) as tx:
+    with scheduler.transaction() as tx:
         for v in victims:
             tx.evict(v.request.name)
         decision = scheduler.decide(request, [node])

@@ -139,7 +139,8 @@ def min_max_normalize(scores: list[float]) -> list[float]:
     if high == low:
         return [MAX_NODE_SCORE] * len(scores)
     span = high - low
-    return [(s - low) * MAX_NODE_SCORE / span for s in scores]
+    # Clamped: (high - low) * 100 / (high - low) may round to just above 100 (e.g. 100.00000000000001).
+    return [min((s - low) * MAX_NODE_SCORE / span, MAX_NODE_SCORE) for s in scores]
 
 
 def identity_normalize(scores: list[float]) -> list[float]:

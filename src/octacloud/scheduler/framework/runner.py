@@ -4,14 +4,19 @@ The runner, not the plugins, normalises each scorer's scores to 0..100, range-ch
 profile's weights and breaks ties. Ties go to the node that comes first in the profile's node order: the
 authors of FGD broke ties by node name with a random per-run prefix, i.e. one random node priority order per
 run, and a seeded permutation reproduces that.
+
+When every filter and scorer of a cycle declares ``node_local`` (see ``index.py`` and docs/scheduler.md), the
+runner filters and scores one node per class of equal nodes — the member first in the node order — instead of
+every node: the scorers see the same set of values, so the same node wins with the same score, and the reasons
+count the same nodes. Otherwise (or with ``Scheduler(indexed=False)``) it visits every node.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence, Set
+from dataclasses import dataclass, field, fields
 
 from octacloud.core.model import Placement, Request
 from octacloud.core.units import MILLI_PER_GPU
@@ -27,7 +32,15 @@ from octacloud.scheduler.framework.api import (
     ReservePlugin,
     ScorePlugin,
 )
-from octacloud.scheduler.framework.state import ClusterState
+from octacloud.scheduler.framework.index import NodeClasses
+from octacloud.scheduler.framework.state import Allocation, ClusterState
+from octacloud.scheduler.framework.transaction import Transaction
+
+_REQUEST_FIELDS = tuple(f.name for f in fields(Request) if f.name != "name")
+"""What a filter may read of a request: every field but the name (the shape the index caches verdicts for)."""
+MAX_EXCLUDED = 64
+"""``decide(nodes=...)`` uses the index when ``nodes`` leaves out at most this many nodes."""
+_NONE_EXCLUDED: Set[int] = frozenset()
 
 
 class PluginError(RuntimeError):
@@ -98,7 +111,7 @@ class Profile:
 class Scheduler:
     """Places requests on a :class:`ClusterState` according to a :class:`Profile`."""
 
-    def __init__(self, state: ClusterState, profile: Profile) -> None:
+    def __init__(self, state: ClusterState, profile: Profile, *, indexed: bool = True) -> None:
         self.state = state
         self.profile = profile
         self._rng = random.Random(profile.seed)
@@ -108,10 +121,15 @@ class Scheduler:
         for rank, i in enumerate(order):
             self.tie_rank[i] = rank
         self._all_nodes = list(range(len(state)))
+        self.indexed = indexed
+        """Decide over node classes where the profile allows it (``False``: always visit every node)."""
+        self._classes: NodeClasses | None = None
 
-    def decide(self, request: Request, nodes: Sequence[int] | None = None) -> Decision:
+    def decide(
+        self, request: Request, nodes: Sequence[int] | None = None, *, exclude: Collection[int] = ()
+    ) -> Decision:
         """Choose a placement for ``request`` without committing it (``decision.request`` is what was scheduled,
-        after the profile's rewriters)."""
+        after the profile's rewriters), among ``nodes`` (default: all) except those in ``exclude``."""
         for rw in self.profile.rewriters:
             request = rw.rewrite(self.state, request)
         ctx = CycleContext(self.state, request)
@@ -123,18 +141,16 @@ class Scheduler:
                 return decision
             if status.code is Code.SKIP:
                 ctx.skipped.add(pf.name)
-        candidates: list[int] = self._all_nodes if nodes is None else list(nodes)
-        for flt in self.profile.filters:
-            if flt.name in ctx.skipped:
-                continue
-            kept = flt.filter(ctx, candidates)
-            if len(kept) != len(candidates):
-                decision.reasons[flt.name] = len(candidates) - len(kept)
-            candidates = kept
-            if not candidates:
-                return decision
+        excluded = self._excluded(ctx, nodes, exclude) if self.indexed else None
+        if excluded is not None:
+            candidates = self._feasible_representatives(ctx, decision, excluded)
+        else:
+            candidates = self._all_nodes if nodes is None else list(nodes)
+            if exclude:
+                left_out = set(exclude)
+                candidates = [i for i in candidates if i not in left_out]
+            candidates = self._feasible(ctx, decision, candidates)
         if not candidates:
-            decision.reasons["no nodes"] = 1
             return decision
         best, score = self._pick(ctx, candidates)
         cards = self._select_cards(ctx, best)
@@ -146,26 +162,133 @@ class Scheduler:
         decision.score = score
         return decision
 
-    def schedule(self, request: Request, nodes: Sequence[int] | None = None) -> Decision:
+    def schedule(
+        self, request: Request, nodes: Sequence[int] | None = None, *, exclude: Collection[int] = ()
+    ) -> Decision:
         """Choose a placement for ``request`` and commit it to the state when there is one."""
-        decision = self.decide(request, nodes)
+        decision = self.decide(request, nodes, exclude=exclude)
         if decision.placement is not None:
             self.commit(decision.request, decision.placement)
         return decision
 
+    def transaction(self) -> Transaction:
+        """A transaction on this scheduler's state that tells the profile's reserve plugins of every change."""
+        return Transaction(self.state, tuple(self.profile.reservers))
+
     def commit(self, request: Request, placement: Placement) -> None:
         """Allocate ``placement`` for ``request`` in the state and tell the reserve plugins."""
-        self.state.allocate(request, placement)
-        self.reserve(request, placement)
+        with self.transaction() as tx:
+            tx.allocate(request, placement)
+            tx.commit()
 
-    def reserve(self, request: Request, placement: Placement) -> None:
-        """Tell the reserve plugins about an allocation already made in the state (e.g. by a transaction)."""
-        ctx = CycleContext(self.state, request)
-        node = self.state.node_index(placement.node)
-        for r in self.profile.reservers:
-            r.reserve(ctx, node, placement.gpus)
+    def release(self, name: str) -> Allocation:
+        """Give back what request ``name`` holds and tell the reserve plugins (``unreserve``)."""
+        with self.transaction() as tx:
+            allocation = tx.evict(name)
+            tx.commit()
+        return allocation
 
     # ---- mechanism -------------------------------------------------------------------------------------
+
+    def _feasible(self, ctx: CycleContext, decision: Decision, candidates: list[int]) -> list[int]:
+        """The exhaustive path: every filter over every candidate node."""
+        for flt in self.profile.filters:
+            if flt.name in ctx.skipped:
+                continue
+            kept = flt.filter(ctx, candidates)
+            if len(kept) != len(candidates):
+                decision.reasons[flt.name] = len(candidates) - len(kept)
+            candidates = kept
+            if not candidates:
+                return candidates
+        if not candidates:
+            decision.reasons["no nodes"] = 1
+        return candidates
+
+    def _excluded(self, ctx: CycleContext, nodes: Sequence[int] | None, exclude: Collection[int]) -> Set[int] | None:
+        """The nodes this cycle leaves out when the indexed path applies to it, else ``None``.
+
+        It applies when the profile does not choose at random, every filter and scorer of the cycle declares
+        ``node_local``, and the cycle looks at every node but a few: ``nodes`` is ``None`` (or all nodes but
+        at most :data:`MAX_EXCLUDED`, each once) and ``exclude`` names at most that many.
+        """
+        profile = self.profile
+        if profile.random_choice or len(exclude) > MAX_EXCLUDED:
+            return None
+        skipped = ctx.skipped
+        for plugin in (*profile.filters, *(ws.plugin for ws in profile.scorers)):
+            if plugin.name not in skipped and getattr(plugin, "node_local", False) is not True:
+                return None
+        n = len(self.state)
+        if nodes is None:
+            if not exclude:
+                return _NONE_EXCLUDED
+            excluded = {i for i in exclude if 0 <= i < n}
+            return excluded if len(excluded) <= MAX_EXCLUDED else None
+        if len(nodes) < n - MAX_EXCLUDED:
+            return None
+        excluded = set(range(n))
+        excluded.difference_update(nodes)
+        if n - len(excluded) != len(nodes):  # a duplicate or an index out of range: the exhaustive path says so
+            return None
+        excluded.update(i for i in exclude if 0 <= i < n)
+        return excluded if len(excluded) <= MAX_EXCLUDED else None
+
+    def _feasible_representatives(self, ctx: CycleContext, decision: Decision, excluded: Set[int]) -> list[int]:
+        """The indexed path: one node per feasible class, the class member first in the node order.
+
+        Fills ``decision.reasons`` with the same counts as the exhaustive path.
+        """
+        classes = self.classes()
+        active = [flt for flt in self.profile.filters if flt.name not in ctx.skipped]
+        # The filters by identity: a profile whose filters are replaced gets verdicts of its own.
+        shape = (*(getattr(ctx.request, f) for f in _REQUEST_FIELDS), *((f.name, id(f)) for f in active))
+
+        def evaluate(cids: list[int]) -> dict[int, int]:
+            remaining = [classes.first(cid) for cid in cids]
+            verdict: dict[int, int] = {}
+            for k, flt in enumerate(active):
+                kept = flt.filter(ctx, remaining)
+                if len(kept) != len(remaining):
+                    keep = set(kept)
+                    for i in remaining:
+                        if i not in keep:
+                            verdict[classes.of[i]] = k
+                remaining = kept
+            for i in remaining:
+                verdict[classes.of[i]] = len(active)
+            return verdict
+
+        f = classes.feasibility(shape, len(active), evaluate)
+        dropped, feasible = f.dropped, f.feasible
+        if excluded:
+            dropped = list(dropped)
+            for i in excluded:
+                v = f.verdict[classes.of[i]]
+                if v < f.passes:
+                    dropped[v] -= 1
+        for k, flt in enumerate(active):
+            if dropped[k]:
+                decision.reasons[flt.name] = dropped[k]
+        top = classes.top
+        if excluded:
+            representatives = [first for cid in feasible if (first := classes.first_not_in(cid, excluded)) is not None]
+        else:
+            representatives = [t if (t := top[cid]) >= 0 else classes.first(cid) for cid in feasible]
+        if not representatives and not active:
+            decision.reasons["no nodes"] = 1
+        return representatives
+
+    @property
+    def node_classes(self) -> NodeClasses | None:
+        """The classes of equal nodes when a decision has built them (actions may rank nodes per class)."""
+        return self._classes
+
+    def classes(self) -> NodeClasses:
+        """The equivalence classes of the state's nodes in this scheduler's node order (built on first use)."""
+        if self._classes is None:
+            self._classes = NodeClasses(self.state, self.tie_rank)
+        return self._classes
 
     def _pick(self, ctx: CycleContext, candidates: list[int]) -> tuple[int, float]:
         rank = self.tie_rank
@@ -192,13 +315,16 @@ class Scheduler:
             weight = ws.weight
             if total is None:
                 total = [weight * s for s in normalized] if weight != 1 else list(normalized)
-            else:
+            elif weight:  # t + 0 × s is t: a weight-0 scorer is range-checked but adds nothing
                 total = [t + weight * s for t, s in zip(total, normalized, strict=True)]
         if total is None:
             return min(candidates, key=rank.__getitem__), 0.0
-        # Highest score; among equals, the node first in the run's order (C-level tuple comparison).
-        best_score, _neg_rank, best = max(zip(total, [-rank[c] for c in candidates], candidates, strict=True))
-        return best, best_score
+        # Highest score; among equals, the node first in the run's order.
+        best_score = max(total)
+        k = total.index(best_score)
+        if total.count(best_score) > 1:
+            k = min((j for j, t in enumerate(total) if t == best_score), key=lambda j: rank[candidates[j]])
+        return candidates[k], total[k]
 
     def _select_cards(self, ctx: CycleContext, node: int) -> tuple[int, ...] | None:
         for selector in self.profile.card_selectors:

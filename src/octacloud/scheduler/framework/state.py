@@ -14,15 +14,26 @@ GPU model score the same for the same request.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Health, Node, Placement, Request
 from octacloud.core.units import MILLI_PER_GPU
 
-NodeSignature = tuple[str, int, int, tuple[int, ...]]
-"""(GPU model, free CPU milli, free memory MiB, free milli-GPU per card in index order; 0 on failed cards)."""
+
+class NodeSignature(NamedTuple):
+    """What is free on a node, hashable: equal signatures (and GPU model) score the same for the same request."""
+
+    gpu_model: str
+    free_cpu: int
+    """Free CPU milli (0 on a node that is not healthy)."""
+    free_memory: int
+    """Free memory MiB (0 on a node that is not healthy)."""
+    free_gpu: tuple[int, ...]
+    """Free milli-GPU per card in index order; 0 on failed cards and nodes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +72,11 @@ class ClusterState:
         self._usable: list[bool] = [n.health is Health.HEALTHY for n in self.nodes]
         self.node_usable: Sequence[bool] = self._usable
         """Read-only view: ``node_usable[i]`` is :meth:`usable` ``(i)`` (for hot loops)."""
+        self._watchers: list[weakref.WeakMethod[Callable[[int], None]]] = []
+        self._free_by_model: dict[str, int] = {}
+        for sig in self.signature:
+            if sig[3]:
+                self._free_by_model[sig[0]] = self._free_by_model.get(sig[0], 0) + sum(sig[3])
 
     # ---- queries ---------------------------------------------------------------------------------------
 
@@ -82,10 +98,7 @@ class ClusterState:
 
     def free_gpu_milli(self, i: int) -> int:
         """Free milli-GPU on node ``i``'s usable cards."""
-        return sum(self.signature[i][3])
-
-    def fully_free_cards(self, i: int) -> list[int]:
-        return [g for g, free in enumerate(self.free_gpu[i]) if free == MILLI_PER_GPU and self.card_usable(i, g)]
+        return sum(self.signature[i].free_gpu)
 
     def utilisation(self) -> float:
         """Allocated share of all GPU capacity, 0..1."""
@@ -94,7 +107,18 @@ class ClusterState:
     def __iter__(self) -> Iterator[Allocation]:
         return iter(self.allocations.values())
 
+    def free_gpu_milli_by_model(self) -> Mapping[str, int]:
+        """Free milli-GPU on usable cards per GPU model (a node's cards count under its ``gpu_model``), kept as
+        the state changes: reading it costs nothing, unlike a walk over every node's signature. Every model of a
+        node with cards is a key, with 0 when nothing is free on it. Read-only: the state owns it."""
+        return self._free_by_model
+
     # ---- changes ---------------------------------------------------------------------------------------
+
+    def watch(self, callback: Callable[[int], None]) -> None:
+        """Call the bound method ``callback(i)`` after every change of node ``i`` (held weakly: a watcher that is
+        no longer referenced elsewhere stops being called). Indexes over the nodes keep themselves current so."""
+        self._watchers.append(weakref.WeakMethod(callback))
 
     def check_fits(self, request: Request, placement: Placement) -> None:
         """Raise :class:`InvalidSpecError` naming the first resource that ``placement`` would overrun."""
@@ -187,15 +211,33 @@ class ClusterState:
 
     def _changed(self, i: int) -> None:
         self.version[i] += 1
-        self.signature[i] = self._signature(i)
+        old = self.signature[i]
+        new = self.signature[i] = self._signature(i)
+        if old[3]:
+            self._free_by_model[old[0]] -= sum(old[3])
+        if new[3]:
+            self._free_by_model[new[0]] = self._free_by_model.get(new[0], 0) + sum(new[3])
+        if self._watchers:
+            self._notify(i)
+
+    def _notify(self, i: int) -> None:
+        dead = False
+        for ref in self._watchers:
+            callback = ref()
+            if callback is None:
+                dead = True
+            else:
+                callback(i)
+        if dead:
+            self._watchers = [ref for ref in self._watchers if ref() is not None]
 
     def _signature(self, i: int) -> NodeSignature:
         node = self.nodes[i]
         if node.health is not Health.HEALTHY:
-            return (node.gpu_model, 0, 0, (0,) * node.gpu_count)
+            return NodeSignature(node.gpu_model, 0, 0, (0,) * node.gpu_count)
         # A failed card offers nothing: it counts as full, so card indices stay aligned with the tuple.
         free = tuple(f if node.gpus[g].health is Health.HEALTHY else 0 for g, f in enumerate(self.free_gpu[i]))
-        return (node.gpu_model, self.free_cpu[i], self.free_memory[i], free)
+        return NodeSignature(node.gpu_model, self.free_cpu[i], self.free_memory[i], free)
 
 
 def _replace_node(node: Node, **changes: object) -> Node:

@@ -2,15 +2,20 @@
 
 Every disruptive change (preemption, defragmentation) goes through a transaction so that a plan which turns
 out not to work leaves the cluster exactly as it was. The transaction keeps an undo log of the operations it
-applied to the :class:`ClusterState`; rollback replays it backwards.
+applied to the :class:`ClusterState`; rollback replays it backwards. As KAI's statement fires its plugins'
+allocate and deallocate handlers, every allocate (and every undone evict) tells the reserve plugins
+``reserve``, and every evict (and every undone allocate) tells them ``unreserve``, so that their bookkeeping
+never drifts from the state, trial plans included.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from octacloud.core.model import Placement, Request
+from octacloud.scheduler.framework.api import CycleContext, ReservePlugin
 from octacloud.scheduler.framework.state import Allocation, ClusterState
 
 
@@ -31,19 +36,20 @@ class Transaction:
     """
 
     state: ClusterState
+    reservers: Sequence[ReservePlugin] = ()
+    """Told of every allocation made and given back (usually the scheduler profile's reserve plugins)."""
     log: list[Operation] = field(default_factory=list)
-    committed: bool = False
     closed: bool = False
 
     def allocate(self, request: Request, placement: Placement) -> Allocation:
         self._check_open()
-        allocation = self.state.allocate(request, placement)
+        allocation = self._allocate(request, placement)
         self.log.append(Operation("allocate", request, placement))
         return allocation
 
     def evict(self, name: str) -> Allocation:
         self._check_open()
-        allocation = self.state.release(name)
+        allocation = self._release(name)
         self.log.append(Operation("evict", allocation.request, allocation.placement))
         return allocation
 
@@ -64,16 +70,15 @@ class Transaction:
         while len(self.log) > to:
             op = self.log.pop()
             if op.kind == "allocate":
-                self.state.release(op.request.name)
+                self._release(op.request.name)
             else:
-                self.state.allocate(op.request, op.placement)
+                self._allocate(op.request, op.placement)
         if to == 0:
             self.closed = True
 
     def commit(self) -> list[Operation]:
         """Make the changes final and return them (for the caller to act on: stop, start, move replicas)."""
         self._check_open()
-        self.committed = True
         self.closed = True
         return list(self.log)
 
@@ -85,6 +90,20 @@ class Transaction:
             if op.kind == "evict" and op.request.name not in live:
                 out.append(Allocation(op.request, op.placement, self.state.node_index(op.placement.node)))
         return out
+
+    def _allocate(self, request: Request, placement: Placement) -> Allocation:
+        allocation = self.state.allocate(request, placement)
+        ctx = CycleContext(self.state, request)
+        for r in self.reservers:
+            r.reserve(ctx, allocation.node_index, placement.gpus)
+        return allocation
+
+    def _release(self, name: str) -> Allocation:
+        allocation = self.state.release(name)
+        ctx = CycleContext(self.state, allocation.request)
+        for r in self.reservers:
+            r.unreserve(ctx, allocation.node_index, allocation.placement.gpus)
+        return allocation
 
     def _check_open(self) -> None:
         if self.closed:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.scheduler.framework.api import CycleContext
 from octacloud.scheduler.plugins.dotprod import MAX_SPEC_CPU, MAX_SPEC_GPU
@@ -28,6 +29,9 @@ def integer_min_max(scores: list[float]) -> list[float]:
 
 @dataclass(slots=True)
 class BestFit:
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
+
     name: str = "bestfit"
 
     def score(self, ctx: CycleContext, nodes: Sequence[int]) -> list[float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from octacloud.core.model import Request
 from octacloud.core.units import MILLI_PER_GPU
@@ -28,6 +29,9 @@ def kind_of(request: Request) -> str:
 
 @dataclass(slots=True)
 class GpuClustering:
+    node_local: ClassVar[bool] = False
+    """Not node-local: its score depends on the kinds of requests already on the node (not in a node class)."""
+
     name: str = "gpu-clustering"
     _kinds: dict[int, tuple[int, frozenset[str]]] = field(default_factory=dict)
 
@@ -43,7 +47,7 @@ class GpuClustering:
             if cached is None or cached[0] != versions[i]:
                 cached = self._kinds[i] = (versions[i], self._node_kinds(ctx, i))
             kinds = cached[1]
-            fill = int(25 * (MAX_SPEC_GPU - sum(sigs[i][3])) / MAX_SPEC_GPU)  # Go truncates toward zero
+            fill = int(25 * (MAX_SPEC_GPU - sum(sigs[i].free_gpu)) / MAX_SPEC_GPU)  # Go truncates toward zero
             if kind in kinds:
                 out.append(float(fill + (75 if len(kinds) == 1 else 50)))
             else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.scheduler.framework.api import CycleContext, identity_normalize
 from octacloud.scheduler.registry import Args, PluginContext
@@ -21,6 +22,9 @@ MAX_SPEC_GPU = 8_000
 
 @dataclass(slots=True)
 class DotProduct:
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
+
     name: str = "dotprod"
 
     def score(self, ctx: CycleContext, nodes: Sequence[int]) -> list[float]:

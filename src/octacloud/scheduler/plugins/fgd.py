@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Request
@@ -36,6 +37,9 @@ def fgd_score(f_before: float, f_after: float) -> int:
 @dataclass(slots=True)
 class FragmentationGradient:
     """Score plugin and card selector: place where the workload's expected fragmentation grows least."""
+
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
 
     workload: TargetWorkload
     name: str = "fgd"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.core.model import Request
 from octacloud.core.units import MILLI_PER_GPU
@@ -15,7 +16,7 @@ from octacloud.scheduler.registry import Args, PluginContext
 def cards_that_fit(state: ClusterState, request: Request, node: int) -> list[int]:
     """Usable cards of ``node`` that can take one card's worth of ``request`` now (model, milli, memory)."""
     gpus = state.nodes[node].gpus
-    free = state.signature[node][3]  # 0 on failed cards and nodes
+    free = state.signature[node].free_gpu  # 0 on failed cards and nodes
     free_mem = state.free_gpu_memory[node]
     need = MILLI_PER_GPU if request.num_gpu > 1 else request.gpu_milli
     return [
@@ -45,6 +46,9 @@ class ResourceFit:
     """Keeps nodes where the request fits now. The fast path reads only the node signature; card memory,
     mixed-model nodes and GPU-model constraints take the exact per-card path."""
 
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
+
     name: str = "resource-fit"
 
     def filter(self, ctx: CycleContext, nodes: Sequence[int]) -> list[int]:
@@ -54,12 +58,20 @@ class ResourceFit:
         sigs = state.signature
         usable = state.node_usable
         if n == 0:
-            return [i for i in nodes if usable[i] and (s := sigs[i])[1] >= cpu and s[2] >= mem]
+            return [i for i in nodes if usable[i] and (s := sigs[i]).free_cpu >= cpu and s.free_memory >= mem]
         if r.gpu_memory_mib or r.gpu_models:
             return [i for i in nodes if node_fits(state, r, i)]
         if milli < MILLI_PER_GPU:
-            return [i for i in nodes if sigs[i][1] >= cpu and sigs[i][2] >= mem and max(sigs[i][3], default=0) >= milli]
-        return [i for i in nodes if sigs[i][1] >= cpu and sigs[i][2] >= mem and sigs[i][3].count(MILLI_PER_GPU) >= n]
+            return [
+                i
+                for i in nodes
+                if sigs[i].free_cpu >= cpu and sigs[i].free_memory >= mem and max(sigs[i].free_gpu, default=0) >= milli
+            ]
+        return [
+            i
+            for i in nodes
+            if sigs[i].free_cpu >= cpu and sigs[i].free_memory >= mem and sigs[i].free_gpu.count(MILLI_PER_GPU) >= n
+        ]
 
 
 def build(name: str, args: Args, ctx: PluginContext) -> ResourceFit:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.scheduler.framework.api import CycleContext, identity_normalize
 from octacloud.scheduler.registry import Args, PluginContext
@@ -18,6 +19,9 @@ RESOURCES = ("cpu", "memory", "gpu", "gpu_memory")
 
 @dataclass(slots=True)
 class FreeResource:
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
+
     resource: str = "cpu"
     prefer: str = "high"
     name: str = "free-resource"
@@ -32,7 +36,7 @@ class FreeResource:
             elif self.resource == "memory":
                 free, cap = state.free_memory[i] - r.memory_mib, node.memory_mib
             elif self.resource == "gpu":
-                free, cap = sum(state.signature[i][3]) - r.total_gpu_milli, node.gpu_milli
+                free, cap = sum(state.signature[i].free_gpu) - r.total_gpu_milli, node.gpu_milli
             else:
                 free = sum(state.free_gpu_memory[i]) - r.num_gpu * r.gpu_memory_mib
                 cap = sum(g.memory_mib for g in node.gpus)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.scheduler.framework.api import CycleContext, identity_normalize
 from octacloud.scheduler.registry import Args, PluginContext
@@ -15,6 +16,9 @@ from octacloud.scheduler.registry import Args, PluginContext
 
 @dataclass(slots=True)
 class GpuTypePolicy:
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
+
     allow: frozenset[str] = frozenset()
     """Models GPU work may use (empty: any)."""
     deny: frozenset[str] = frozenset()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.core.units import MAX_MODEL_MEMORY_PERCENT
 from octacloud.scheduler.framework.api import SUCCESS, Code, CycleContext, Status
@@ -14,6 +15,9 @@ from octacloud.scheduler.registry import Args, PluginContext
 class ModelMemoryLimit:
     """Keeps nodes with at least ``num_gpu`` cards whose ``percent`` % of memory holds the request's per-card
     GPU memory; rejects up front a request too big for every card of the fleet."""
+
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
 
     percent: int = MAX_MODEL_MEMORY_PERCENT
     name: str = "model-memory"

@@ -35,6 +35,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.units import MILLI_PER_GPU
@@ -58,6 +59,9 @@ DEFAULT_TOLERANCE = 50.0
 @dataclass(slots=True)
 class ConsolidatingFragmentation:
     """Score plugin and card selector: least growth of unusable idle GPU, consolidating among near-equal nodes."""
+
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
 
     workload: TargetWorkload
     name: str = "octacloud"

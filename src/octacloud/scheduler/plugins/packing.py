@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.core.units import MILLI_PER_GPU
 from octacloud.scheduler.framework.api import CycleContext, identity_normalize
@@ -39,6 +40,9 @@ def packing_score(free: tuple[int, ...], milli: int, count: int) -> int:
 
 @dataclass(slots=True)
 class GpuPacking:
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
+
     name: str = "gpu-packing"
 
     def score(self, ctx: CycleContext, nodes: Sequence[int]) -> list[float]:
@@ -46,7 +50,7 @@ class GpuPacking:
         if r.num_gpu == 0:
             return [0.0] * len(nodes)
         sigs = ctx.state.signature
-        return [float(packing_score(sigs[i][3], r.gpu_milli, r.num_gpu)) for i in nodes]
+        return [float(packing_score(sigs[i].free_gpu, r.gpu_milli, r.num_gpu)) for i in nodes]
 
     def normalize(self, ctx: CycleContext, scores: list[float]) -> list[float]:
         return identity_normalize(scores)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.scheduler.framework.api import CycleContext, identity_normalize
 from octacloud.scheduler.registry import Args, PluginContext
@@ -12,6 +13,9 @@ from octacloud.scheduler.registry import Args, PluginContext
 @dataclass(slots=True)
 class Spread:
     """Score 0..100: free share of the node's GPU capacity (of its CPU, for CPU-only requests)."""
+
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
 
     name: str = "spread"
 
@@ -22,9 +26,9 @@ class Spread:
         for i in nodes:
             node = all_nodes[i]
             if ctx.request.num_gpu and node.gpu_count:
-                out.append(100.0 * sum(sigs[i][3]) / node.gpu_milli)
+                out.append(100.0 * sum(sigs[i].free_gpu) / node.gpu_milli)
             else:
-                out.append(100.0 * sigs[i][1] / node.cpu_milli if node.cpu_milli else 0.0)
+                out.append(100.0 * sigs[i].free_cpu / node.cpu_milli if node.cpu_milli else 0.0)
         return out
 
     def normalize(self, ctx: CycleContext, scores: list[float]) -> list[float]:

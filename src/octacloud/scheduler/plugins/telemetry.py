@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.scheduler.framework.api import CycleContext, min_max_normalize
@@ -20,6 +21,9 @@ from octacloud.scheduler.telemetry import TelemetrySource
 
 @dataclass(slots=True)
 class TelemetryScore:
+    node_local: ClassVar[bool] = False
+    """Not node-local: its values are per node name, not per node state."""
+
     source: TelemetrySource
     metric: str
     prefer: str = "low"

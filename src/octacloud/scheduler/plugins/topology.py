@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from octacloud.core.units import MILLI_PER_GPU
 from octacloud.scheduler.framework.api import CycleContext, identity_normalize
@@ -20,7 +21,7 @@ from octacloud.scheduler.registry import Args, PluginContext
 
 def free_cards_by_group(ctx: CycleContext, node: int) -> dict[int | None, list[int]]:
     gpus = ctx.state.nodes[node].gpus
-    free = ctx.state.signature[node][3]
+    free = ctx.state.signature[node].free_gpu
     groups: dict[int | None, list[int]] = defaultdict(list)
     for g in cards_that_fit(ctx.state, ctx.request, node):
         if free[g] == MILLI_PER_GPU:
@@ -30,6 +31,9 @@ def free_cards_by_group(ctx: CycleContext, node: int) -> dict[int | None, list[i
 
 @dataclass(slots=True)
 class NvlinkTopology:
+    node_local: ClassVar[bool] = True
+    """Answers from the node's own spec and free capacity only (the runner may decide per node class)."""
+
     name: str = "nvlink-topology"
 
     def score(self, ctx: CycleContext, nodes: Sequence[int]) -> list[float]:
