@@ -1,27 +1,30 @@
-"""Gateway overhead: perf_analyzer through the octacloud gateway vs directly to the replica, in one run.
+"""Gateway overhead: load through the octacloud gateway vs directly to the replica, in one run.
 
-    .venv/bin/python bench/cloud.py [--model-dir DIR] [--seconds 2] [--concurrency 1 8]
+    .venv/bin/python bench/cloud.py [--model-dir DIR] [--seconds 3] [--concurrency 1 8] [--layout both]
 
 Starts ``octacloud up`` on a temporary state dir with a one-node CPU fleet, deploys the model (default: the
-seeded MLP 256→1024→1024→10, dynamic batching 2 ms, max batch 32) on a whole CPU card, then runs
-Triton's perf_analyzer (binary tensors) over HTTP and gRPC at each concurrency against the replica's own
-endpoint and against the gateway, and prints throughput, p50/p99 and the gateway/direct ratio.
-Goal (issue 6): ≤ 10 % throughput loss at concurrency 8.
+seeded MLP 256→1024→1024→10, dynamic batching 2 ms, max batch 32; without the ``onnx`` package the MLP of
+``$OCTACLOUD_MODELS``) on a whole CPU card, then measures at each concurrency against the replica's own
+endpoint and against the gateway, interleaved point by point, and prints throughput, p50/p99, the
+gateway/direct ratio, the 1-minute load average and the CPU each process spent per inference
+(``/proc/PID/stat`` over the point ÷ the inferences the replica counted).
+
+Clients: HTTP is Triton's perf_analyzer (binary tensors, ``-H "Authorization: Bearer <key>"``). perf_analyzer
+2.51 sends ``-H`` headers over HTTP only, so gRPC is driven by a small closed-loop load generator in its own
+process (``bench/loadgen.py``: ``grpc.aio``, pre-serialised requests, ``authorization`` metadata), for the
+direct and the gateway rows alike.
 
 Two CPU layouts, both measured by default (``--layout``):
 
-* ``shared``: every process (perf_analyzer, gateway, replica) may run on every core. On a small machine this
+* ``shared``: every process (client, gateway, replica) may run on every core. On a small machine this
   measures CPU contention as much as the gateway: each request through the gateway costs the gateway's CPU,
   taken from the replica and the load generator.
-* ``split`` (needs ≥ 2 cores): the gateway process on core 0, the replica and perf_analyzer on the other
+* ``split`` (needs ≥ 2 cores): the gateway process on core 0, the replica and the client on the other
   cores, in both the direct and the gateway run — as in production, where the gateway does not share the
   replica's cores. This measures what the gateway itself limits: its added latency and throughput cap.
 
-The gateway requires an API key (issue 8): the bench reads the admin key ``octacloud up`` wrote to
-``<state-dir>/admin.key`` and sends it as ``Authorization: Bearer`` (perf_analyzer ``-H``). perf_analyzer
-2.51 adds ``-H`` headers to HTTP requests only (no gRPC metadata), so gRPC through the gateway is measured
-only with ``--grpc-headers`` (a perf_analyzer that sends them as metadata); by default the gRPC rows show the
-replica alone.
+The gateway requires an API key: the bench reads the admin key ``octacloud up`` wrote to
+``<state-dir>/admin.key``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,9 +53,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+CONFIG = """name: "{name}"
+platform: "onnxruntime_onnx"
+max_batch_size: 32
+input [ {{ name: "{i}" data_type: TYPE_FP32 dims: [ {dim} ] }} ]
+output [ {{ name: "{o}" data_type: TYPE_FP32 dims: [ 10 ] }} ]
+dynamic_batching {{ max_queue_delay_microseconds: 2000 }}
+"""
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
 def build_mlp(repo: Path, name: str = "mlp") -> None:
+    """The seeded MLP; without the onnx package, a copy of ``$OCTACLOUD_MODELS/mlp`` with the same batching."""
+    try:
+        import onnx
+    except ImportError:
+        shipped = Path(os.environ.get("OCTACLOUD_MODELS", "models")) / "mlp" / "1" / "model.onnx"
+        if not shipped.exists():
+            raise SystemExit("building the MLP needs onnx (pip install onnx), or pass --model-dir") from None
+        print(f"(onnx is not installed: using {shipped})")
+        (repo / name / "1").mkdir(parents=True)
+        shutil.copy(shipped, repo / name / "1" / "model.onnx")
+        i, dims, o = io_of(repo / name / "1" / "model.onnx")
+        (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name, i=i, o=o, dim=dims[0]))
+        return
     import numpy as np
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(42)
@@ -84,12 +110,15 @@ def build_mlp(repo: Path, name: str = "mlp") -> None:
     model.ir_version = 8
     (repo / name / "1").mkdir(parents=True)
     onnx.save(model, str(repo / name / "1" / "model.onnx"))
-    (repo / name / "config.pbtxt").write_text(
-        f'name: "{name}"\nplatform: "onnxruntime_onnx"\nmax_batch_size: 32\n'
-        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 256 ] } ]\n'
-        'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 10 ] } ]\n'
-        "dynamic_batching { max_queue_delay_microseconds: 2000 }\n"
-    )
+    (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name, i="INPUT0", o="OUTPUT0", dim=256))
+
+
+def io_of(onnx_path: Path) -> tuple[str, list[int], str]:
+    import onnxruntime as ort
+
+    s = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    i, o = s.get_inputs()[0], s.get_outputs()[0]
+    return i.name, [d if isinstance(d, int) else 1 for d in i.shape[1:]], o.name
 
 
 def perf_analyzer_path() -> str:
@@ -109,25 +138,23 @@ def admin(url: str, key: str, method: str, path: str, body: dict[str, object] | 
 
 
 def run_pa(
-    pa: str,
-    model: str,
-    target: str,
-    protocol: str,
-    concurrency: int,
-    seconds: float,
-    shape: str,
-    key: str,
-    key_over_grpc: bool = False,
+    pa: str, model: str, target: str, concurrency: int, seconds: float, shape: str, key: str
 ) -> dict[str, float]:
+    """perf_analyzer over HTTP (binary tensors), retried once if unstable."""
     with tempfile.NamedTemporaryFile(suffix=".csv", delete=False) as f:
         out = f.name
     argv = [
-        pa, "-m", model, "-u", target, "-i", protocol, "--shape", shape, "--input-data", "random",
+        pa, "-m", model, "-u", target, "-i", "http", "--shape", shape, "--input-data", "random",
         "--concurrency-range", str(concurrency), "-p", str(int(seconds * 1000)), "-s", "50", "-r", "6", "-f", out,
+        "-H", f"Authorization:Bearer {key}",
     ]  # fmt: skip
-    if protocol == "http" or key_over_grpc:
-        argv += ["-H", f"Authorization:Bearer {key}"]
-    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=600)
+    for attempt in range(2):
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        if run.returncode == 0:
+            break
+        if attempt == 1:
+            print(f"  (perf_analyzer failed on {target}: {run.stdout.strip().splitlines()[-1:]})", flush=True)
+            return {"throughput": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
     with open(out) as fh:
         row = next(csv.DictReader(fh))
     os.unlink(out)
@@ -170,16 +197,55 @@ def place(layout: str, gateway_pid: int, replica_pid: int, cores: int) -> None:
     os.sched_setaffinity(0, rest)
 
 
+def run_loadgen(target: str, model: str, c: int, seconds: float, shape: str, key: str) -> dict[str, float]:
+    """bench/loadgen.py (closed loop of ``c`` calls with authorization metadata) in its own process."""
+    argv = [sys.executable, str(ROOT / "bench" / "loadgen.py"), target, model, shape, "--concurrency", str(c),
+            "--seconds", str(seconds), "--key", key]  # fmt: skip
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+        print(f"  (load generator failed on {target}: {run.stderr.strip().splitlines()[-1:]})", flush=True)
+        return {"throughput": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
+    result: dict[str, float] = json.loads(run.stdout)
+    return result
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads; not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * TICK_S
+
+
+def inferences(http_port: int, model: str) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/models/{model}/stats", timeout=10) as r:
+        return sum(int(s["inference_count"]) for s in json.loads(r.read())["model_stats"])
+
+
+def measure(
+    protocol: str, target: str, c: int, args: argparse.Namespace, model: str, shape: str, key: str, pa: str,
+    pids: dict[str, int], replica_http: int,
+) -> dict[str, Any]:  # fmt: skip
+    load = os.getloadavg()[0]
+    cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+    n0 = inferences(replica_http, model)
+    if protocol == "http":
+        res: dict[str, Any] = run_pa(pa, model, target, c, args.seconds, shape, key)
+    else:
+        res = run_loadgen(target, model, c, args.seconds, shape, key)
+    n = max(1, inferences(replica_http, model) - n0)
+    res["load"] = load
+    for k, p in pids.items():
+        res[f"{k}_us"] = (cpu_s(p) - cpu0[k]) / n * 1e6
+    return res
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, help="A Triton-layout model folder to use instead of the MLP.")
-    parser.add_argument("--shape", default="INPUT0:256", help="perf_analyzer --shape for the model's input.")
-    parser.add_argument("--seconds", type=float, default=2.0, help="perf_analyzer measurement window.")
+    parser.add_argument("--shape", help="the model's input as NAME:DIMS (default: read from the model).")
+    parser.add_argument("--seconds", type=float, default=3.0, help="measurement window per point.")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--layout", choices=["shared", "split", "both"], default="both", help="CPU layouts to run.")
-    parser.add_argument(
-        "--grpc-headers", action="store_true", help="perf_analyzer sends -H as gRPC metadata: measure gRPC too."
-    )
+    parser.add_argument("--protocols", nargs="+", default=["http", "grpc"], choices=["http", "grpc"])
     args = parser.parse_args()
 
     pa = perf_analyzer_path()
@@ -192,6 +258,10 @@ def main() -> None:
     else:
         build_mlp(repo)
         model = "mlp"
+    if args.shape is None:
+        onnx_file = next((repo / model).glob("*/model.onnx"))
+        name, dims, _ = io_of(onnx_file)
+        args.shape = f"{name}:{','.join(map(str, dims))}"
     cores = os.cpu_count() or 1
     fleet = work / "fleet.yaml"
     fleet.write_text(
@@ -225,7 +295,7 @@ def main() -> None:
         replica: dict[str, object] = {}
         while not replica:
             d = admin(url, key, "GET", f"/deployments/{model}")
-            ready = [r for r in d["instances"] if r["state"] == "ready"]  # type: ignore[union-attr, index]
+            ready = [r for r in d["instances"] if r["state"] == "ready"]  # type: ignore[union-attr, index, attr-defined]
             if ready:
                 replica = ready[0]
             elif time.monotonic() > deadline + 60:
@@ -238,33 +308,42 @@ def main() -> None:
             layouts.remove("split")
         replica_pid = find_replica_pid(int(replica["http_port"]))  # type: ignore[call-overload]
         rows = []
+        pids = {"gateway": up.pid, "replica": replica_pid}
+        replica_http = int(replica["http_port"])  # type: ignore[call-overload]
         for layout in layouts:
             place(layout, up.pid, replica_pid, cores)
-            for protocol in ("http", "grpc"):
+            for protocol in args.protocols:
                 direct = f"127.0.0.1:{replica['http_port' if protocol == 'http' else 'grpc_port']}"
                 gateway = f"127.0.0.1:{http_port if protocol == 'http' else grpc_port}"
-                for c in args.concurrency:
-                    d_res = run_pa(pa, model, direct, protocol, c, args.seconds, args.shape, key)
-                    if protocol == "grpc" and not args.grpc_headers:
-                        g_res = {"throughput": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
-                    else:
-                        g_res = run_pa(
-                            pa, model, gateway, protocol, c, args.seconds, args.shape, key, args.grpc_headers
+                for i, c in enumerate(args.concurrency):
+                    res = {}
+                    order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
+                    for where in order:  # interleaved, the order alternating, so that load drift hits both
+                        target = direct if where == "direct" else gateway
+                        res[where] = measure(protocol, target, c, args, model, args.shape, key, pa, pids, replica_http)
+                        r = res[where]
+                        print(
+                            f"  {layout:6} {protocol:4} c={c} {where:7}: {r['throughput']:7.0f} infer/s  "
+                            f"p50 {r['p50_ms']:6.2f}  p99 {r['p99_ms']:6.2f} ms  gateway {r['gateway_us']:4.0f} "
+                            f"replica {r['replica_us']:4.0f} us/inf  load {r['load']:4.1f}",
+                            flush=True,
                         )
-                    rows.append((layout, protocol, c, d_res, g_res))
+                    rows.append((layout, protocol, c, res["direct"], res["gateway"]))
             place("shared", up.pid, replica_pid, cores)
-        print(f"\n{'layout':6} {'protocol':8} {'conc':>4}  {'direct inf/s':>12} {'p50':>7} {'p99':>7}  "
-              f"{'gateway inf/s':>13} {'p50':>7} {'p99':>7}  {'gw/direct':>9}")  # fmt: skip
+        print(f"\nload now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(f"{'layout':6} {'protocol':8} {'conc':>4}  {'direct inf/s':>12} {'p50':>7} {'p99':>7}  "
+              f"{'gateway inf/s':>13} {'p50':>7} {'p99':>7}  {'gw/direct':>9}  {'gw cpu us/inf':>13}")  # fmt: skip
         for layout, protocol, c, d_res, g_res in rows:
             print(
                 f"{layout:6} {protocol:8} {c:>4}  {d_res['throughput']:>12.1f} {d_res['p50_ms']:>7.2f} "
                 f"{d_res['p99_ms']:>7.2f}  {g_res['throughput']:>13.1f} {g_res['p50_ms']:>7.2f} "
-                f"{g_res['p99_ms']:>7.2f}  {g_res['throughput'] / d_res['throughput']:>9.3f}"
+                f"{g_res['p99_ms']:>7.2f}  {g_res['throughput'] / d_res['throughput']:>9.3f}  "
+                f"{g_res['gateway_us']:>13.0f}"
             )
         print("\n(latencies in ms; gw/direct is the gateway's throughput as a share of the direct replica's;")
-        print(" shared: all processes on all cores; split: gateway on core 0, replica and perf_analyzer on the rest)")
-        if not args.grpc_headers:
-            print("(gRPC through the gateway: not measured, perf_analyzer 2.51 sends -H headers over HTTP only)")
+        print(" gw cpu: the gateway process's CPU per inference through it;")
+        print(" shared: all processes on all cores; split: gateway on core 0, replica and client on the rest;")
+        print(" HTTP: perf_analyzer; gRPC: this script's grpc.aio load generator, which sends authorization metadata)")
     finally:
         try:
             admin(url, key, "DELETE", f"/deployments/{model}")  # stops the replica; its slice returns to the pool

@@ -140,3 +140,71 @@ async def test_a_cancelled_request_does_not_block_the_others() -> None:
     await first
     assert runner.batches == [1, 1]
     await b.close()
+
+
+async def test_beyond_max_pending_requests_are_refused_at_once_and_the_admitted_ones_stay_fast() -> None:
+    runner = Runner(delay=0.01)
+    b = DynamicBatcher(BatchingSettings(max_batch_size=4, max_queue_delay_us=0, max_pending=8), runner)
+    b.start()
+    outcomes = await asyncio.gather(*(b.submit(rows(i, 1)) for i in range(40)), return_exceptions=True)
+    refused = [o for o in outcomes if isinstance(o, QueueFullError)]
+    served = [o for o in outcomes if isinstance(o, dict)]
+    assert len(served) + len(refused) == 40
+    assert 8 <= len(served) <= 12 and refused  # the queue held 8, plus what was already running
+    assert "octacloud.max_pending" in str(refused[0]) and "retry later" in str(refused[0])
+    assert len(runner.batches) <= 4  # the admitted requests waited a few batches, not ten
+    await b.close()
+
+
+def test_max_pending_default_and_parameter() -> None:
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    from octacloud.serving.errors import ModelConfigError
+
+    config = mc.ModelConfig(max_batch_size=32)
+    config.dynamic_batching.SetInParent()
+    assert BatchingSettings.from_config(config).max_pending == 256
+    assert BatchingSettings.from_config(mc.ModelConfig(max_batch_size=0)).max_pending == 64
+    config.parameters["octacloud.max_pending"].string_value = "0"
+    assert BatchingSettings.from_config(config).max_pending == 0  # unbounded
+    config.parameters["octacloud.max_pending"].string_value = "many"
+    with pytest.raises(ModelConfigError, match="octacloud.max_pending"):
+        BatchingSettings.from_config(config)
+
+
+async def test_while_the_oldest_request_waited_too_long_new_ones_are_refused() -> None:
+    runner = Runner(delay=0.02)  # 50 batches/s at most; requests arrive at 200/s
+    settings = BatchingSettings(max_batch_size=1, max_queue_delay_us=0, max_pending=0, max_queue_wait_us=60_000)
+    b = DynamicBatcher(settings, runner)
+    b.start()
+    loop = asyncio.get_running_loop()
+    waits: list[float] = []
+    refused: list[QueueFullError] = []
+
+    async def one(i: int) -> None:
+        t0 = loop.time()
+        try:
+            await b.submit(rows(i, 1))
+        except QueueFullError as e:
+            refused.append(e)
+            return
+        waits.append(loop.time() - t0)
+
+    tasks = []
+    for i in range(80):
+        tasks.append(asyncio.ensure_future(one(i)))
+        await asyncio.sleep(0.005)
+    await asyncio.gather(*tasks)
+    assert refused and waits
+    assert "is overloaded" in str(refused[0]) and "octacloud.max_queue_wait_us" in str(refused[0])
+    assert max(waits) < 0.5  # without the bound the last admitted would wait ~1.2 s
+    await b.close()
+
+
+def test_refusal_wait_default_and_overrides() -> None:
+    auto = BatchingSettings(max_batch_size=8, max_queue_delay_us=2000)
+    assert auto.refuse_after_s(0.001) == pytest.approx(0.05)  # the floor
+    assert auto.refuse_after_s(0.1) == pytest.approx(0.4)  # four batches of a slow model
+    assert BatchingSettings(max_batch_size=8, max_queue_delay_us=20_000).refuse_after_s(0) == pytest.approx(0.2)
+    assert BatchingSettings(max_queue_wait_us=0).refuse_after_s(1.0) is None
+    assert BatchingSettings(max_queue_wait_us=7000).refuse_after_s(1.0) == pytest.approx(0.007)

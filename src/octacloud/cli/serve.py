@@ -23,6 +23,7 @@ def serve(
     threads: int = typer.Option(0, help="CPU threads for inference (0: $OCTACLOUD_THREADS or every core)."),
     poll_seconds: float = typer.Option(15.0, help="Repository poll interval in poll mode."),
     max_body_mb: int = typer.Option(64, help="Largest request body (MiB) over REST and gRPC."),
+    grpc_server: str = typer.Option("h2", help="h2: octacloud's HTTP/2 gRPC server (leanest); aio: grpc.aio."),
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Serve the models of REPOSITORY over the Open Inference Protocol (REST and gRPC), as Triton does."""
@@ -33,6 +34,8 @@ def serve(
         mode = ControlMode(model_control_mode)
     except ValueError:
         raise typer.BadParameter(f"must be none, poll or explicit, got {model_control_mode!r}") from None
+    if grpc_server not in ("h2", "aio"):
+        raise typer.BadParameter(f"must be h2 or aio, got {grpc_server!r}", param_hint="--grpc-server")
     if not repository.is_dir():
         raise typer.BadParameter(f"{repository} is not a directory", param_hint="--repository")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -51,6 +54,7 @@ def serve(
         threads=threads or None,
         poll_interval_s=poll_seconds,
         max_body_bytes=max_body_mb * 2**20,
+        grpc_server=grpc_server,
     )
     try:
         run(settings)

@@ -1,5 +1,5 @@
-"""One replica server: REST (uvicorn), gRPC (grpc.aio) and Prometheus metrics over one DataPlane, in one
-process and one event loop. Binds 127.0.0.1 unless told otherwise; port 0 picks a free port.
+"""One replica server: REST (uvicorn), gRPC (octacloud's HTTP/2 server, or grpc.aio) and Prometheus metrics
+over one DataPlane, in one process and one event loop. Binds 127.0.0.1 unless told otherwise; port 0 picks a free port.
 
 In-process (tests, the gateway's replicas)::
 
@@ -39,6 +39,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from octacloud.observability.serving import serving_registry
 from octacloud.protocols.grpc import add_to_server
+from octacloud.protocols.grpc.h2 import GrpcServer
 from octacloud.protocols.internal import (
     RequireSecret,
     SecretInterceptor,
@@ -47,6 +48,7 @@ from octacloud.protocols.internal import (
     wsgi_requiring_secret,
 )
 from octacloud.protocols.rest.app import DEFAULT_MAX_BODY_BYTES, RestApp
+from octacloud.protocols.rest.h1 import OneWriteHttpToolsProtocol
 from octacloud.serving import ControlMode, DataPlane, ModelRepository, RuntimeFactory, VersionStats
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,9 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     poll_interval_s: float = 15.0
     grpc_grace_s: float = 5.0
+    grpc_server: str = "h2"
+    """``h2``: octacloud's HTTP/2 server on the event loop (:mod:`octacloud.protocols.grpc.h2`); ``aio``:
+    ``grpc.aio``."""
     runtimes: Mapping[str, RuntimeFactory] | None = field(default=None)
     internal_secret_file: Path | None = field(default_factory=secret_file_from_env)
     """The cloud's internal secret (default: ``$OCTACLOUD_INTERNAL_SECRET_FILE``); None: open endpoints."""
@@ -140,6 +145,7 @@ class ReplicaServer:
         self._uvicorn: _Uvicorn | None = None
         self._uvicorn_task: asyncio.Task[None] | None = None
         self._grpc: grpc.aio.Server | None = None
+        self._grpc_h2: GrpcServer | None = None
         self._metrics: Any = None
         self._metrics_thread: threading.Thread | None = None
 
@@ -162,7 +168,9 @@ class ReplicaServer:
                 rest: Any = RestApp(self.dataplane, s.max_body_bytes)
                 config = uvicorn.Config(
                     rest if self.secret is None else RequireSecret(rest, self.secret),
-                    http="httptools",
+                    http=OneWriteHttpToolsProtocol,
+                    proxy_headers=False,  # replicas are reached directly or through the gateway
+                    server_header=False,
                     lifespan="off",
                     log_level="warning",
                     access_log=False,
@@ -178,21 +186,7 @@ class ReplicaServer:
                         raise RuntimeError("the HTTP server stopped while starting")
                     await asyncio.sleep(0.005)
             if s.grpc_port is not None:
-                limit = s.max_body_bytes
-                self._grpc = grpc.aio.server(
-                    interceptors=[SecretInterceptor(self.secret)] if self.secret is not None else [],
-                    options=[
-                        ("grpc.max_receive_message_length", limit),
-                        ("grpc.max_send_message_length", 2**31 - 1),
-                        ("grpc.so_reuseport", 0),
-                    ],
-                )
-                add_to_server(self.dataplane, self._grpc)
-                try:
-                    self.grpc_port = self._grpc.add_insecure_port(f"{s.host}:{s.grpc_port}")
-                except RuntimeError:  # grpc says only that it failed
-                    raise OSError(f"cannot bind the gRPC port {s.host}:{s.grpc_port} (in use?)") from None
-                await self._grpc.start()
+                await self._start_grpc()
             if s.metrics_port is not None:
                 metrics: Any = make_wsgi_app(serving_registry(self._stats))
                 if self.secret is not None:
@@ -214,6 +208,30 @@ class ReplicaServer:
             self.metrics_port,
         )
 
+    async def _start_grpc(self) -> None:
+        s = self.settings
+        assert s.grpc_port is not None
+        options = [
+            ("grpc.max_receive_message_length", s.max_body_bytes),
+            ("grpc.max_send_message_length", 2**31 - 1),
+            ("grpc.so_reuseport", 0),
+        ]
+        if s.grpc_server == "h2":
+            self._grpc_h2 = GrpcServer(self.dataplane, max_message_bytes=s.max_body_bytes, secret=self.secret)
+            self.grpc_port = await self._grpc_h2.start(s.host, s.grpc_port)
+            return
+        if s.grpc_server != "aio":
+            raise ValueError(f"grpc_server must be h2 or aio, got {s.grpc_server!r}")
+        server = self._grpc = grpc.aio.server(
+            interceptors=[SecretInterceptor(self.secret)] if self.secret is not None else [], options=options
+        )
+        add_to_server(self.dataplane, server)
+        try:
+            self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+        except RuntimeError:  # grpc says only that it failed
+            raise OSError(f"cannot bind the gRPC port {s.host}:{s.grpc_port} (in use?)") from None
+        await server.start()
+
     def _stats(self) -> Iterable[VersionStats]:
         for _ in range(3):  # the metrics thread reads while the loop may change the set of models
             try:
@@ -228,6 +246,9 @@ class ReplicaServer:
         if self._grpc is not None:
             await self._grpc.stop(self.settings.grpc_grace_s)
             self._grpc = None
+        if self._grpc_h2 is not None:
+            await self._grpc_h2.stop(self.settings.grpc_grace_s)
+            self._grpc_h2 = None
         if self._uvicorn is not None and self._uvicorn_task is not None:
             self._uvicorn.should_exit = True
             with contextlib.suppress(Exception):

@@ -19,6 +19,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from octacloud.core.clock import Clock
 from octacloud.serving.batching.batcher import Arrays, DynamicBatcher
+from octacloud.serving.batching.handoff import BatchHandoff
 from octacloud.serving.batching.policy import BatchingSettings
 from octacloud.serving.classification import load_labels
 from octacloud.serving.errors import ModelConfigError, ModelNotReadyError
@@ -95,6 +96,7 @@ class ModelVersion:
         self.max_batch_size = int(config.max_batch_size)
         instances = sum(g.count for g in config.instance_group) or 1
         self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix=f"model-{name}")
+        self._handoff = BatchHandoff(self._executor, instances)
         self._probe = probe or default_probe(runtime.device)
         self.bytes_per_sample = int_parameter(config, PARAM_BYTES_PER_SAMPLE) or 0
         self._cap_value = max(1, self.max_batch_size)
@@ -182,8 +184,7 @@ class ModelVersion:
         return await self.batcher.submit(inputs, rows, priority=priority, timeout_us=timeout_us)
 
     async def _run(self, inputs: Arrays) -> dict[str, npt.NDArray[Any]]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.runtime.run, inputs, self.output_names)
+        return await self._handoff.run(lambda: self.runtime.run(inputs, self.output_names))
 
     def _cap(self) -> int:
         """min(max_batch_size, floor(free memory / bytes per sample)), refreshed at most once a second."""

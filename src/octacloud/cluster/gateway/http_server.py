@@ -17,9 +17,8 @@ import asyncio
 import resource
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
 from octacloud.cluster.gateway.limits import GatewayLimits
+from octacloud.protocols.rest.h1 import OneWriteHttpToolsProtocol
 
 _TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 FD_RESERVE = 512
@@ -38,7 +37,7 @@ def bounded_protocol(limits: GatewayLimits) -> type[asyncio.Protocol]:
     """A uvicorn ``http`` protocol class enforcing ``limits``' connection count and header time."""
     cap = connection_cap(limits)
 
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    class BoundedHttpToolsProtocol(OneWriteHttpToolsProtocol):  # each response in one write
         _header_timer: asyncio.TimerHandle | None = None
         _header_bytes = 0
         """Bytes received since the current request began, while its headers are incomplete."""

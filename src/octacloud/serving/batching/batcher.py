@@ -70,6 +70,7 @@ class DynamicBatcher:
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
         self._timed = False  # some request ever had a deadline: check timeouts even while busy
+        self._batch_s = 0.0  # mean compute time of a batch (exponentially weighted)
 
     @property
     def pending(self) -> int:
@@ -107,6 +108,11 @@ class DynamicBatcher:
     ) -> asyncio.Future[dict[str, npt.NDArray[Any]]]:
         s = self.settings
         level = s.level_of(priority)
+        if s.max_pending and len(self._queue) >= s.max_pending:
+            raise QueueFullError(
+                f"model {self.name!r} has {len(self._queue)} requests waiting, the most it queues "
+                f"(parameter octacloud.max_pending); retry later"
+            )
         limit = s.queue_policy(level).max_queue_size
         if limit and self._counts.get(level, 0) >= limit:
             raise QueueFullError(
@@ -114,6 +120,14 @@ class DynamicBatcher:
                 f"(max_queue_size {limit}); retry later"
             )
         now = self._clock.monotonic()
+        if len(self._queue) >= self.cap:  # more than a batch waits: a stalled loop alone refuses no one
+            limit_s = s.refuse_after_s(self._batch_s)
+            waited = now - self._queue[0].arrival
+            if limit_s is not None and waited > limit_s:
+                raise QueueFullError(
+                    f"model {self.name!r} is overloaded: its oldest waiting request has waited {waited * 1e3:.0f} ms, "
+                    f"more than {limit_s * 1e3:.0f} ms (parameter octacloud.max_queue_wait_us); retry later"
+                )
         deadline, reject = s.deadline_of(now, level, timeout_us)
         future: asyncio.Future[dict[str, npt.NDArray[Any]]] = asyncio.get_running_loop().create_future()
         self._queue.append(_Item(now, rows, level, deadline, reject, inputs, future, time.perf_counter_ns()))
@@ -202,6 +216,7 @@ class DynamicBatcher:
             t1 = time.perf_counter_ns()
             outputs = await self._runner(inputs)
             t2 = time.perf_counter_ns()
+            self._batch_s += 0.1 * ((t2 - t1) / 1e9 - self._batch_s)
             if len(batch) == 1:
                 parts = [outputs]
             else:

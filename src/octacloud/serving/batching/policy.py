@@ -18,8 +18,23 @@ from dataclasses import dataclass, field
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from octacloud.serving.errors import ModelConfigError
+from octacloud.serving.repository.config import int_parameter
+
 MERGE_AFTER = 4
 """Dispatch once this many requests wait (the design: 'more than 3')."""
+PENDING_PARAMETER = "octacloud.max_pending"
+PENDING_PER_BATCH = 8
+MIN_PENDING = 64
+"""Unless the config's ``octacloud.max_pending`` parameter says otherwise (0: unbounded), a model queues at
+most max(64, 8 × max_batch_size) requests; more are refused at once (503 / UNAVAILABLE, "retry later"). Under
+open-loop load beyond capacity the queue, and with it the latency of every admitted request, then stays
+bounded (about eight batches' worth) instead of growing until clients time out."""
+WAIT_PARAMETER = "octacloud.max_queue_wait_us"
+MIN_QUEUE_WAIT_S = 0.05
+"""New requests are also refused while a full batch or more waits and the oldest has waited longer than the config's
+``octacloud.max_queue_wait_us`` (0: never), by default max(50 ms, 10 × max_queue_delay, 4 × the mean compute
+time of a batch): the queue holds more work than the model gets through, so what is admitted stays fast."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +71,37 @@ class BatchingSettings:
     isolate_requests: bool = False
     """Never put two requests in one batch: for models whose rows are coupled within a batch (dynamic
     quantization's per-batch activation scale), so one request's results never depend on another's."""
+    max_pending: int = 0
+    """The most requests (chunks) waiting at once, over all levels; 0: unbounded."""
+    max_queue_wait_us: int | None = None
+    """Refuse new requests while the oldest has waited longer; None: automatic (see MIN_QUEUE_WAIT_S); 0: never."""
+
+    def refuse_after_s(self, batch_s: float) -> float | None:
+        """How long the oldest waiting request may have waited before new ones are refused (None: never),
+        given the mean compute time of a batch."""
+        if self.max_queue_wait_us is not None:
+            return self.max_queue_wait_us / 1e6 if self.max_queue_wait_us > 0 else None
+        return max(MIN_QUEUE_WAIT_S, 10 * self.max_queue_delay_us / 1e6, 4 * batch_s)
 
     @classmethod
     def from_config(cls, config: mc.ModelConfig) -> BatchingSettings:
+        given = int_parameter(config, PENDING_PARAMETER)
+        if given is not None and given < 0:
+            raise ModelConfigError(f"parameter {PENDING_PARAMETER} must be >= 0 (0: unbounded), got {given}")
+        pending = given if given is not None else max(MIN_PENDING, PENDING_PER_BATCH * max(0, config.max_batch_size))
+        wait = int_parameter(config, WAIT_PARAMETER)
         if config.max_batch_size <= 0 or not config.HasField("dynamic_batching"):
-            return cls(max_batch_size=max(0, config.max_batch_size), max_queue_delay_us=0, merge_after=1)
+            return cls(
+                max_batch_size=max(0, config.max_batch_size),
+                max_queue_delay_us=0,
+                merge_after=1,
+                max_pending=pending,
+                max_queue_wait_us=wait,
+            )
         db = config.dynamic_batching
         return cls(
+            max_pending=pending,
+            max_queue_wait_us=wait,
             max_batch_size=config.max_batch_size,
             preferred_batch_sizes=tuple(sorted(db.preferred_batch_size)),
             max_queue_delay_us=db.max_queue_delay_microseconds,

@@ -1,0 +1,637 @@
+"""gRPC over HTTP/2 on the event loop itself: a lean server for Triton's ``GRPCInferenceService``.
+
+Why not ``grpc.aio``: it hands every call event from grpc's poller thread to the event loop through a socket
+(about five loop wake-ups and eleven system calls per unary call, measured); under load the loop spends its
+time being woken instead of batching, and the process burns two to three times Triton's CPU per inference.
+Here one read brings a request's frames, the servicer coroutine runs on the loop, and one write sends the
+response's HEADERS, DATA and trailers (the responses of one batch on one connection share that write).
+HPACK comes from the maintained ``hpack`` package; the rest of HTTP/2 that a gRPC server needs (RFC 9113:
+settings, ping, flow control both ways, CONTINUATION, padding, RST_STREAM, GOAWAY) is here.
+
+The methods are :class:`~octacloud.protocols.grpc.servicer.InferenceServicer`'s, called with a context whose
+``abort`` ends the call with that status; so both servers answer alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import struct
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+from urllib.parse import quote
+
+import grpc
+import hpack
+from tritonclient.grpc import service_pb2 as pb
+
+from octacloud.protocols.grpc.servicer import InferenceServicer, _lenient, code_of
+from octacloud.protocols.internal import HEADER as SECRET_HEADER
+from octacloud.protocols.internal import OPEN_GRPC_METHODS, REFUSED, matches
+from octacloud.serving import DataPlane, ModelExecutionError
+
+log = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, CANCEL, COMPRESSION_ERROR = 0, 1, 3, 6, 8, 9
+MAX_WINDOW = 2**31 - 1
+DEFAULT_FRAME = 2**14
+_HEADER = struct.Struct(">BHBBI")  # 9-byte frame header: length (24 bits as 8 + 16), type, flags, stream
+_U32 = struct.Struct(">I")
+# :status 200 (static index 8) and content-type: application/grpc (literal, static name 31, not indexed)
+_RESPONSE_HEADERS = b"\x88\x0f\x10\x10application/grpc"
+_OK_TRAILERS = b"\x00\x0bgrpc-status\x010"
+_SKIP = frozenset({"content-type", "te", "user-agent", "grpc-accept-encoding", "grpc-timeout", "grpc-encoding"})
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    n = len(payload)
+    return _HEADER.pack(n >> 16, n & 0xFFFF, kind, flags, stream) + payload
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """A header field as a literal without indexing, new name, no Huffman (RFC 7541 6.2.2)."""
+    return b"\x00" + _int7(len(name)) + name + _int7(len(value)) + value
+
+
+def _int7(n: int) -> bytes:
+    if n < 127:
+        return bytes((n,))
+    out, n = bytearray((127,)), n - 127
+    while n >= 128:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _metadata_block(metadata: Any) -> bytes:
+    """Custom metadata as header fields (``-bin`` values base64, as gRPC sends them)."""
+    out = b""
+    for key, value in metadata or ():
+        raw = value if isinstance(value, bytes) else str(value).encode()
+        if key.endswith("-bin"):
+            raw = base64.b64encode(raw).rstrip(b"=")
+        out += _literal(key.lower().encode(), raw)
+    return out
+
+
+def _trailers(code: grpc.StatusCode, message: str, extra: bytes = b"") -> bytes:
+    block = extra + _literal(b"grpc-status", str(code.value[0]).encode())
+    if message:
+        block += _literal(b"grpc-message", quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode())
+    return block
+
+
+class _Abort(grpc.aio.AbortError):  # type: ignore[misc]  # the servicer's decorator lets an AbortError through
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Any = ()) -> None:
+        super().__init__(details)
+        self.code, self.details, self.trailing = code, details, trailing
+
+
+class CallContext:
+    """The part of ``grpc.aio.ServicerContext`` a servicer uses: ``abort``, ``invocation_metadata``, ``peer``,
+    ``set_code``/``set_details``, ``set_trailing_metadata``."""
+
+    def __init__(self, metadata: tuple[tuple[str, str | bytes], ...], peer: str) -> None:
+        self._metadata = metadata
+        self._peer = peer
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+        self.trailing: Any = ()
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        raise _Abort(code, details, trailing_metadata or self.trailing)
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        self.trailing = tuple(metadata)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    parse: Callable[[bytes], Any]
+    call: Callable[..., Any]
+    streaming: bool
+
+
+def methods(servicer: InferenceServicer) -> dict[str, Method]:
+    """Every method of the service, by HTTP/2 path."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    out = {}
+    for m in service.methods:
+        request_type = getattr(pb, m.input_type.name)
+        streaming = m.client_streaming or m.server_streaming
+        out[f"/{service.full_name}/{m.name}"] = Method(_lenient(request_type), getattr(servicer, m.name), streaming)
+    return out
+
+
+@dataclass(slots=True)
+class _Stream:
+    id: int
+    send_window: int
+    block: bytearray | None = None  # a header block awaiting CONTINUATION
+    headers_done: bool = False
+    method: Method | None = None
+    metadata: tuple[tuple[str, str | bytes], ...] = ()
+    data: bytearray = field(default_factory=bytearray)
+    remote_closed: bool = False
+    task: asyncio.Task[None] | None = None
+    inbox: asyncio.Queue[bytes | None] | None = None  # streaming: messages as they arrive
+    sent_headers: bool = False
+    pending: bytearray = field(default_factory=bytearray)  # DATA payload waiting for window
+    pending_trailers: bytes | None = None
+    error: str = ""
+
+
+class Http2Connection(asyncio.Protocol):
+    """One client connection. Every frame is handled on the loop; each call runs as a task."""
+
+    def __init__(self, server: GrpcServer) -> None:
+        self._server = server
+        self._methods = server.methods
+        self._max_message = server.max_message_bytes
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._preface = False
+        self._decoder = hpack.Decoder()
+        self._streams: dict[int, _Stream] = {}
+        self._send_window = 65535
+        self._initial_window = 65535
+        self._max_frame = DEFAULT_FRAME
+        self._received = 0  # DATA bytes since our last connection WINDOW_UPDATE
+        self._last_stream = 0
+        self._continuation: _Stream | None = None
+        self._going_away = False
+        self._peer = "unknown"
+        self._out = bytearray()  # frames to send at the end of this loop turn
+
+    # ---- asyncio.Protocol --------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple):
+            self._peer = f"ipv4:{peer[0]}:{peer[1]}"
+        self._server.connections.add(self)
+        # our settings: streams may send up to 2^31-1 without a per-stream WINDOW_UPDATE (message size is
+        # bounded separately); the connection window is raised to the same by one WINDOW_UPDATE
+        settings = struct.pack(">HI", 0x4, MAX_WINDOW) + struct.pack(">HI", 0x3, self._server.max_streams)
+        transport.write(frame(SETTINGS, 0, 0, settings) + frame(WINDOW_UPDATE, 0, 0, _U32.pack(MAX_WINDOW - 65535)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server.connections.discard(self)
+        for s in self._streams.values():
+            if s.task is not None:
+                s.task.cancel()
+        self._streams.clear()
+        self._transport = None
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buffer
+        buf += data
+        if not self._preface:
+            if len(buf) < len(PREFACE):
+                if not PREFACE.startswith(bytes(buf)):
+                    self._close()
+                return
+            if not buf.startswith(PREFACE):
+                self._close()
+                return
+            del buf[: len(PREFACE)]
+            self._preface = True
+        pos, end = 0, len(buf)
+        view = memoryview(buf)
+        try:
+            while end - pos >= 9:
+                length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
+                if length > self._server.max_frame_in:
+                    raise _ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                if end - pos < 9 + length:
+                    break
+                kind, flags = buf[pos + 3], buf[pos + 4]
+                stream = _U32.unpack_from(buf, pos + 5)[0] & MAX_WINDOW
+                payload = bytes(view[pos + 9 : pos + 9 + length])
+                pos += 9 + length
+                self._frame(kind, flags, stream, payload)
+        except _ConnectionError as e:
+            view.release()
+            self._goaway(e.code, str(e))
+            return
+        view.release()
+        del buf[:pos]
+        if self._received >= 2**20:
+            self._write(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._received)))
+            self._received = 0
+
+    # ---- frames ------------------------------------------------------------------------------------------
+    def _frame(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
+        if self._continuation is not None and kind != CONTINUATION:
+            raise _ConnectionError(PROTOCOL_ERROR, "expected CONTINUATION")
+        if kind == DATA:
+            self._data(flags, sid, payload)
+        elif kind == HEADERS:
+            self._headers(flags, sid, payload)
+        elif kind == CONTINUATION:
+            s = self._continuation
+            if s is None or s.id != sid or s.block is None:
+                raise _ConnectionError(PROTOCOL_ERROR, "unexpected CONTINUATION")
+            s.block += payload
+            if flags & END_HEADERS:
+                self._continuation = None
+                self._header_block(s, bytes(s.block), s.remote_closed)
+        elif kind == SETTINGS:
+            if not flags & ACK:
+                self._settings(payload)
+        elif kind == PING:
+            if not flags & ACK:
+                self._write(frame(PING, ACK, 0, payload))
+        elif kind == WINDOW_UPDATE:
+            self._window_update(sid, payload)
+        elif kind == RST_STREAM:
+            s = self._streams.pop(sid, None)
+            if s is not None and s.task is not None:
+                s.task.cancel()
+        elif kind == GOAWAY:
+            self._going_away = True
+            if not self._streams:
+                self._close()
+        elif kind == PUSH_PROMISE:
+            raise _ConnectionError(PROTOCOL_ERROR, "clients cannot push")
+        # PRIORITY and unknown frame types are ignored (RFC 9113 5.5)
+
+    def _headers(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid == 0 or sid % 2 == 0:
+            raise _ConnectionError(PROTOCOL_ERROR, f"HEADERS on stream {sid}")
+        start, end = 0, len(payload)
+        if flags & PADDED:
+            end -= payload[0]
+            start = 1
+        if flags & PRIORITY_FLAG:
+            start += 5
+        if start > end:
+            raise _ConnectionError(PROTOCOL_ERROR, "padding longer than the frame")
+        block = payload[start:end]
+        s = self._streams.get(sid)
+        if s is None:
+            if sid <= self._last_stream:
+                raise _ConnectionError(PROTOCOL_ERROR, f"stream {sid} is closed")
+            self._last_stream = sid
+            s = self._streams[sid] = _Stream(sid, self._initial_window)
+        closed = bool(flags & END_STREAM)
+        if flags & END_HEADERS:
+            self._header_block(s, block, closed)
+        else:
+            s.block = bytearray(block)
+            s.remote_closed = closed
+            self._continuation = s
+
+    def _header_block(self, s: _Stream, block: bytes, closed: bool) -> None:
+        s.block = None
+        try:
+            headers = cast(list[tuple[str, str]], self._decoder.decode(block))
+        except hpack.HPACKError as e:
+            raise _ConnectionError(COMPRESSION_ERROR, str(e)) from None
+        if s.headers_done:  # the client's trailers: only the end of the stream matters
+            if closed:
+                self._end_of_input(s)
+            return
+        s.headers_done = True
+        path, metadata, encoding = "", [], "identity"
+        for k, v in headers:
+            if k[0] == ":":
+                if k == ":path":
+                    path = v
+            elif k == "grpc-encoding":
+                encoding = v
+            elif k not in _SKIP:
+                metadata.append((k, base64.b64decode(v + "==") if k.endswith("-bin") else v))
+        s.metadata = tuple(metadata)
+        s.method = self._methods.get(path)
+        if s.method is None:
+            self._fail(s, grpc.StatusCode.UNIMPLEMENTED, f"method {path} is not implemented")
+            return
+        secret = self._server.secret
+        if secret is not None and path not in OPEN_GRPC_METHODS:
+            presented = next((v for k, v in s.metadata if k == SECRET_HEADER), None)
+            if not matches(secret, presented):
+                self._fail(s, grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+                return
+        if encoding != "identity":
+            self._fail(s, grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported; use identity")
+            return
+        if self._going_away:
+            self._fail(s, grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            return
+        if s.method.streaming:
+            s.inbox = asyncio.Queue()
+            s.task = asyncio.get_running_loop().create_task(self._streaming(s))
+        if closed:
+            self._end_of_input(s)
+
+    def _data(self, flags: int, sid: int, payload: bytes) -> None:
+        self._received += len(payload)
+        s = self._streams.get(sid)
+        if s is None:
+            return  # a stream we reset or finished: its data still counted for the connection window
+        if not s.headers_done:
+            raise _ConnectionError(PROTOCOL_ERROR, f"DATA before HEADERS on stream {sid}")
+        start, end = 0, len(payload)
+        if flags & PADDED:
+            end -= payload[0]
+            start = 1
+        s.data += payload[start:end] if start or end != len(payload) else payload
+        if len(s.data) > self._max_message + 5 and s.inbox is None:
+            self._fail(
+                s,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request message is over the limit of {self._max_message} bytes",
+                reset=True,
+            )
+            return
+        if s.inbox is not None:
+            self._deliver(s)
+        if flags & END_STREAM:
+            self._end_of_input(s)
+
+    def _deliver(self, s: _Stream) -> None:
+        """Streaming: hand each complete message to the call."""
+        assert s.inbox is not None
+        while len(s.data) >= 5:
+            n = _U32.unpack_from(s.data, 1)[0]
+            if n > self._max_message:
+                self._fail(s, grpc.StatusCode.RESOURCE_EXHAUSTED, f"a message of {n} bytes is over the limit")
+                return
+            if len(s.data) < 5 + n:
+                return
+            s.inbox.put_nowait(bytes(s.data[5 : 5 + n]))
+            del s.data[: 5 + n]
+
+    def _end_of_input(self, s: _Stream) -> None:
+        s.remote_closed = True
+        if s.method is None or s.error:
+            return
+        if s.inbox is not None:
+            s.inbox.put_nowait(None)
+            return
+        data = s.data
+        if len(data) < 5 or _U32.unpack_from(data, 1)[0] != len(data) - 5:
+            self._fail(s, grpc.StatusCode.INTERNAL, "a unary call needs exactly one request message")
+            return
+        if data[0]:
+            self._fail(s, grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported")
+            return
+        s.task = asyncio.get_running_loop().create_task(self._unary(s, bytes(data[5:])))
+        s.data = bytearray()
+
+    def _settings(self, payload: bytes) -> None:
+        if len(payload) % 6:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "SETTINGS length not a multiple of 6")
+        for i in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, i)
+            if key == 0x4:
+                if value > MAX_WINDOW:
+                    raise _ConnectionError(FLOW_CONTROL_ERROR, "initial window over 2^31-1")
+                delta, self._initial_window = value - self._initial_window, value
+                for s in self._streams.values():
+                    s.send_window += delta
+            elif key == 0x5:
+                if not DEFAULT_FRAME <= value < 2**24:
+                    raise _ConnectionError(PROTOCOL_ERROR, f"max frame size {value}")
+                self._max_frame = value
+            # HEADER_TABLE_SIZE bounds our encoder's table, which we never use (literals without indexing)
+        self._write(frame(SETTINGS, ACK, 0))
+        self._flush_all()
+
+    def _window_update(self, sid: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "WINDOW_UPDATE of the wrong size")
+        increment = _U32.unpack(payload)[0] & MAX_WINDOW
+        if sid == 0:
+            self._send_window += increment
+            if self._send_window > MAX_WINDOW:
+                raise _ConnectionError(FLOW_CONTROL_ERROR, "connection window over 2^31-1")
+            self._flush_all()
+        elif (s := self._streams.get(sid)) is not None:
+            s.send_window += increment
+            self._flush(s)
+
+    # ---- calls -------------------------------------------------------------------------------------------
+    async def _unary(self, s: _Stream, message: bytes) -> None:
+        method = s.method
+        assert method is not None
+        context = CallContext(s.metadata, self._peer)
+        try:
+            response = await method.call(method.parse(message), context)
+            out = response.SerializeToString()
+        except _Abort as a:
+            self._fail(s, a.code, a.details, extra=_metadata_block(a.trailing))
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._fail_with(s, e)
+            return
+        extra = _metadata_block(context.trailing)
+        if context.code is not None and context.code is not grpc.StatusCode.OK:
+            self._fail(s, context.code, context.details, extra=extra)
+            return
+        self._respond(s, b"\x00" + _U32.pack(len(out)) + out, extra + _OK_TRAILERS)
+
+    async def _streaming(self, s: _Stream) -> None:
+        method = s.method
+        assert method is not None and s.inbox is not None
+        inbox = s.inbox
+        context = CallContext(s.metadata, self._peer)
+
+        async def requests() -> AsyncIterator[Any]:
+            while (message := await inbox.get()) is not None:
+                yield method.parse(message)
+
+        try:
+            async for response in method.call(requests(), context):
+                out = response.SerializeToString()
+                self._respond(s, b"\x00" + _U32.pack(len(out)) + out, None)
+        except _Abort as a:
+            self._fail(s, a.code, a.details, extra=_metadata_block(a.trailing))
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._fail_with(s, e)
+            return
+        self._respond(s, b"", _metadata_block(context.trailing) + _OK_TRAILERS)
+
+    def _fail_with(self, s: _Stream, error: Exception) -> None:
+        code = code_of(error)
+        if code is grpc.StatusCode.INTERNAL and not isinstance(error, ModelExecutionError):
+            log.exception("internal error", exc_info=error)
+        self._fail(s, code, str(error))
+
+    # ---- output ------------------------------------------------------------------------------------------
+    def _respond(self, s: _Stream, data: bytes, trailers: bytes | None) -> None:
+        """Send response headers (once), ``data`` as DATA frames and, if given, the trailers ending the stream,
+        in one write when the windows allow; what they do not allow waits for WINDOW_UPDATE."""
+        if self._transport is None or self._streams.get(s.id) is not s:
+            return
+        out = b""
+        if not s.sent_headers:
+            s.sent_headers = True
+            out = frame(HEADERS, END_HEADERS, s.id, _RESPONSE_HEADERS)
+        s.pending += data
+        if trailers is not None:
+            s.pending_trailers = trailers
+        self._flush(s, out)
+
+    def _flush(self, s: _Stream, out: bytes = b"") -> None:
+        pending = s.pending
+        while pending:
+            n = min(len(pending), self._max_frame, self._send_window, s.send_window)
+            if n <= 0:
+                break
+            out += frame(DATA, 0, s.id, bytes(pending[:n]))
+            del pending[:n]
+            self._send_window -= n
+            s.send_window -= n
+        if not pending and s.pending_trailers is not None:
+            out += frame(HEADERS, END_HEADERS | END_STREAM, s.id, s.pending_trailers)
+            s.pending_trailers = None
+            self._finished(s)
+        if out:
+            self._write(out)
+
+    def _flush_all(self) -> None:
+        for s in list(self._streams.values()):
+            if s.pending or s.pending_trailers is not None:
+                self._flush(s)
+
+    def _fail(self, s: _Stream, code: grpc.StatusCode, message: str, reset: bool = False, extra: bytes = b"") -> None:
+        """End the call with ``code``: trailers-only if nothing was sent yet (and RST_STREAM if asked, when the
+        client is still sending)."""
+        s.error = s.error or message or code.name
+        if self._transport is None or self._streams.get(s.id) is not s:
+            return
+        s.pending.clear()
+        if s.sent_headers:
+            out = frame(HEADERS, END_HEADERS | END_STREAM, s.id, _trailers(code, message, extra))
+        else:
+            block = _RESPONSE_HEADERS + _trailers(code, message, extra)
+            out = frame(HEADERS, END_HEADERS | END_STREAM, s.id, block)
+        if reset and not s.remote_closed:
+            out += frame(RST_STREAM, 0, s.id, _U32.pack(NO_ERROR))
+        self._write(out)
+        if s.task is not None and s.task is not asyncio.current_task():
+            s.task.cancel()
+        self._finished(s)
+
+    def _finished(self, s: _Stream) -> None:
+        self._streams.pop(s.id, None)
+        if self._going_away and not self._streams:
+            self._close()
+
+    def _write(self, data: bytes) -> None:
+        """Queue ``data``; everything queued in one loop turn (the responses of one batch) is one write."""
+        if self._transport is None:
+            return
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush_out)
+        self._out += data
+
+    def _flush_out(self) -> None:
+        if self._out and self._transport is not None:
+            self._transport.write(bytes(self._out))
+        self._out.clear()
+
+    def _goaway(self, code: int, reason: str) -> None:
+        log.info("closing an HTTP/2 connection from %s: %s", self._peer, reason)
+        self._write(frame(GOAWAY, 0, 0, _U32.pack(self._last_stream) + _U32.pack(code) + reason.encode()[:200]))
+        self._close()
+
+    def _close(self) -> None:
+        if self._transport is not None:
+            self._flush_out()
+            self._transport.close()
+
+    def shut_down(self) -> None:
+        """Refuse new calls (GOAWAY), finish those in flight, then close."""
+        self._going_away = True
+        self._write(frame(GOAWAY, 0, 0, _U32.pack(self._last_stream) + _U32.pack(NO_ERROR)))
+        if not self._streams:
+            self._close()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._streams)
+
+
+class _ConnectionError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class GrpcServer:
+    """Triton's gRPC service over one :class:`DataPlane`, on the running event loop."""
+
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        *,
+        max_message_bytes: int = 64 * 2**20,
+        max_streams: int = 1024,
+        extra: Mapping[str, Method] | None = None,
+        secret: bytes | None = None,
+    ) -> None:
+        self.methods = {**methods(InferenceServicer(dataplane)), **(extra or {})}
+        self.secret = secret
+        """The cloud's internal secret: every call but ServerLive/ServerReady must carry it (protocols/internal.py)."""
+        self.max_message_bytes = max_message_bytes
+        self.max_streams = max_streams
+        self.max_frame_in = DEFAULT_FRAME  # we advertise no larger SETTINGS_MAX_FRAME_SIZE
+        self.connections: set[Http2Connection] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free port); returns the port."""
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(lambda: Http2Connection(self), host, port, reuse_address=True)
+        except OSError as e:
+            raise OSError(f"cannot bind the gRPC port {host}:{port}: {e.strerror}") from None
+        sock = self._server.sockets[0]
+        return int(sock.getsockname()[1])
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop listening, tell every client to go away, give calls in flight ``grace_s`` to finish."""
+        if self._server is None:
+            return
+        self._server.close()
+        for c in list(self.connections):
+            c.shut_down()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while any(c.busy for c in self.connections) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        for c in list(self.connections):
+            c._close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._server.wait_closed(), 1)
+        self._server = None
+
+
+__all__ = ["CallContext", "GrpcServer", "Method", "methods"]
