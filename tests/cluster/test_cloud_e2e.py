@@ -24,6 +24,7 @@ import pytest
 from octacloud.app import Cloud, CloudConfig
 from octacloud.cluster.controller import ControllerSettings
 from octacloud.cluster.fleet import CPU_CARD_MODEL
+from octacloud.cluster.internal_auth import HEADER
 from octacloud.core import Gpu, Node
 
 from ..ray.harness import ray_cloud
@@ -175,9 +176,13 @@ def test_deploy_infer_scale_fail_restart_undeploy(tmp_path: Path, linear_repo: P
     np.testing.assert_allclose(out, expected_output(x), rtol=1e-5, atol=1e-5)
     assert g.is_model_ready("linear", headers=meta)
 
-    # statistics through the gateway are the deployment's: the sum over its replicas, REST and gRPC
+    # statistics through the gateway are the deployment's: the sum over its replicas, REST and gRPC (asked of the
+    # replicas themselves with the cloud's internal secret: without it they answer 401)
+    internal = {HEADER: cloud.cloud.internal_secret}
     per_replica = [
-        httpx.get(f"http://127.0.0.1:{r['http_port']}/v2/models/linear/stats").json()["model_stats"][0]
+        httpx.get(f"http://127.0.0.1:{r['http_port']}/v2/models/linear/stats", headers=internal).json()["model_stats"][
+            0
+        ]
         for r in cloud.deployment("linear")["instances"]
     ]
     total = sum(int(s["inference_count"]) for s in per_replica)

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from octacloud.app import CloudConfig
 from octacloud.cluster.controller import ControllerSettings
 from octacloud.cluster.fleet import CPU_CARD_MODEL
+from octacloud.cluster.internal_auth import HEADER
 from octacloud.core import Gpu, Node
 
 from .conftest import CloudThread, wait_until, write_models
@@ -249,7 +250,8 @@ def test_every_prometheus_endpoint_parses(cloud: CloudThread) -> None:
             if r["state"] != "ready":
                 return False
             try:
-                texts.append(httpx.get(f"http://127.0.0.1:{r['metrics_port']}/metrics", timeout=10).text)
+                url = f"http://127.0.0.1:{r['metrics_port']}/metrics"  # replicas answer their cloud only
+                texts.append(httpx.get(url, headers={HEADER: cloud.cloud.internal_secret}, timeout=10).text)
             except httpx.TransportError:
                 return False
         return len(texts) == 5
