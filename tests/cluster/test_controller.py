@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -368,3 +369,15 @@ async def test_a_move_whose_replacement_cannot_even_launch_leaves_everything_as_
     state = h.controller.scheduler.state
     assert {a.request.name for a in state} == set(before)
     assert h.events("move rolled back")
+
+
+async def test_a_redeploy_keeps_the_replica_count_an_operator_set(tmp_path: Path) -> None:
+    """Changing a deployment's bounds keeps the count it was scaled to (clamped to the new bounds), not min."""
+    h = Harness(tmp_path, nodes=fleet(2, 2))
+    spec = DeploymentSpec("a", "m", octants=2, min_replicas=1, max_replicas=4)
+    h.controller.deploy(spec)
+    h.controller.scale("a", 3)
+    h.controller.deploy(dataclasses.replace(spec, max_replicas=8))
+    assert h.store.get_deployment("a").replicas == 3
+    h.controller.deploy(dataclasses.replace(spec, max_replicas=2))
+    assert h.store.get_deployment("a").replicas == 2  # within the new bounds

@@ -138,6 +138,8 @@ class Controller:
         else:
             if old.spec.tenant != spec.tenant:
                 raise InvalidSpecError(f"deployment {spec.name!r} belongs to another tenant")
+            if spec.target_qps is None:  # an operator's (or the autoscaler's) count survives a redeploy, within bounds
+                replicas = min(max(old.replicas, spec.min_replicas), spec.max_replicas)
             d = Deployment(spec, replicas, octants, old.created_at, old.generation + 1)
         w.store.put_deployment(d)
         what = f"{spec.model} × {replicas} on {octants} octant(s)" + (f": {sizing.reason}" if sizing.reason else "")
