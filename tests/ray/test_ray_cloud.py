@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from octacloud.cluster.internal_auth import HEADER
 from octacloud.cluster.ray_local import LocalRayCluster
 from octacloud.core import Gpu, Node
 
@@ -70,7 +71,8 @@ def replica_stats(cloud: CloudThread, replica_id: str) -> int:
     """Inferences this replica served, asked of the replica itself (not through the gateway)."""
     r = next(r for r in cloud.cloud.store.replicas() if r.id == replica_id)
     url = f"http://{r.host}:{r.http_port}/v2/models/linear/stats"
-    stats = httpx.get(url, timeout=10).json()["model_stats"]
+    internal = {HEADER: cloud.cloud.internal_secret}  # replicas answer their own cloud only
+    stats = httpx.get(url, headers=internal, timeout=10).json()["model_stats"]
     return sum(int(s["inference_count"]) for s in stats)
 
 
