@@ -32,6 +32,7 @@ Results are cached per (request shape, node signature) and per node version, as 
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -66,10 +67,13 @@ class ConsolidatingFragmentation:
     """Count CPU and memory stranding (``S``); off leaves exact FGD fragmentation with consolidation."""
     pairing: bool = True
     """Count the dead space a share leaves on its card (``D``); off leaves ``F + S`` and the fullest card."""
+    scarcity: bool = True
+    """Count the restricted demand a placement displaces from a GPU model (``R``); off: no such term."""
     model: FragmentationModel = field(init=False)
     _gpu_shapes: list[tuple[float, int, int, int, frozenset[str], int]] = field(default_factory=list, init=False)
     _strand_cache: dict[tuple[str, int, int, tuple[int, ...]], float] = field(default_factory=dict, init=False)
     _share_sizes: tuple[int, ...] = field(default=(), init=False)
+    _restricted: tuple[tuple[frozenset[str], float, float], ...] = field(default=(), init=False)
     _dead: dict[int, int] = field(default_factory=dict, init=False)
     _cache: dict[_Shape, dict[NodeSignature, _Eval]] = field(default_factory=dict, init=False)
     _by_node: dict[_Shape, tuple[list[int], list[_Eval | None]]] = field(default_factory=dict, init=False)
@@ -87,12 +91,21 @@ class ConsolidatingFragmentation:
             if s.num_gpu and s.cpu_milli > 0
         ]
         self._share_sizes = filler_sizes(self.workload)
+        self._restricted = self.workload.restricted_demand if self.scarcity else ()
 
     # ---- score -----------------------------------------------------------------------------------------
 
     def score(self, ctx: CycleContext, nodes: Sequence[int]) -> list[float]:
         """Raw score: −Δ (the evaluations stay in the cycle's scratch for :meth:`normalize`)."""
         evaluations = self._evaluations(ctx, nodes)
+        if self._restricted and ctx.request.total_gpu_milli:
+            costs = self.scarcity_costs(ctx.state)
+            if costs:
+                milli, sigs = ctx.request.total_gpu_milli, ctx.state.signature
+                evaluations = [
+                    (e[0] + milli * costs.get(sigs[i][0], 0.0), *e[1:])  # type: ignore[misc]
+                    for e, i in zip(evaluations, nodes, strict=True)
+                ]
         ctx.scratch[_SCRATCH] = evaluations
         return [-e[0] for e in evaluations]
 
@@ -174,6 +187,43 @@ class ConsolidatingFragmentation:
                 after[g] = 0
         growth = frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after, memory_after) - before
         return (growth, 0, left, ())
+
+    def scarcity_costs(self, state: ClusterState) -> dict[str, float]:
+        """``R`` per milli-GPU on each GPU model: the chance that capacity taken on the model now is capacity the
+        workload's restricted requests will miss.
+
+        The requests still to come are taken to ask for what is free now (``free``, all models), drawn from the
+        workload: the requests restricted to a model set ``A`` ask for ``q_A · free`` (``q_A``: their share of
+        the workload's GPU demand), spread over ``A``'s models in proportion to what each has free. On a model
+        ``M`` that gives a restricted demand with mean ``μ_M`` and variance ``σ²_M = Σ q_A-parts · E[X²]/E[X]``
+        (a compound Poisson count of requests of size ``X``); the chance that it exceeds what ``M`` has free is
+        ``Φ((μ_M − free_M) / σ_M)``. A placement of ``g`` milli-GPU on ``M`` then displaces about ``g`` times
+        that chance of restricted demand, which fails and leaves as much idle elsewhere: ``R = g · Φ(…)``, the
+        same unit as ``F``, ``S`` and ``D``. Workloads without restricted requests have no ``R``.
+        """
+        free: dict[str, int] = {}
+        for sig in state.signature:
+            cards = sig[3]
+            if cards:
+                free[sig[0]] = free.get(sig[0], 0) + sum(cards)
+        total = sum(free.values())
+        mean: dict[str, float] = {}
+        variance: dict[str, float] = {}
+        for models, share, moment in self._restricted:
+            free_set = sum(free.get(m, 0) for m in models)
+            if free_set <= 0:
+                continue
+            demand = share * total
+            for m in models:
+                part = demand * free.get(m, 0) / free_set
+                mean[m] = mean.get(m, 0.0) + part
+                variance[m] = variance.get(m, 0.0) + part * moment
+        costs: dict[str, float] = {}
+        for m, mu in mean.items():
+            sd = math.sqrt(variance[m])
+            if sd > 0:
+                costs[m] = 0.5 * math.erfc((free.get(m, 0) - mu) / (sd * math.sqrt(2.0)))
+        return costs
 
     def dead_space(self, free: int) -> int:
         """``D``: the milli-GPU of a shared card's ``free`` that no combination of the workload's share sizes fills
@@ -269,5 +319,6 @@ def build(name: str, args: Args, ctx: PluginContext) -> ConsolidatingFragmentati
     tolerance = args.number("tolerance", DEFAULT_TOLERANCE, low=0.0)
     stranding = args.flag("cpu-stranding", True)
     pairing = args.flag("share-pairing", True)
+    scarcity = args.flag("gpu-scarcity", True)
     args.finish()
-    return ConsolidatingFragmentation(ctx.workload, name, tolerance, stranding, pairing)
+    return ConsolidatingFragmentation(ctx.workload, name, tolerance, stranding, pairing, scarcity)
