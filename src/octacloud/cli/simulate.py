@@ -263,7 +263,8 @@ def _run_churn(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> No
         churn_timelines(results, out)
     table = Table(title="churn: time-averaged GPU allocation")
     columns = ("workload", "policy", "seed", "offered %", "allocated %", "placed", "failed", "queued", "wait s")
-    for name in (*columns, "moves"):
+    classes = ("share", "one card", "multi-card")
+    for name in (*columns, *(f"{c} wait mean/p95 (queued)" for c in classes), "moves"):
         table.add_column(name, justify="left" if name in ("workload", "policy") else "right")
     for r in results:
         rep = r.report
@@ -277,6 +278,12 @@ def _run_churn(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> No
             str(rep.failed),
             str(rep.queued_at_end),
             f"{rep.mean_wait_seconds:.1f}",
+            *(
+                "—"
+                if c not in rep.waits
+                else f"{rep.waits[c].mean:.1f}/{rep.waits[c].p95:.1f} ({rep.waits[c].queued_at_end})"
+                for c in classes
+            ),
             str(r.moves),
         )
     console.print(table)
