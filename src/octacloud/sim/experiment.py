@@ -205,7 +205,7 @@ def _load(nodes: Path, pods: Path, gpu_memory: Path | None = None) -> tuple[tupl
 
 
 @functools.lru_cache(maxsize=64)
-def _bound(nodes: Path, pods: Path, gpu_memory: Path | None, seed: int, tune: float) -> float:
+def seed_lower_bound(nodes: Path, pods: Path, gpu_memory: Path | None, seed: int, tune: float) -> float:
     """The LP lower bound of one seed's pod sequence (cached: every policy of a seed shares it)."""
     fleet, original = _load(nodes, pods, gpu_memory)
     capacity = sum(n.gpu_milli for n in fleet)
@@ -223,7 +223,7 @@ def run(spec: RunSpec) -> RunResult:
     recorder = place(nodes, requests, policy=spec.policy, seed=spec.seed, workload=workload).recorder
     stats = recorder.decision_stats()
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    bound = _bound(spec.nodes, spec.pods, spec.gpu_memory, spec.seed, spec.tune) if spec.bound else None
+    bound = seed_lower_bound(spec.nodes, spec.pods, spec.gpu_memory, spec.seed, spec.tune) if spec.bound else None
     return RunResult(
         spec=spec,
         total_gpus=recorder.total_gpus,
