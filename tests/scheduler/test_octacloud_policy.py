@@ -248,3 +248,45 @@ def test_an_unrestricted_pod_leaves_the_scarce_model_to_the_requests_only_it_can
 def test_no_restricted_demand_no_scarcity_cost() -> None:
     state = ClusterState([node("g", 4, model="G2"), node("t", 2, model="T4")])
     assert ConsolidatingFragmentation(MIXED).scarcity_costs(state) == {}
+
+
+def test_multi_card_demand_is_recorded_per_class_rare_ones_included() -> None:
+    requests = [req(f"s{k}", 500) for k in range(98)] + [req("m", 1000, 8, cpu=88_000), req("n", 1000, 8, cpu=88_000)]
+    workload = TargetWorkload.from_requests(requests)
+    assert all(s.num_gpu == 1 for s in workload.shapes)  # the eight-card shape is below the 95 % coverage
+    ((cards, cpu, models, memory, share),) = workload.multi_demand
+    assert (cards, cpu, models, memory) == (8, 88_000, frozenset(), 1024)
+    assert share == pytest.approx(16_000 / (98 * 500 + 16_000))
+
+
+def test_the_last_whole_nodes_are_kept_for_the_eight_card_requests_to_come() -> None:
+    # 59 % of the GPU demand is eight-card requests; one idle 8-card node and a half-used one are left: about 7
+    # cards of eight-card demand are expected for one copy hosted (8 cards), so a one-card pod that breaks the
+    # idle node risks an eight-card request with chance ~0.43 (M ≈ 3,400 milli-GPU) and goes beside the used cards.
+    state = ClusterState([node("a", 8, cpu=96_000), node("c", 8, cpu=96_000)])
+    place(state, req("x", 1000, 4, cpu=8000), "c", (0, 1, 2, 3))
+    requests = [req(f"w{k}", 1000) for k in range(56)] + [req(f"e{k}", 1000, 8, cpu=16_000) for k in range(10)]
+    workload = TargetWorkload.from_requests(requests)
+    plugin = ConsolidatingFragmentation(workload)
+    (cost,) = plugin.whole_card_costs(state)
+    assert 0.35 * 8000 < cost < 0.5 * 8000
+    assert plugin.copies(state.signature[0]) == (1,) and plugin.copies(state.signature[1]) == (0,)
+    assert {_schedule("octacloud", state, workload, s, req("p", 1000)) for s in SEEDS} == {"c"}
+    assert ConsolidatingFragmentation(workload, whole_cards=False).whole_card_costs(state) == ()
+    plenty = ClusterState([node(f"n{k}", 8, cpu=96_000) for k in range(60)])
+    assert plugin.whole_card_costs(plenty) == ()  # 60 copies for ~35 expected: negligible, no cost
+    check_invariants(state)
+
+
+def test_whole_card_totals_follow_the_state_incrementally() -> None:
+    state = ClusterState([node("a", 8, cpu=96_000), node("b", 8, cpu=96_000)])
+    workload = TargetWorkload.from_requests([req("w", 1000), req("e", 1000, 8, cpu=16_000)])
+    plugin = ConsolidatingFragmentation(workload)
+    plugin.whole_card_costs(state)
+    assert plugin._copies_total == [2] and plugin._free_total == 16_000
+    place(state, req("x", 300), "a", (5,))
+    plugin.whole_card_costs(state)
+    assert plugin._copies_total == [1] and plugin._free_total == 15_700
+    state.release("x")
+    plugin.whole_card_costs(state)
+    assert plugin._copies_total == [2] and plugin._free_total == 16_000

@@ -71,6 +71,11 @@ class TargetWorkload:
     restricted to exactly that set and the size moment ``E[X²]/E[X]`` (milli-GPU) of those requests' GPU demand
     ``X``: what octacloud's scarcity term reserves on each model. ``from_requests`` records it from all requests;
     when not given it is derived from the shapes. Empty when no request is restricted.
+
+    ``multi_demand`` is, per multi-card request class ``(cards, CPU, allowed models)``, the class's median memory
+    and its share of the workload's GPU demand: what octacloud's multi-card term keeps whole cards for. Recorded
+    from all requests by ``from_requests`` (rare classes included: an eight-card request is rare by count, not by
+    GPU); when not given it is derived from the shapes.
     """
 
     shapes: tuple[WorkloadShape, ...]
@@ -78,6 +83,7 @@ class TargetWorkload:
     memory_mib: tuple[int, ...] = ()
     share_sizes: tuple[tuple[int, float], ...] = ()
     restricted_demand: tuple[tuple[frozenset[str], float, float], ...] = ()
+    multi_demand: tuple[tuple[int, int, frozenset[str], int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.probabilities):
@@ -105,6 +111,10 @@ class TargetWorkload:
         if not self.restricted_demand:
             weighted = [(s.gpu_models, p * s.gpu_milli * s.num_gpu, s.gpu_milli * s.num_gpu) for s, p in self.pairs()]
             object.__setattr__(self, "restricted_demand", _restricted(weighted))
+        if not self.multi_demand:
+            memories = self.memory_mib or (0,) * len(self.shapes)
+            classes = [(s, p * s.num_gpu * s.gpu_milli, [m]) for (s, p), m in zip(self.pairs(), memories, strict=True)]
+            object.__setattr__(self, "multi_demand", _multi(classes))
 
     def pairs(self) -> Iterable[tuple[WorkloadShape, float]]:
         """``(shape, probability)`` for every shape."""
@@ -147,12 +157,15 @@ class TargetWorkload:
         for shape, n in counts.items():
             if shape.num_gpu == 1 and 0 < shape.gpu_milli < MILLI_PER_GPU:
                 shares[shape.gpu_milli] += n
+        multi = [(s, float(len(m) * s.num_gpu * s.gpu_milli), m) for s, m in memories.items() if s.num_gpu > 1]
+        gpu_total = sum(w for _, w, _ in weighted)
         return cls(
             tuple(s for s, _ in chosen),
             tuple(n / covered for _, n in chosen),
             tuple(int(statistics.median(memories[s])) for s, _ in chosen),
             tuple((milli, n / total) for milli, n in sorted(shares.items())),
             _restricted(weighted),
+            _multi(multi, gpu_total),
         )
 
     @classmethod
@@ -182,6 +195,30 @@ def _restricted(
     return tuple(
         (models, first / total, second / first)
         for models, (first, second) in sorted(sums.items(), key=lambda kv: "|".join(sorted(kv[0])))
+    )
+
+
+def _multi(
+    classes: Iterable[tuple[WorkloadShape, float, list[int]]], total: float | None = None
+) -> tuple[tuple[int, int, frozenset[str], int, float], ...]:
+    """From ``(shape, weight of its GPU demand, memories of its requests)``: per multi-card class ``(cards, CPU,
+    models)`` the median memory and the class's share of all GPU demand (``total``: all weights given)."""
+    entries = list(classes)
+    if total is None:
+        total = sum(w for _, w, _ in entries)
+    grouped: dict[tuple[int, int, frozenset[str]], tuple[float, list[int]]] = {}
+    for shape, weight, memories in entries:
+        if shape.num_gpu > 1 and weight > 0:
+            key = (shape.num_gpu, shape.cpu_milli, shape.gpu_models)
+            w, m = grouped.get(key, (0.0, []))
+            grouped[key] = (w + weight, m + memories)
+    if not total or total <= 0:
+        return ()
+    return tuple(
+        (cards, cpu, models, int(statistics.median(m)), w / total)
+        for (cards, cpu, models), (w, m) in sorted(
+            grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], sorted(kv[0][2]))
+        )
     )
 
 
