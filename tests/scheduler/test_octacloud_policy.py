@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from octacloud.core.errors import InvalidSpecError
@@ -250,6 +252,15 @@ def test_no_restricted_demand_no_scarcity_cost() -> None:
     assert ConsolidatingFragmentation(MIXED).scarcity_costs(state) == {}
 
 
+PROFILE_WITH_M = """name: octacloud-m
+plugins:
+  - resource-fit
+  - plugin: octacloud
+    weight: 1
+    args: {multi-card-scarcity: true}
+"""
+
+
 def test_multi_card_demand_is_recorded_per_class_rare_ones_included() -> None:
     requests = [req(f"s{k}", 500) for k in range(98)] + [req("m", 1000, 8, cpu=88_000), req("n", 1000, 8, cpu=88_000)]
     workload = TargetWorkload.from_requests(requests)
@@ -259,7 +270,7 @@ def test_multi_card_demand_is_recorded_per_class_rare_ones_included() -> None:
     assert share == pytest.approx(16_000 / (98 * 500 + 16_000))
 
 
-def test_the_last_whole_nodes_are_kept_for_the_eight_card_requests_to_come() -> None:
+def test_the_last_whole_nodes_are_kept_for_the_eight_card_requests_to_come(tmp_path: Path) -> None:
     # 59 % of the GPU demand is eight-card requests; one idle 8-card node and a half-used one are left: about 7
     # cards of eight-card demand are expected for one copy hosted (8 cards), so a one-card pod that breaks the
     # idle node risks an eight-card request with chance ~0.43 (M ≈ 3,400 milli-GPU) and goes beside the used cards.
@@ -267,12 +278,16 @@ def test_the_last_whole_nodes_are_kept_for_the_eight_card_requests_to_come() -> 
     place(state, req("x", 1000, 4, cpu=8000), "c", (0, 1, 2, 3))
     requests = [req(f"w{k}", 1000) for k in range(56)] + [req(f"e{k}", 1000, 8, cpu=16_000) for k in range(10)]
     workload = TargetWorkload.from_requests(requests)
-    plugin = ConsolidatingFragmentation(workload)
+    plugin = ConsolidatingFragmentation(workload, whole_cards=True)
     (cost,) = plugin.whole_card_costs(state)
     assert 0.35 * 8000 < cost < 0.5 * 8000
     assert plugin.copies(state.signature[0]) == (1,) and plugin.copies(state.signature[1]) == (0,)
-    assert {_schedule("octacloud", state, workload, s, req("p", 1000)) for s in SEEDS} == {"c"}
-    assert ConsolidatingFragmentation(workload, whole_cards=False).whole_card_costs(state) == ()
+    path = tmp_path / "m.yaml"
+    path.write_text(PROFILE_WITH_M)
+    for seed in SEEDS:
+        decision = Scheduler(state, build_profile(str(path), seed=seed, workload=workload)).decide(req("p", 1000))
+        assert decision.placement is not None and decision.placement.node == "c"
+    assert ConsolidatingFragmentation(workload).whole_card_costs(state) == ()  # off by default
     plenty = ClusterState([node(f"n{k}", 8, cpu=96_000) for k in range(60)])
     assert plugin.whole_card_costs(plenty) == ()  # 60 copies for ~35 expected: negligible, no cost
     check_invariants(state)
@@ -281,7 +296,7 @@ def test_the_last_whole_nodes_are_kept_for_the_eight_card_requests_to_come() -> 
 def test_whole_card_totals_follow_the_state_incrementally() -> None:
     state = ClusterState([node("a", 8, cpu=96_000), node("b", 8, cpu=96_000)])
     workload = TargetWorkload.from_requests([req("w", 1000), req("e", 1000, 8, cpu=16_000)])
-    plugin = ConsolidatingFragmentation(workload)
+    plugin = ConsolidatingFragmentation(workload, whole_cards=True)
     plugin.whole_card_costs(state)
     assert plugin._copies_total == [2] and plugin._free_total == 16_000
     place(state, req("x", 300), "a", (5,))

@@ -72,8 +72,9 @@ class ConsolidatingFragmentation:
     """Count the dead space a share leaves on its card (``D``); off leaves ``F + S`` and the fullest card."""
     scarcity: bool = True
     """Count the restricted demand a placement displaces from a GPU model (``R``); off: no such term."""
-    whole_cards: bool = True
-    """Count the multi-card demand a placement leaves without whole cards (``M``); off: no such term."""
+    whole_cards: bool = False
+    """Count the multi-card demand a placement leaves without whole cards (``M``). Off by default: measured on
+    seed 42 only (docs/beating-fgd.md, section 5); the profile argument ``multi-card-scarcity: true`` turns it on."""
     model: FragmentationModel = field(init=False)
     _gpu_shapes: list[tuple[float, int, int, int, frozenset[str], int]] = field(default_factory=list, init=False)
     _strand_cache: dict[tuple[str, int, int, tuple[int, ...]], float] = field(default_factory=dict, init=False)
@@ -422,6 +423,6 @@ def build(name: str, args: Args, ctx: PluginContext) -> ConsolidatingFragmentati
     stranding = args.flag("cpu-stranding", True)
     pairing = args.flag("share-pairing", True)
     scarcity = args.flag("gpu-scarcity", True)
-    whole_cards = args.flag("multi-card-scarcity", True)
+    whole_cards = args.flag("multi-card-scarcity", False)
     args.finish()
     return ConsolidatingFragmentation(ctx.workload, name, tolerance, stranding, pairing, scarcity, whole_cards)
