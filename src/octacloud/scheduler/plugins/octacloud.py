@@ -73,8 +73,9 @@ class ConsolidatingFragmentation:
     scarcity: bool = True
     """Count the restricted demand a placement displaces from a GPU model (``R``); off: no such term."""
     whole_cards: bool = False
-    """Count the multi-card demand a placement leaves without whole cards (``M``). Off by default: measured on
-    seed 42 only (docs/beating-fgd.md, section 5); the profile argument ``multi-card-scarcity: true`` turns it on."""
+    """Count the multi-card demand a placement leaves without whole cards (``M``). Off by default until the
+    robustness suite is re-run with it (docs/beating-fgd.md, section 5: no openb file worse over 10 seeds); the
+    profile argument ``multi-card-scarcity: true`` turns it on."""
     model: FragmentationModel = field(init=False)
     _gpu_shapes: list[tuple[float, int, int, int, frozenset[str], int]] = field(default_factory=list, init=False)
     _strand_cache: dict[tuple[str, int, int, tuple[int, ...]], float] = field(default_factory=dict, init=False)
