@@ -287,7 +287,8 @@ def test_the_last_whole_nodes_are_kept_for_the_eight_card_requests_to_come(tmp_p
     for seed in SEEDS:
         decision = Scheduler(state, build_profile(str(path), seed=seed, workload=workload)).decide(req("p", 1000))
         assert decision.placement is not None and decision.placement.node == "c"
-    assert ConsolidatingFragmentation(workload).whole_card_costs(state) == ()  # off by default
+    assert ConsolidatingFragmentation(workload, whole_cards=False).whole_card_costs(state) == ()
+    assert {_schedule("octacloud", state, workload, s, req("p", 1000)) for s in SEEDS} == {"c"}  # on by default
     plenty = ClusterState([node(f"n{k}", 8, cpu=96_000) for k in range(60)])
     assert plugin.whole_card_costs(plenty) == ()  # 60 copies for ~35 expected: negligible, no cost
     check_invariants(state)

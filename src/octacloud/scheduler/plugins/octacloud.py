@@ -72,10 +72,9 @@ class ConsolidatingFragmentation:
     """Count the dead space a share leaves on its card (``D``); off leaves ``F + S`` and the fullest card."""
     scarcity: bool = True
     """Count the restricted demand a placement displaces from a GPU model (``R``); off: no such term."""
-    whole_cards: bool = False
-    """Count the multi-card demand a placement leaves without whole cards (``M``). Off by default until the
-    robustness suite is re-run with it (docs/beating-fgd.md, section 5: no openb file worse over 10 seeds); the
-    profile argument ``multi-card-scarcity: true`` turns it on."""
+    whole_cards: bool = True
+    """Count the multi-card demand a placement leaves without whole cards (``M``); off (profile argument
+    ``multi-card-scarcity: false``) leaves ``F + S + D + R``."""
     model: FragmentationModel = field(init=False)
     _gpu_shapes: list[tuple[float, int, int, int, frozenset[str], int]] = field(default_factory=list, init=False)
     _strand_cache: dict[tuple[str, int, int, tuple[int, ...]], float] = field(default_factory=dict, init=False)
@@ -424,6 +423,6 @@ def build(name: str, args: Args, ctx: PluginContext) -> ConsolidatingFragmentati
     stranding = args.flag("cpu-stranding", True)
     pairing = args.flag("share-pairing", True)
     scarcity = args.flag("gpu-scarcity", True)
-    whole_cards = args.flag("multi-card-scarcity", False)
+    whole_cards = args.flag("multi-card-scarcity", True)
     args.finish()
     return ConsolidatingFragmentation(ctx.workload, name, tolerance, stranding, pairing, scarcity, whole_cards)
