@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from octacloud.core.errors import InvalidSpecError
@@ -206,3 +208,101 @@ def test_every_share_size_of_the_trace_is_a_filler_not_only_the_covered_shapes()
     assert workload.share_sizes == ((330, pytest.approx(1 / 41)), (470, pytest.approx(40 / 41)))
     assert filler_sizes(workload) == (330, 470)
     assert ConsolidatingFragmentation(workload).dead_space(670) == 10  # 330 + 330
+
+
+def _restricted_workload(restricted: int, free: int) -> TargetWorkload:
+    """``restricted`` one-card requests that may use only T4 and ``free`` that may use any model."""
+    requests = [req(f"t{k}", 1000, models=("T4",)) for k in range(restricted)]
+    return TargetWorkload.from_requests(requests + [req(f"a{k}", 1000) for k in range(free)])
+
+
+def test_restricted_demand_is_recorded_per_model_set() -> None:
+    workload = _restricted_workload(3, 1)
+    ((models, share, moment),) = workload.restricted_demand
+    assert (models, share, moment) == (frozenset({"T4"}), 0.75, 1000.0)
+    assert TargetWorkload.from_requests([req("a", 500), req("b", 1000)]).restricted_demand == ()
+    shapes = TargetWorkload((WorkloadShape(1000, 500, 1, frozenset({"A10"})), WorkloadShape(1000, 1000, 2)), (0.5, 0.5))
+    assert shapes.restricted_demand == ((frozenset({"A10"}), pytest.approx(500 / 2500), 500.0),)
+
+
+def test_an_unrestricted_pod_leaves_the_scarce_model_to_the_requests_only_it_can_take() -> None:
+    # 4 % of the workload's GPU demand may use only T4, and the fleet has 2 T4 cards of 42: about 1.7 cards of
+    # T4-only demand is still to come for 2 free. F's credit for keeping T4 free (40 milli) is within the
+    # tolerance, so consolidation alone takes the smaller T4 node; R charges the T4 card ~0.4 of a card.
+    state = ClusterState([*(node(f"g{k}", 8, model="G2") for k in range(5)), node("t", 2, model="T4")])
+    workload = _restricted_workload(2, 48)
+    pod = req("p", 1000)
+    assert {_schedule("octacloud", state, workload, s, pod) for s in SEEDS} <= {f"g{k}" for k in range(5)}
+    plugin = ConsolidatingFragmentation(workload, scarcity=False)
+    ctx = CycleContext(state, pod)
+    normalized = plugin.normalize(ctx, plugin.score(ctx, list(range(6))))
+    assert normalized[5] == 100.0 > normalized[0]  # without R: the T4 node
+    costs = ConsolidatingFragmentation(workload).scarcity_costs(state)
+    assert set(costs) == {"T4"} and 0.3 < costs["T4"] < 0.5
+    # a restricted pod still goes to T4; with little restricted demand the T4 node is no longer protected
+    assert {_schedule("octacloud", state, workload, s, req("r", 1000, models=("T4",))) for s in SEEDS} == {"t"}
+    light = _restricted_workload(1, 200)
+    assert ConsolidatingFragmentation(light).scarcity_costs(state)["T4"] < 0.01
+    assert {_schedule("octacloud", state, light, s, pod) for s in SEEDS} == {"t"}
+    check_invariants(state)
+
+
+def test_no_restricted_demand_no_scarcity_cost() -> None:
+    state = ClusterState([node("g", 4, model="G2"), node("t", 2, model="T4")])
+    assert ConsolidatingFragmentation(MIXED).scarcity_costs(state) == {}
+
+
+PROFILE_WITH_M = """name: octacloud-m
+plugins:
+  - resource-fit
+  - plugin: octacloud
+    weight: 1
+    args: {multi-card-scarcity: true}
+"""
+
+
+def test_multi_card_demand_is_recorded_per_class_rare_ones_included() -> None:
+    requests = [req(f"s{k}", 500) for k in range(98)] + [req("m", 1000, 8, cpu=88_000), req("n", 1000, 8, cpu=88_000)]
+    workload = TargetWorkload.from_requests(requests)
+    assert all(s.num_gpu == 1 for s in workload.shapes)  # the eight-card shape is below the 95 % coverage
+    ((cards, cpu, models, memory, share),) = workload.multi_demand
+    assert (cards, cpu, models, memory) == (8, 88_000, frozenset(), 1024)
+    assert share == pytest.approx(16_000 / (98 * 500 + 16_000))
+
+
+def test_the_last_whole_nodes_are_kept_for_the_eight_card_requests_to_come(tmp_path: Path) -> None:
+    # 59 % of the GPU demand is eight-card requests; one idle 8-card node and a half-used one are left: about 7
+    # cards of eight-card demand are expected for one copy hosted (8 cards), so a one-card pod that breaks the
+    # idle node risks an eight-card request with chance ~0.43 (M ≈ 3,400 milli-GPU) and goes beside the used cards.
+    state = ClusterState([node("a", 8, cpu=96_000), node("c", 8, cpu=96_000)])
+    place(state, req("x", 1000, 4, cpu=8000), "c", (0, 1, 2, 3))
+    requests = [req(f"w{k}", 1000) for k in range(56)] + [req(f"e{k}", 1000, 8, cpu=16_000) for k in range(10)]
+    workload = TargetWorkload.from_requests(requests)
+    plugin = ConsolidatingFragmentation(workload, whole_cards=True)
+    (cost,) = plugin.whole_card_costs(state)
+    assert 0.35 * 8000 < cost < 0.5 * 8000
+    assert plugin.copies(state.signature[0]) == (1,) and plugin.copies(state.signature[1]) == (0,)
+    path = tmp_path / "m.yaml"
+    path.write_text(PROFILE_WITH_M)
+    for seed in SEEDS:
+        decision = Scheduler(state, build_profile(str(path), seed=seed, workload=workload)).decide(req("p", 1000))
+        assert decision.placement is not None and decision.placement.node == "c"
+    assert ConsolidatingFragmentation(workload, whole_cards=False).whole_card_costs(state) == ()
+    assert {_schedule("octacloud", state, workload, s, req("p", 1000)) for s in SEEDS} == {"c"}  # on by default
+    plenty = ClusterState([node(f"n{k}", 8, cpu=96_000) for k in range(60)])
+    assert plugin.whole_card_costs(plenty) == ()  # 60 copies for ~35 expected: negligible, no cost
+    check_invariants(state)
+
+
+def test_whole_card_totals_follow_the_state_incrementally() -> None:
+    state = ClusterState([node("a", 8, cpu=96_000), node("b", 8, cpu=96_000)])
+    workload = TargetWorkload.from_requests([req("w", 1000), req("e", 1000, 8, cpu=16_000)])
+    plugin = ConsolidatingFragmentation(workload, whole_cards=True)
+    plugin.whole_card_costs(state)
+    assert plugin._copies_total == [2] and plugin._free_total == 16_000
+    place(state, req("x", 300), "a", (5,))
+    plugin.whole_card_costs(state)
+    assert plugin._copies_total == [1] and plugin._free_total == 15_700
+    state.release("x")
+    plugin.whole_card_costs(state)
+    assert plugin._copies_total == [2] and plugin._free_total == 16_000

@@ -222,3 +222,29 @@ def test_the_default_retry_skips_failed_shapes_without_changing_outcomes() -> No
     assert b.decisions < a.decisions
     assert naive.timeline == default.timeline
     assert (a.placed, a.completed, a.mean_wait_seconds) == (b.placed, b.completed, b.mean_wait_seconds)
+
+
+def test_waits_are_reported_per_request_class_with_what_is_still_queued() -> None:
+    # One 2-card node. A whole card runs 0–100; a 2-card request arriving at 1 waits until 100 (placed at the tick
+    # at 100: waits 99 s); a share arriving at 2 fits beside the whole card at once; a second 2-card request at 3
+    # waits behind and is still queued at the end (t = 150: 147 s so far).
+    arrivals = [
+        Arrival(0.0, _gpu("w", 1000), 100.0),
+        Arrival(1.0, Request("m1", num_gpu=2, gpu_milli=1000), 100.0),
+        Arrival(2.0, _gpu("s", 500), 10.0),
+        Arrival(3.0, Request("m2", num_gpu=2, gpu_milli=1000), 100.0),
+    ]
+    report = ChurnSimulation(_scheduler(2), arrivals, until=150.0, queue=True, period=5.0).run()
+    multi = report.waits["multi-card"]
+    assert (multi.started, multi.mean, multi.p95, multi.queued_at_end, multi.longest_queued) == (
+        1,
+        99.0,
+        99.0,
+        1,
+        147.0,
+    )
+    assert report.waits["share"].mean == 0.0 and report.waits["one card"].started == 1
+    assert "cpu only" not in report.waits
+    assert report.as_dict()["waits_by_class"]["multi-card"]["queued_at_end"] == 1  # type: ignore[index]
+    late = ChurnSimulation(_scheduler(2), arrivals, until=150.0, queue=True, period=5.0, warmup=2.5).run()
+    assert set(late.waits) == {"multi-card"} and late.waits["multi-card"].started == 0  # arrivals before the window

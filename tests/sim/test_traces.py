@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from octacloud.core import InvalidSpecError
-from octacloud.sim.traces import GPU_MEMORY_MIB, TraceFormatError, TracePod, read_nodes, read_pods
+from octacloud.sim.traces import (
+    GPU_MEMORY_MIB,
+    TraceFormatError,
+    TracePod,
+    read_gpu_memory_table,
+    read_nodes,
+    read_pods,
+)
 
 from ..traces import require_traces
 
@@ -67,12 +74,31 @@ def test_malformed_pod_rows_name_file_line_column_value(tmp_path: Path, text: st
     assert isinstance(info.value, InvalidSpecError)
 
 
-def test_unknown_gpu_model_is_an_error_unless_given(tmp_path: Path) -> None:
-    path = _write(tmp_path, "nodes.csv", "sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,4,H100\n")
-    with pytest.raises(TraceFormatError, match=r"line 2, column 'model'.*unknown GPU model 'H100'"):
+def test_any_gpu_model_with_memory_from_a_column_or_a_table(tmp_path: Path) -> None:
+    path = _write(tmp_path, "nodes.csv", "sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,4,GPU-series-1\nn1,1,1,0,\n")
+    with pytest.raises(TraceFormatError, match=r"line 2, column 'model'.*no card memory for GPU model 'GPU-series-1'"):
         read_nodes(path)
-    (node,) = read_nodes(path, gpu_memory={"H100": 81920})
-    assert node.gpus[3].memory_mib == 81920
+    node, cpu_only = read_nodes(path, gpu_memory={"GPU-series-1": 81920})
+    assert node.gpus[3].memory_mib == 81920 and node.gpu_model == "GPU-series-1" and cpu_only.gpu_count == 0
+    table = _write(tmp_path, "mem.csv", "model,gpu_memory_mib\nGPU-series-1,65536\n")
+    (node, _) = read_nodes(path, gpu_memory=read_gpu_memory_table(table))
+    assert node.gpus[0].memory_mib == 65536
+    assert read_gpu_memory_table(table)["T4"] == GPU_MEMORY_MIB["T4"]  # merged over the built-in table
+    column = _write(
+        tmp_path,
+        "col.csv",
+        "sn,cpu_milli,memory_mib,gpu,model,gpu_memory_mib\nn0,1,1,8,GPU-series-1,49152\nn1,1,1,2,T4,\n",
+    )
+    a, b = read_nodes(column)
+    assert a.gpus[7].memory_mib == 49152 and b.gpus[0].memory_mib == GPU_MEMORY_MIB["T4"]
+    (h800,) = read_nodes(_write(tmp_path, "h.csv", "sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,8,H800\n"))
+    assert h800.gpus[0].memory_mib == 81920
+    bad = _write(tmp_path, "bad.csv", "sn,cpu_milli,memory_mib,gpu,model,gpu_memory_mib\nn0,1,1,8,X,lots\n")
+    with pytest.raises(TraceFormatError, match=r"line 2, column 'gpu_memory_mib'.*'lots'"):
+        read_nodes(bad)
+    dup = _write(tmp_path, "dup.csv", "model,gpu_memory_mib\nX,1\nX,2\n")
+    with pytest.raises(TraceFormatError, match="already given on line 2"):
+        read_gpu_memory_table(dup)
 
 
 def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:

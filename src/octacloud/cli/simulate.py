@@ -4,7 +4,10 @@
   writes ``alloc.csv``, ``frag.csv``, ``summary.json`` and PNGs;
 * with ``--arrivals poisson:RATE --lifetime lognormal:MU,SIGMA --duration SECONDS`` it runs churn mode instead
   and writes ``churn.json`` (time-averaged GPU allocation, failed and queued requests) and ``churn_*.png``;
-* ``octacloud simulate compare DIR --published fgd_published_alloc.csv`` lines our results up with the paper's.
+* ``octacloud simulate compare DIR [DIR...] [--published fgd_published_alloc.csv]`` lines our results up with
+  the paper's, with the LP lower bound of the same seeds next to every policy;
+* ``octacloud simulate generate workload|fleet|suite`` writes seeded openb-format workloads and fleets
+  (:mod:`octacloud.sim.generate`).
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ def simulate(
     defrag: int = typer.Option(
         0, "--defrag", help="Churn: re-evaluate with the scheduler's loop, defragmenting with up to N moves per pass."
     ),
+    gpu_memory: Path | None = typer.Option(
+        None, "--gpu-memory", help="Card memory per model for the fleet: a CSV with model,gpu_memory_mib."
+    ),
+    bound: bool = typer.Option(True, "--bound/--no-bound", help="Compute the LP lower bound per seed."),
 ) -> None:
     """Replay traces under the FGD paper's protocol (or in churn mode) and write results to --out."""
     if ctx.invoked_subcommand is not None:
@@ -96,11 +103,14 @@ def simulate(
             raise InvalidSpecError(f"--jobs must be >= 1, got {jobs}")
         policies = check_policies([p.strip() for p in policy.split(",") if p.strip()])
         seed_list = parse_seeds(seeds)
-        _check_traces(fleet, traces)
+        memory_table = None if gpu_memory is None else _existing(gpu_memory, "--gpu-memory")
+        _check_traces(fleet, traces, memory_table)
         if arrivals is None:
             if not 0 < tune <= 10:
                 raise InvalidSpecError(f"--tune must be in (0, 10], got {tune}")
-            specs = [RunSpec(fleet, t, p, s, tune) for t in traces for p in policies for s in seed_list]
+            specs = [
+                RunSpec(fleet, t, p, s, tune, memory_table, bound) for t in traces for p in policies for s in seed_list
+            ]
         else:
             if defrag < 0:
                 raise InvalidSpecError(f"--defrag: moves per pass must be >= 0, got {defrag}")
@@ -113,7 +123,9 @@ def simulate(
                 )
             arrival_spec, lifetime_spec = parse_arrivals(arrivals), parse_lifetime(lifetime)
             churn_specs = [
-                ChurnSpec(fleet, t, p, s, arrival_spec, lifetime_spec, duration, queue, period, warmup, defrag)
+                ChurnSpec(
+                    fleet, t, p, s, arrival_spec, lifetime_spec, duration, queue, period, warmup, defrag, memory_table
+                )
                 for t in traces
                 for p in policies
                 for s in seed_list
@@ -133,11 +145,12 @@ def simulate(
         raise _fail(str(exc)) from None
 
 
-def _check_traces(fleet: Path, traces: Sequence[Path]) -> None:
+def _check_traces(fleet: Path, traces: Sequence[Path], gpu_memory: Path | None = None) -> None:
     """Read every input once up front, so that a malformed row stops the command before any run starts."""
-    from octacloud.sim.traces import read_nodes, read_pods
+    from octacloud.sim.traces import read_gpu_memory_table, read_nodes, read_pods
 
-    if not any(node.gpu_count for node in read_nodes(fleet)):
+    table = None if gpu_memory is None else read_gpu_memory_table(gpu_memory)
+    if not any(node.gpu_count for node in read_nodes(fleet, gpu_memory=table)):
         raise InvalidSpecError(f"--nodes {fleet}: the fleet has no GPUs")
     for trace in traces:
         if not read_pods(trace):
@@ -253,7 +266,8 @@ def _run_churn(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> No
         churn_timelines(results, out)
     table = Table(title="churn: time-averaged GPU allocation")
     columns = ("workload", "policy", "seed", "offered %", "allocated %", "placed", "failed", "queued", "wait s")
-    for name in (*columns, "moves"):
+    classes = ("share", "one card", "multi-card")
+    for name in (*columns, *(f"{c} wait mean/p95 (queued)" for c in classes), "moves"):
         table.add_column(name, justify="left" if name in ("workload", "policy") else "right")
     for r in results:
         rep = r.report
@@ -267,6 +281,12 @@ def _run_churn(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> No
             str(rep.failed),
             str(rep.queued_at_end),
             f"{rep.mean_wait_seconds:.1f}",
+            *(
+                "—"
+                if c not in rep.waits
+                else f"{rep.waits[c].mean:.1f}/{rep.waits[c].p95:.1f} ({rep.waits[c].queued_at_end})"
+                for c in classes
+            ),
             str(r.moves),
         )
     console.print(table)
@@ -275,25 +295,35 @@ def _run_churn(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> No
 
 @app.command("compare")
 def compare(
-    results_dir: Path = typer.Argument(..., help="A folder written by `octacloud simulate` (with alloc.csv)."),
-    published: Path = typer.Option(..., "--published", help="The published alloc CSV (fgd_published_alloc.csv)."),
+    results_dirs: list[Path] = typer.Argument(..., help="Folders written by `octacloud simulate` (with alloc.csv)."),
+    published: Path | None = typer.Option(
+        None, "--published", help="The published alloc CSV (fgd_published_alloc.csv); without it: ours only."
+    ),
     at: int = typer.Option(100, "--at", help="Arrived GPU % at which to compare (0..130)."),
     tolerance: float = typer.Option(0.5, "--tolerance", help="Percentage points within which a row matches."),
     output_format: str = typer.Option("table", "--format", help="table, csv or json."),
 ) -> None:
-    """Side by side: published vs our unallocated GPU % (mean ± sd over seeds) per workload and policy."""
+    """Side by side: published vs our unallocated GPU % (mean ± sd over seeds) per workload and policy, with the
+    LP lower bound of the same seeds (at 100 %) and the failed eight-card pods per seed."""
     from octacloud.sim.report import compare as compare_rows
-    from octacloud.sim.report import comparison_csv, read_curves
+    from octacloud.sim.report import comparison_csv, read_curves, read_run_facts
 
     try:
         if output_format not in ("table", "csv", "json"):
             raise InvalidSpecError(f"--format must be table, csv or json, got {output_format!r}")
-        ours_path = results_dir / "alloc.csv"
-        if not results_dir.is_dir():
-            raise InvalidSpecError(f"{results_dir}: no such folder (give the --out folder of `octacloud simulate`)")
-        if not ours_path.is_file():
-            raise InvalidSpecError(f"{results_dir}: no alloc.csv here; run `octacloud simulate --out {results_dir}`")
-        table = compare_rows(read_curves(ours_path), read_curves(published), at=at)
+        ours, runs = [], []
+        for results_dir in results_dirs:
+            ours_path = results_dir / "alloc.csv"
+            if not results_dir.is_dir():
+                raise InvalidSpecError(f"{results_dir}: no such folder (give the --out folder of `octacloud simulate`)")
+            if not ours_path.is_file():
+                raise InvalidSpecError(
+                    f"{results_dir}: no alloc.csv here; run `octacloud simulate --out {results_dir}`"
+                )
+            ours.extend(read_curves(ours_path))
+            runs.extend(read_run_facts(results_dir / "summary.json"))
+        theirs = [] if published is None else read_curves(_existing(published, "--published"))
+        table = compare_rows(ours, theirs, at=at, runs=runs)
     except InvalidSpecError as exc:
         raise _fail(str(exc)) from None
     if output_format == "csv":
@@ -301,28 +331,159 @@ def compare(
     elif output_format == "json":
         typer.echo(json.dumps([row.as_dict() for row in table], indent=2))
     else:
-        _console().print(_comparison_table(table, at, tolerance))
+        _console().print(_comparison_table(table, at, tolerance, published is not None))
 
 
-def _comparison_table(rows: Sequence[Comparison], at: int, tolerance: float) -> Table:
+def _comparison_table(rows: Sequence[Comparison], at: int, tolerance: float, with_published: bool = True) -> Table:
     def fmt(mean: float | None, sd: float | None, n: int) -> str:
         return "—" if mean is None else f"{mean:.2f} ± {sd or 0.0:.2f} (n={n})"
 
-    table = Table(title=f"unallocated GPU % at {at} % arrived: published vs octacloud")
-    for name in ("workload", "policy", "published", "ours", "diff", f"|diff| ≤ {tolerance:g}"):
+    title = f"unallocated GPU % at {at} % arrived: " + ("published vs octacloud" if with_published else "ours")
+    table = Table(title=title)
+    columns = ["workload", "policy"]
+    if with_published:
+        columns += ["published"]
+    columns += ["ours", "LP bound", "ours − bound", "8-card failed"]
+    if with_published:
+        columns += ["diff", f"|diff| ≤ {tolerance:g}"]
+    for name in columns:
         table.add_column(name, justify="left" if name in ("workload", "policy") else "right")
     for row in rows:
         within = row.within(tolerance)
         diff = row.difference
-        table.add_row(
-            row.workload,
-            row.sc_policy,
-            fmt(row.published_mean, row.published_sd, row.published_n),
+        gap = None if row.ours_mean is None or row.bound_mean is None else row.ours_mean - row.bound_mean
+        cells = [row.workload, row.sc_policy]
+        if with_published:
+            cells.append(fmt(row.published_mean, row.published_sd, row.published_n))
+        cells += [
             fmt(row.ours_mean, row.ours_sd, row.ours_n),
-            "—" if diff is None else f"{diff:+.2f}",
-            "—" if within is None else ("yes" if within else "[red]no[/red]"),
-        )
+            fmt(row.bound_mean, row.bound_sd, row.bound_n),
+            "—" if gap is None else f"{gap:.2f}",
+            "—" if row.failed_8gpu_mean is None else f"{row.failed_8gpu_mean:.1f}",
+        ]
+        if with_published:
+            cells += [
+                "—" if diff is None else f"{diff:+.2f}",
+                "—" if within is None else ("yes" if within else "[red]no[/red]"),
+            ]
+        table.add_row(*cells)
     return table
+
+
+generate_app = typer.Typer(
+    name="generate",
+    help="Seeded openb-format workloads and fleets (see octacloud.sim.generate and docs/simulator.md).",
+    add_completion=False,
+    no_args_is_help=True,
+)
+app.add_typer(generate_app, name="generate")
+
+
+@generate_app.command("workload")
+def generate_workload(
+    pods: Path = typer.Option(..., "--pods", help="The base trace (openb pod file)."),
+    nodes: Path = typer.Option(..., "--nodes", help="The fleet the family is meant for (restrictions must fit it)."),
+    spec: str = typer.Option(
+        ..., "--spec", help="SHARE@MODEL[|MODEL], comma-separated, plus cpu=X / mem=X; e.g. 0.1@T4,0.05@G3,cpu=1.5."
+    ),
+    seed: int = typer.Option(7, "--seed", help="Which pods are restricted (a family is a pure function of it)."),
+    out: Path = typer.Option(..., "--out", help="The pod file to write."),
+    gpu_memory: Path | None = typer.Option(None, "--gpu-memory", help="model,gpu_memory_mib table for the fleet."),
+) -> None:
+    """Write a workload family: the base trace with SHARE of its GPU request restricted to model sets."""
+    from octacloud.sim.generate import parse_workload_spec, restrict_workload, write_pods
+    from octacloud.sim.traces import read_gpu_memory_table, read_nodes, read_pods
+
+    try:
+        table = None if gpu_memory is None else read_gpu_memory_table(_existing(gpu_memory, "--gpu-memory"))
+        fleet = read_nodes(_existing(nodes, "--nodes"), gpu_memory=table)
+        base = [p.request for p in read_pods(_existing(pods, "--pods"))]
+        family, description = restrict_workload(base, fleet, parse_workload_spec(spec), seed=seed)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_pods(out, family)
+    except InvalidSpecError as exc:
+        raise _fail(str(exc)) from None
+    except OSError as exc:
+        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
+    typer.echo(json.dumps(description, indent=2))
+
+
+@generate_app.command("fleet")
+def generate_fleet_command(
+    out: Path = typer.Option(..., "--out", help="The node file to write (with a gpu_memory_mib column)."),
+    count: int = typer.Option(200, "--count", help="Nodes (generated fleets)."),
+    mix: str | None = typer.Option(None, "--mix", help="MODEL[:WEIGHT],... e.g. A100-80G:3,H800:1,A10:3.5,L40:2.5."),
+    gpus: int = typer.Option(8, "--gpus", help="GPUs per node."),
+    cpu: str = typer.Option("128", "--cpu", help="Cores per node, one or several choices: 96,128."),
+    memory: str = typer.Option("1024", "--memory-gib", help="Host memory per node in GiB, choices: 768,1024."),
+    card_memory: str = typer.Option("", "--card-gib", help="Card memory for models the table lacks: MODEL=GiB,..."),
+    sample: Path | None = typer.Option(None, "--sample", help="Instead: a stratified sample of this node file."),
+    fraction: float = typer.Option(0.25, "--fraction", help="With --sample: the share of each node kind kept."),
+    seed: int = typer.Option(7, "--seed", help="The generator's seed."),
+) -> None:
+    """Write a fleet: COUNT nodes of GPUS cards in the proportions of --mix, or a sample of a node file."""
+    from octacloud.sim.generate import generate_fleet, parse_mix, sample_fleet, write_nodes
+    from octacloud.sim.traces import read_nodes
+
+    try:
+        if sample is not None:
+            rows = sample_fleet(read_nodes(_existing(sample, "--sample")), fraction, seed=seed)
+        else:
+            if mix is None:
+                raise InvalidSpecError("--mix is required unless --sample is given")
+            cards: dict[str, int] = {}
+            for item in (i.strip() for i in card_memory.split(",") if i.strip()):
+                model, eq, gib = item.partition("=")
+                if not eq or not gib.strip().isdigit():
+                    raise InvalidSpecError(f"--card-gib {card_memory!r}: each item is MODEL=GiB")
+                cards[model.strip()] = int(gib)
+            rows = generate_fleet(
+                count,
+                parse_mix(mix),
+                gpus=gpus,
+                cpu_cores=_int_choices(cpu, "--cpu"),
+                memory_gib=_int_choices(memory, "--memory-gib"),
+                gpu_memory_gib=cards,
+                seed=seed,
+            )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_nodes(out, rows)
+    except InvalidSpecError as exc:
+        raise _fail(str(exc)) from None
+    except OSError as exc:
+        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
+    typer.echo(f"{len(rows)} nodes, {sum(r[3] for r in rows)} GPUs written to {out}")
+
+
+def _int_choices(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise InvalidSpecError(f"{option} {text!r}: expected whole numbers separated by commas") from None
+    if not values or any(v <= 0 for v in values):
+        raise InvalidSpecError(f"{option} {text!r}: expected numbers > 0")
+    return values
+
+
+@generate_app.command("suite")
+def generate_suite(
+    traces: Path = typer.Option(..., "--traces", help="The openb folder (base traces and node files)."),
+    out: Path = typer.Option(..., "--out", help="Folder for fleet_*.csv, gen_*.csv and suite.json."),
+) -> None:
+    """Write the robustness suite of docs/beating-fgd.md: its fleets and workload families."""
+    from octacloud.sim.generate import SUITE_FAMILIES, write_suite
+
+    try:
+        if not traces.is_dir():
+            raise InvalidSpecError(f"--traces {traces}: no such folder")
+        entries = write_suite(traces, out)
+    except InvalidSpecError as exc:
+        raise _fail(str(exc)) from None
+    except OSError as exc:
+        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
+    fleets = {f.name: f.fleet for f in SUITE_FAMILIES}
+    for entry in entries:
+        typer.echo(f"gen_{entry['family']}.csv  fleet_{fleets[str(entry['family'])]}.csv  {entry['spec']}")
 
 
 def register(root: typer.Typer) -> None:

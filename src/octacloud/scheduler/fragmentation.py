@@ -66,12 +66,24 @@ class TargetWorkload:
     ``share_sizes`` is every one-card share size (milli-GPU below one card) with its weight: what can fill a shared
     card's remainder (octacloud's dead-space term). ``from_requests`` records the requests' sizes, those of the
     shapes left out by the coverage included; when not given it is derived from the shapes.
+
+    ``restricted_demand`` is, per set of allowed GPU models (``gpu_spec``), the share of the workload's GPU request
+    restricted to exactly that set and the size moment ``E[X²]/E[X]`` (milli-GPU) of those requests' GPU demand
+    ``X``: what octacloud's scarcity term reserves on each model. ``from_requests`` records it from all requests;
+    when not given it is derived from the shapes. Empty when no request is restricted.
+
+    ``multi_demand`` is, per multi-card request class ``(cards, CPU, allowed models)``, the class's median memory
+    and its share of the workload's GPU demand: what octacloud's multi-card term keeps whole cards for. Recorded
+    from all requests by ``from_requests`` (rare classes included: an eight-card request is rare by count, not by
+    GPU); when not given it is derived from the shapes.
     """
 
     shapes: tuple[WorkloadShape, ...]
     probabilities: tuple[float, ...]
     memory_mib: tuple[int, ...] = ()
     share_sizes: tuple[tuple[int, float], ...] = ()
+    restricted_demand: tuple[tuple[frozenset[str], float, float], ...] = ()
+    multi_demand: tuple[tuple[int, int, frozenset[str], int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.probabilities):
@@ -96,6 +108,17 @@ class TargetWorkload:
                 if 0 < shape.gpu_milli < MILLI_PER_GPU:
                     shares[shape.gpu_milli] = shares.get(shape.gpu_milli, 0.0) + p
             object.__setattr__(self, "share_sizes", tuple(sorted(shares.items())))
+        if not self.restricted_demand:
+            weighted = [(s.gpu_models, p * s.gpu_milli * s.num_gpu, s.gpu_milli * s.num_gpu) for s, p in self.pairs()]
+            object.__setattr__(self, "restricted_demand", _restricted(weighted))
+        if not self.multi_demand:
+            memories = self.memory_mib or (0,) * len(self.shapes)
+            classes = [(s, p * s.num_gpu * s.gpu_milli, [m]) for (s, p), m in zip(self.pairs(), memories, strict=True)]
+            object.__setattr__(self, "multi_demand", _multi(classes))
+
+    def pairs(self) -> Iterable[tuple[WorkloadShape, float]]:
+        """``(shape, probability)`` for every shape."""
+        return zip(self.shapes, self.probabilities, strict=True)
 
     @classmethod
     def from_requests(cls, requests: Iterable[Request], coverage: float = 0.95) -> TargetWorkload:
@@ -109,8 +132,10 @@ class TargetWorkload:
         if not 0.0 < coverage <= 1.0:
             raise InvalidSpecError(f"target workload: coverage must be in (0, 1], got {coverage}")
         memories: dict[WorkloadShape, list[int]] = {}
+        weighted: list[tuple[frozenset[str], float, int]] = []
         for r in requests:
             memories.setdefault(WorkloadShape.of(r), []).append(r.memory_mib)
+            weighted.append((r.gpu_models, float(r.total_gpu_milli), r.total_gpu_milli))
         counts = Counter({shape: len(m) for shape, m in memories.items()})
         if not counts:
             raise InvalidSpecError("target workload: no requests to learn shapes from")
@@ -132,12 +157,61 @@ class TargetWorkload:
         for shape, n in counts.items():
             if shape.num_gpu == 1 and 0 < shape.gpu_milli < MILLI_PER_GPU:
                 shares[shape.gpu_milli] += n
+        multi = [(s, float(len(m) * s.num_gpu * s.gpu_milli), m) for s, m in memories.items() if s.num_gpu > 1]
+        gpu_total = sum(w for _, w, _ in weighted)
         return cls(
             tuple(s for s, _ in chosen),
             tuple(n / covered for _, n in chosen),
             tuple(int(statistics.median(memories[s])) for s, _ in chosen),
             tuple((milli, n / total) for milli, n in sorted(shares.items())),
+            _restricted(weighted),
+            _multi(multi, gpu_total),
         )
+
+
+def _restricted(
+    weighted: Iterable[tuple[frozenset[str], float, int]],
+) -> tuple[tuple[frozenset[str], float, float], ...]:
+    """From ``(allowed models, weight of GPU demand, GPU demand of one request)``: per restricted model set its
+    share of all GPU demand and ``E[X²]/E[X]`` of one request's demand, sorted by the set's spec."""
+    total = 0.0
+    sums: dict[frozenset[str], list[float]] = {}
+    for models, weight, milli in weighted:
+        total += weight
+        if models and weight > 0:
+            entry = sums.setdefault(models, [0.0, 0.0])
+            entry[0] += weight
+            entry[1] += weight * milli
+    if total <= 0:
+        return ()
+    return tuple(
+        (models, first / total, second / first)
+        for models, (first, second) in sorted(sums.items(), key=lambda kv: "|".join(sorted(kv[0])))
+    )
+
+
+def _multi(
+    classes: Iterable[tuple[WorkloadShape, float, list[int]]], total: float | None = None
+) -> tuple[tuple[int, int, frozenset[str], int, float], ...]:
+    """From ``(shape, weight of its GPU demand, memories of its requests)``: per multi-card class ``(cards, CPU,
+    models)`` the median memory and the class's share of all GPU demand (``total``: all weights given)."""
+    entries = list(classes)
+    if total is None:
+        total = sum(w for _, w, _ in entries)
+    grouped: dict[tuple[int, int, frozenset[str]], tuple[float, list[int]]] = {}
+    for shape, weight, memories in entries:
+        if shape.num_gpu > 1 and weight > 0:
+            key = (shape.num_gpu, shape.cpu_milli, shape.gpu_models)
+            w, m = grouped.get(key, (0.0, []))
+            grouped[key] = (w + weight, m + memories)
+    if not total or total <= 0:
+        return ()
+    return tuple(
+        (cards, cpu, models, int(statistics.median(m)), w / total)
+        for (cards, cpu, models), (w, m) in sorted(
+            grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], sorted(kv[0][2]))
+        )
+    )
 
 
 @dataclass(slots=True)

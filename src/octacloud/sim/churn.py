@@ -99,6 +99,56 @@ def retry_pending(sim: ChurnSimulation) -> None:
     sim.pending.extend(waiting)
 
 
+WAIT_CLASSES = ("share", "one card", "multi-card", "cpu only")
+"""How waits are reported: by the kind of request (a share of a card, one whole card, several cards, no GPU)."""
+
+
+def wait_class(request: Request) -> str:
+    """The :data:`WAIT_CLASSES` entry of ``request``."""
+    if request.num_gpu == 0:
+        return "cpu only"
+    if request.num_gpu > 1:
+        return "multi-card"
+    return "share" if request.is_sharing else "one card"
+
+
+@dataclass(frozen=True, slots=True)
+class WaitStats:
+    """Waits of one request class that arrived inside the measured window (seconds)."""
+
+    started: int
+    mean: float
+    p95: float
+    max: float
+    queued_at_end: int
+    """Arrived in the window and still waiting at the end (starvation shows here, not in the waits)."""
+    longest_queued: float
+    """Longest wait so far of those still queued at the end."""
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "started": self.started,
+            "mean_wait_seconds": round(self.mean, 3),
+            "p95_wait_seconds": round(self.p95, 3),
+            "max_wait_seconds": round(self.max, 3),
+            "queued_at_end": self.queued_at_end,
+            "longest_queued_seconds": round(self.longest_queued, 3),
+        }
+
+
+def _wait_stats(waits: Sequence[float], queued: Sequence[float]) -> WaitStats:
+    ordered = sorted(waits)
+    p95 = ordered[min(len(ordered) - 1, max(0, -(-95 * len(ordered) // 100) - 1))] if ordered else 0.0
+    return WaitStats(
+        len(ordered),
+        sum(ordered) / len(ordered) if ordered else 0.0,
+        p95,
+        ordered[-1] if ordered else 0.0,
+        len(queued),
+        max(queued, default=0.0),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class ChurnReport:
     """What a churn run measured over ``[warmup, until]`` of simulated time."""
@@ -119,6 +169,8 @@ class ChurnReport:
     reevaluations: int
     decisions: int
     decision_seconds: float
+    waits: dict[str, WaitStats] = field(default_factory=dict)
+    """Per :data:`WAIT_CLASSES` entry: waits of the requests that arrived inside the window."""
 
     @property
     def decisions_per_second(self) -> float:
@@ -140,6 +192,7 @@ class ChurnReport:
             "reevaluations": self.reevaluations,
             "decisions": self.decisions,
             "decisions_per_second": round(self.decisions_per_second, 1),
+            "waits_by_class": {k: v.as_dict() for k, v in self.waits.items()},
         }
 
 
@@ -196,6 +249,7 @@ class ChurnSimulation:
         self._last = self.clock.monotonic()
         self._counts = {"arrivals": 0, "placed": 0, "failed": 0, "completed": 0, "ticks": 0, "max_queue": 0}
         self._wait_total = 0.0
+        self._waits: dict[str, list[float]] = {}
         self._decisions = 0
         self._decision_seconds = 0.0
 
@@ -287,6 +341,8 @@ class ChurnSimulation:
         self.running[request.name] = Running(request, now, now + lifetime, self._epoch)
         self._counts["placed"] += 1
         self._wait_total += now - since
+        if since >= self.warmup:
+            self._waits.setdefault(wait_class(request), []).append(now - since)
         self._push(_Event(now + lifetime, EventKind.DEPARTURE, self._next_seq(), name=request.name, epoch=self._epoch))
         self._note_allocation()
 
@@ -337,4 +393,16 @@ class ChurnSimulation:
             reevaluations=self._counts["ticks"],
             decisions=self._decisions,
             decision_seconds=self._decision_seconds,
+            waits=self._wait_report(),
         )
+
+    def _wait_report(self) -> dict[str, WaitStats]:
+        queued: dict[str, list[float]] = {}
+        for item in self.pending:
+            if item.since >= self.warmup:
+                queued.setdefault(wait_class(item.request), []).append(self.now - item.since)
+        return {
+            k: _wait_stats(self._waits.get(k, ()), queued.get(k, ()))
+            for k in WAIT_CLASSES
+            if k in self._waits or k in queued
+        }

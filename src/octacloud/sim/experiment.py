@@ -26,12 +26,13 @@ from octacloud.scheduler.fragmentation import FragmentationTracker, TargetWorklo
 from octacloud.scheduler.framework import ClusterState, Decision, Scheduler
 from octacloud.scheduler.loop import LoopSettings, ReevaluationLoop
 from octacloud.scheduler.policies import POLICY_IDS, build_profile, policy_names
+from octacloud.sim.bound import arrived_prefix, packing_bound
 from octacloud.sim.churn import ChurnReport, ChurnSimulation, ReevaluationHook
 from octacloud.sim.metrics import Curve, RunRecorder, value_at
 from octacloud.sim.protocol import inflate, replay
 from octacloud.sim.reevaluate import LoopHook
 from octacloud.sim.synthetic import Lifetime, PoissonArrivals, offered_load, synthetic_arrivals
-from octacloud.sim.traces import read_nodes, read_pods
+from octacloud.sim.traces import read_gpu_memory_table, read_nodes, read_pods
 
 S = TypeVar("S")
 R = TypeVar("R")
@@ -96,6 +97,10 @@ class RunSpec:
     policy: str
     seed: int
     tune: float = DEFAULT_TUNE
+    gpu_memory: Path | None = None
+    """A ``model,gpu_memory_mib`` table for fleets whose models the built-in table lacks (``--gpu-memory``)."""
+    bound: bool = True
+    """Also compute the LP lower bound on unallocated GPU % at 100 % arrived for this seed's pods."""
 
     @property
     def workload(self) -> str:
@@ -125,6 +130,8 @@ class RunResult:
     wall_seconds: float
     cpu_seconds: float
     """CPU time of the run in its process: the figure to read when other work shares the machine."""
+    lower_bound_pct: float | None = None
+    """LP lower bound on unallocated GPU % at 100 % arrived for this seed's pods (:mod:`octacloud.sim.bound`)."""
 
     def unallocated_at(self, arrived_percent: int) -> float | None:
         """Unallocated GPU % (100 − allocation ratio) at an arrived %, ``None`` where the curve has a gap."""
@@ -153,6 +160,7 @@ class RunResult:
             "p99_decision_ms": round(self.p99_decision_ms, 3),
             "wall_seconds": round(self.wall_seconds, 2),
             "cpu_seconds": round(self.cpu_seconds, 2),
+            "lower_bound_unallocated_pct_at_100": self.lower_bound_pct,
         }
 
 
@@ -190,20 +198,32 @@ def place(
 
 
 @functools.lru_cache(maxsize=4)
-def _load(nodes: Path, pods: Path) -> tuple[tuple[Node, ...], tuple[Request, ...]]:
+def _load(nodes: Path, pods: Path, gpu_memory: Path | None = None) -> tuple[tuple[Node, ...], tuple[Request, ...]]:
     """Read a fleet and a trace once per process (a worker runs many seeds of the same files)."""
-    return tuple(read_nodes(nodes)), tuple(p.request for p in read_pods(pods))
+    table = None if gpu_memory is None else read_gpu_memory_table(gpu_memory)
+    return tuple(read_nodes(nodes, gpu_memory=table)), tuple(p.request for p in read_pods(pods))
+
+
+@functools.lru_cache(maxsize=64)
+def seed_lower_bound(nodes: Path, pods: Path, gpu_memory: Path | None, seed: int, tune: float) -> float:
+    """The LP lower bound of one seed's pod sequence (cached: every policy of a seed shares it)."""
+    fleet, original = _load(nodes, pods, gpu_memory)
+    capacity = sum(n.gpu_milli for n in fleet)
+    requests = inflate(original, seed=seed, tune=tune, capacity_milli=capacity)
+    return packing_bound(fleet, arrived_prefix(requests, capacity)).unallocated_pct
 
 
 def run(spec: RunSpec) -> RunResult:
     """Run the published protocol once. Deterministic in ``spec``."""
     started, cpu_started = time.perf_counter(), time.process_time()
-    nodes, original = _load(spec.nodes, spec.pods)
+    nodes, original = _load(spec.nodes, spec.pods, spec.gpu_memory)
     capacity = sum(n.gpu_milli for n in nodes)
     workload = TargetWorkload.from_requests(original)
     requests = inflate(original, seed=spec.seed, tune=spec.tune, capacity_milli=capacity)
     recorder = place(nodes, requests, policy=spec.policy, seed=spec.seed, workload=workload).recorder
     stats = recorder.decision_stats()
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    bound = seed_lower_bound(spec.nodes, spec.pods, spec.gpu_memory, spec.seed, spec.tune) if spec.bound else None
     return RunResult(
         spec=spec,
         total_gpus=recorder.total_gpus,
@@ -217,8 +237,9 @@ def run(spec: RunSpec) -> RunResult:
         decisions_per_second=stats.per_second,
         p50_decision_ms=stats.p50_ms,
         p99_decision_ms=stats.p99_ms,
-        wall_seconds=time.perf_counter() - started,
-        cpu_seconds=time.process_time() - cpu_started,
+        wall_seconds=wall,
+        cpu_seconds=cpu,
+        lower_bound_pct=bound,
     )
 
 
@@ -292,6 +313,7 @@ class ChurnSpec:
     warmup: float = 0.0
     defrag_moves: int = 0
     """Re-evaluate with the scheduler's loop, defragmenting with up to this many moves per pass (0: plain retry)."""
+    gpu_memory: Path | None = None
 
     @property
     def workload(self) -> str:
@@ -334,7 +356,7 @@ TIMELINE_POINTS = 400
 def run_churn(spec: ChurnSpec, hooks: Sequence[ReevaluationHook] | None = None) -> ChurnResult:
     """Run churn mode once. Deterministic in ``spec`` (and ``hooks``)."""
     started = time.perf_counter()
-    nodes, shapes = _load(spec.nodes, spec.pods)
+    nodes, shapes = _load(spec.nodes, spec.pods, spec.gpu_memory)
     state = ClusterState(nodes)
     workload = TargetWorkload.from_requests(shapes)
     scheduler = Scheduler(state, build_profile(spec.policy, seed=spec.seed, workload=workload))

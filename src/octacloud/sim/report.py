@@ -35,6 +35,10 @@ COMPARISON_COLUMNS: tuple[str, ...] = (
     "ours_sd",
     "ours_n",
     "difference",
+    "bound_mean",
+    "bound_sd",
+    "bound_n",
+    "failed_8gpu_mean",
 )
 
 
@@ -151,6 +155,12 @@ class Comparison:
     published_mean: float | None
     published_sd: float | None
     published_n: int
+    bound_mean: float | None = None
+    """LP lower bound on unallocated GPU % at 100 % arrived over the same seeds (``None``: not computed)."""
+    bound_sd: float | None = None
+    bound_n: int = 0
+    failed_8gpu_mean: float | None = None
+    """Eight-card pods (or larger) that failed, per seed (``None``: no ``summary.json``)."""
 
     @property
     def difference(self) -> float | None:
@@ -174,14 +184,39 @@ class Comparison:
             "ours_sd": self.ours_sd,
             "ours_n": self.ours_n,
             "difference": self.difference,
+            "bound_mean": self.bound_mean,
+            "bound_sd": self.bound_sd,
+            "bound_n": self.bound_n,
+            "failed_8gpu_mean": self.failed_8gpu_mean,
         }
 
 
-def compare(ours: Sequence[CurveRow], published: Sequence[CurveRow], *, at: int = 100) -> list[Comparison]:
+def read_run_facts(path: Path) -> list[dict[str, object]]:
+    """The ``runs`` of a ``summary.json`` (empty when the file is absent)."""
+    if not path.is_file():
+        return []
+    try:
+        document = json.loads(path.read_text())
+        runs = document["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InvalidSpecError(f"{path}: not a summary.json written by `octacloud simulate` ({exc})") from None
+    if not isinstance(runs, list):
+        raise InvalidSpecError(f"{path}: 'runs' is not a list")
+    return [r for r in runs if isinstance(r, dict)]
+
+
+def compare(
+    ours: Sequence[CurveRow],
+    published: Sequence[CurveRow],
+    *,
+    at: int = 100,
+    runs: Sequence[dict[str, object]] = (),
+) -> list[Comparison]:
     """Per workload and policy of ``ours``: unallocated GPU % at arrived ``at`` %, ours vs published.
 
     Published rows of workloads we did not run are left out; a policy of ours that was never published gets
-    ``None`` on the published side.
+    ``None`` on the published side. ``runs`` (``summary.json``'s) add, at ``at`` = 100, the LP lower bound of
+    the seeds each row ran and the failed eight-card pods per seed.
     """
     if not 0 <= at < len(ARRIVED_PERCENTS):
         raise InvalidSpecError(f"--at must be within 0..{ARRIVED_PERCENTS[-1]}, got {at}")
@@ -195,10 +230,27 @@ def compare(ours: Sequence[CurveRow], published: Sequence[CurveRow], *, at: int 
 
     mine, theirs = grouped(ours), grouped(published)
     keys = sorted(mine, key=lambda k: (_first_index(ours, k[0]), k[1]))
+    seeds: dict[tuple[str, str], list[int]] = {}
+    for row in ours:
+        seeds.setdefault((row.workload, row.sc_policy), []).append(row.seed)
+    bounds: dict[tuple[str, int], float] = {}
+    large: dict[tuple[str, str], list[int]] = {}
+    for r in runs:
+        workload, seed, value = r.get("workload"), r.get("seed"), r.get("lower_bound_unallocated_pct_at_100")
+        if isinstance(workload, str) and isinstance(seed, int) and isinstance(value, int | float):
+            bounds[(workload, seed)] = float(value)
+        failed = r.get("failed_by_shape")
+        policy = r.get("sc_policy")
+        if isinstance(workload, str) and isinstance(policy, str) and isinstance(failed, dict):
+            count = sum(n for shape, n in failed.items() if isinstance(n, int) and _cards(shape) >= 8)
+            large.setdefault((workload, policy), []).append(count)
     table = []
     for key in keys:
         om, osd = mean_sd(mine[key])
         pm, psd = mean_sd(theirs.get(key, []))
+        row_bounds = [bounds.get((key[0], s)) for s in seeds[key]] if at == 100 else []
+        bm, bsd = mean_sd(row_bounds)
+        failed_large = large.get(key)
         table.append(
             Comparison(
                 key[0],
@@ -209,9 +261,19 @@ def compare(ours: Sequence[CurveRow], published: Sequence[CurveRow], *, at: int 
                 _round(pm),
                 _round(psd),
                 _count(theirs.get(key, [])),
+                _round(bm),
+                _round(bsd),
+                _count(row_bounds),
+                None if not failed_large else round(statistics.fmean(failed_large), 1),
             )
         )
     return table
+
+
+def _cards(shape: str) -> int:
+    """The card count of a ``failed_by_shape`` key (``8x1000``, ``1x460@T4``, ``cpu``: 0)."""
+    count, sep, _ = shape.partition("x")
+    return int(count) if sep and count.isdigit() else 0
 
 
 def comparison_csv(table: Sequence[Comparison]) -> str:

@@ -1,12 +1,16 @@
 """Readers for the openb GPU-sharing traces (Alibaba cluster-trace-gpu-v2023).
 
-Node files have the columns ``sn,cpu_milli,memory_mib,gpu,model``; pod files either
+Node files have the columns ``sn,cpu_milli,memory_mib,gpu,model`` and optionally ``gpu_memory_mib`` (memory of
+one card of the row, MiB); pod files either
 ``name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time`` or
 only the first five (the ``multigpu`` families). ``gpu_spec`` lists allowed GPU models joined by ``|``.
 
-The traces do not say how much memory a card has, so it comes from :data:`GPU_MEMORY_MIB`, a documented table
-(override it per call with ``gpu_memory``). A malformed row raises :class:`TraceFormatError` naming the file, the
-line, the column and the value; nothing is returned from a file with a bad row.
+Any GPU model name is accepted. A card's memory comes from the row's ``gpu_memory_mib`` column when the file has
+one (and the cell is not empty), else from the per-model table ``gpu_memory`` (default :data:`GPU_MEMORY_MIB`,
+a documented table; :func:`read_gpu_memory_table` reads one from a ``model,gpu_memory_mib`` file). A GPU node
+whose card memory is given by neither is an error naming the model and both ways to give it. A malformed row
+raises :class:`TraceFormatError` naming the file, the line, the column and the value; nothing is returned from a
+file with a bad row.
 """
 
 from __future__ import annotations
@@ -32,11 +36,25 @@ GPU_MEMORY_MIB: Mapping[str, int] = MappingProxyType(
         # 16 GiB (G2, the most common, inference-class card) and 32 GiB (G3). No published policy reads card memory.
         "G2": gib_to_mib(16),
         "G3": gib_to_mib(32),
+        # Common data-centre models (vendor data sheets), so that fleets of them need no table.
+        "A100-40G": gib_to_mib(40),
+        "A100-80G": gib_to_mib(80),
+        "A100-SXM4-80GB": gib_to_mib(80),
+        "A800": gib_to_mib(80),
+        "H100": gib_to_mib(80),
+        "H800": gib_to_mib(80),
+        "H20": gib_to_mib(96),
+        "L40": gib_to_mib(48),
+        "L40S": gib_to_mib(48),
+        "L4": gib_to_mib(24),
+        "A30": gib_to_mib(24),
     }
 )
-"""Memory of one card per openb GPU model, in MiB."""
+"""Memory of one card per GPU model, in MiB: the openb models and common data-centre models."""
 
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
+GPU_MEMORY_COLUMN = "gpu_memory_mib"
+"""Optional node column: memory of one card of the row, in MiB (overrides the per-model table)."""
 POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
 """The pod columns every openb pod file has; ``gpu_spec`` and the time columns are optional."""
 
@@ -55,7 +73,8 @@ class TracePod:
 
 
 def read_nodes(path: str | Path, *, gpu_memory: Mapping[str, int] | None = None) -> list[Node]:
-    """Read an openb node file; card memory comes from ``gpu_memory`` (default :data:`GPU_MEMORY_MIB`)."""
+    """Read a node file. Card memory: the row's ``gpu_memory_mib`` cell if present, else ``gpu_memory[model]``
+    (default :data:`GPU_MEMORY_MIB`); a GPU node with neither is a :class:`TraceFormatError`."""
     memory = GPU_MEMORY_MIB if gpu_memory is None else gpu_memory
     nodes: list[Node] = []
     seen: dict[str, int] = {}
@@ -70,17 +89,39 @@ def read_nodes(path: str | Path, *, gpu_memory: Mapping[str, int] | None = None)
         model = row["model"].strip()
         if count and not model:
             raise TraceFormatError(f"{where(line, 'model')}: a node with {count} GPUs needs a GPU model")
-        if count and model not in memory:
-            raise TraceFormatError(
-                f"{where(line, 'model')}: unknown GPU model {model!r}; known: {sorted(memory)} "
-                "(pass gpu_memory={model: MiB} to add one)"
-            )
+        card_mib = 0
+        if count:
+            if (row.get(GPU_MEMORY_COLUMN) or "").strip():
+                card_mib = _int(row, GPU_MEMORY_COLUMN, line, where)
+            elif model in memory:
+                card_mib = memory[model]
+            else:
+                raise TraceFormatError(
+                    f"{where(line, 'model')}: no card memory for GPU model {model!r}: add a {GPU_MEMORY_COLUMN!r} "
+                    f"column to the node file or give a per-model table (model,{GPU_MEMORY_COLUMN}; "
+                    f"`--gpu-memory FILE` or gpu_memory={{model: MiB}}); the table knows {sorted(memory)}"
+                )
         try:
-            gpus = tuple(Gpu(g, model, memory[model]) for g in range(count))
+            gpus = tuple(Gpu(g, model, card_mib) for g in range(count))
             nodes.append(Node(name, _int(row, "cpu_milli", line, where), _int(row, "memory_mib", line, where), gpus))
         except InvalidSpecError as exc:
             raise TraceFormatError(f"{where(line, None)}: {exc}") from None
     return nodes
+
+
+def read_gpu_memory_table(path: str | Path) -> dict[str, int]:
+    """A per-model card memory table from a ``model,gpu_memory_mib`` file, merged over :data:`GPU_MEMORY_MIB`."""
+    table = dict(GPU_MEMORY_MIB)
+    seen: dict[str, int] = {}
+    for line, row, where in _rows(path, ("model", GPU_MEMORY_COLUMN)):
+        model = row["model"].strip()
+        if not model:
+            raise TraceFormatError(f"{where(line, 'model')}: model name is empty")
+        if model in seen:
+            raise TraceFormatError(f"{where(line, 'model')}: model {model!r} already given on line {seen[model]}")
+        seen[model] = line
+        table[model] = _int(row, GPU_MEMORY_COLUMN, line, where)
+    return table
 
 
 def read_pods(path: str | Path) -> list[TracePod]:

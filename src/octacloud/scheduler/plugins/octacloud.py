@@ -32,6 +32,7 @@ Results are cached per (request shape, node signature) and per node version, as 
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,9 +47,12 @@ from octacloud.scheduler.plugins.fit import cards_that_fit
 from octacloud.scheduler.registry import Args, PluginContext
 
 _Shape = tuple[int, int, int]
-_Eval = tuple[float, int, int, tuple[int, ...]]
+_Eval = tuple[float, int, int, tuple[int, ...], tuple[int, ...]]
 """(Δ unusable idle milli-GPU, growth of the share's card's dead space, free milli-GPU left on the node after the
-placement, the card for a share)."""
+placement, the card for a share, copies of each multi-card class the placement removes from the node)."""
+_Class = tuple[int, int, frozenset[str], int, float]
+_NEGLIGIBLE = 1e-4
+"""A chance below this is no cost (saves the per-node pass while multi-card capacity is plentiful)."""
 _CACHE_LIMIT = 1 << 17
 _SCRATCH = "octacloud.evaluations"
 
@@ -70,10 +74,24 @@ class ConsolidatingFragmentation:
     """Count CPU and memory stranding (``S``); off leaves exact FGD fragmentation with consolidation."""
     pairing: bool = True
     """Count the dead space a share leaves on its card (``D``); off leaves ``F + S`` and the fullest card."""
+    scarcity: bool = True
+    """Count the restricted demand a placement displaces from a GPU model (``R``); off: no such term."""
+    whole_cards: bool = True
+    """Count the multi-card demand a placement leaves without whole cards (``M``); off (profile argument
+    ``multi-card-scarcity: false``) leaves ``F + S + D + R``."""
     model: FragmentationModel = field(init=False)
     _gpu_shapes: list[tuple[float, int, int, int, frozenset[str], int]] = field(default_factory=list, init=False)
     _strand_cache: dict[tuple[str, int, int, tuple[int, ...]], float] = field(default_factory=dict, init=False)
     _share_sizes: tuple[int, ...] = field(default=(), init=False)
+    _restricted: tuple[tuple[frozenset[str], float, float], ...] = field(default=(), init=False)
+    _multi: tuple[_Class, ...] = field(default=(), init=False)
+    _copies_cache: dict[NodeSignature, tuple[int, ...]] = field(default_factory=dict, init=False)
+    _copies_state: ClusterState | None = field(default=None, init=False)
+    _copies_seen: list[int] = field(default_factory=list, init=False)
+    _copies_node: list[tuple[int, ...]] = field(default_factory=list, init=False)
+    _copies_total: list[int] = field(default_factory=list, init=False)
+    _free_node: list[int] = field(default_factory=list, init=False)
+    _free_total: int = field(default=0, init=False)
     _dead: dict[int, int] = field(default_factory=dict, init=False)
     _cache: dict[_Shape, dict[NodeSignature, _Eval]] = field(default_factory=dict, init=False)
     _by_node: dict[_Shape, tuple[list[int], list[_Eval | None]]] = field(default_factory=dict, init=False)
@@ -91,12 +109,29 @@ class ConsolidatingFragmentation:
             if s.num_gpu and s.cpu_milli > 0
         ]
         self._share_sizes = filler_sizes(self.workload)
+        self._restricted = self.workload.restricted_demand if self.scarcity else ()
+        self._multi = self.workload.multi_demand if self.whole_cards else ()
 
     # ---- score -----------------------------------------------------------------------------------------
 
     def score(self, ctx: CycleContext, nodes: Sequence[int]) -> list[float]:
         """Raw score: −Δ (the evaluations stay in the cycle's scratch for :meth:`normalize`)."""
         evaluations = self._evaluations(ctx, nodes)
+        if self._restricted and ctx.request.total_gpu_milli:
+            costs = self.scarcity_costs(ctx.state)
+            if costs:
+                milli, sigs = ctx.request.total_gpu_milli, ctx.state.signature
+                evaluations = [
+                    (e[0] + milli * costs.get(sigs[i][0], 0.0), *e[1:])  # type: ignore[misc]
+                    for e, i in zip(evaluations, nodes, strict=True)
+                ]
+        if self._multi and ctx.request.total_gpu_milli:
+            weights = self.whole_card_costs(ctx.state)
+            if weights:
+                evaluations = [
+                    (e[0] + sum(n * w for n, w in zip(e[4], weights, strict=True)), *e[1:])  # type: ignore[misc]
+                    for e in evaluations
+                ]
         ctx.scratch[_SCRATCH] = evaluations
         return [-e[0] for e in evaluations]
 
@@ -170,14 +205,132 @@ class ConsolidatingFragmentation:
                 candidate = (growth + dead, dead, after[g], g)
                 if best is None or _better(candidate, best, self.tolerance):
                     best = candidate
-            return (float("inf"), 0, left, ()) if best is None else (best[0], best[1], left, (best[3],))
+            if best is None:
+                return (float("inf"), 0, left, (), ())
+            after = list(free)
+            after[best[3]] -= r.gpu_milli
+            lost = self._lost(state.signature[node], (gpu_model, cpu_after, memory_after, tuple(after)))
+            return (best[0], best[1], left, (best[3],), lost)
         after = list(free)
         if r.num_gpu:
             whole = [g for g in cards_that_fit(state, r, node) if free[g] == MILLI_PER_GPU][: r.num_gpu]
             for g in whole:
                 after[g] = 0
         growth = frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after, memory_after) - before
-        return (growth, 0, left, ())
+        lost = self._lost(state.signature[node], (gpu_model, cpu_after, memory_after, tuple(after)))
+        return (growth, 0, left, (), lost)
+
+    # ---- M: whole cards for the multi-card requests -----------------------------------------------------
+
+    def copies(self, sig: NodeSignature) -> tuple[int, ...]:
+        """How many requests of each multi-card class a node in state ``sig`` can still host: its whole free
+        cards, CPU and memory divided by the class's (0 where its model is not allowed)."""
+        value = self._copies_cache.get(sig)
+        if value is None:
+            model, cpu, memory, free = sig[0], sig[1], sig[2], sig[3]
+            whole = sum(1 for f in free if f >= MILLI_PER_GPU)
+            value = tuple(
+                0
+                if models and model not in models
+                else min(
+                    whole // cards,
+                    max(cpu, 0) // cpu_milli if cpu_milli else whole,
+                    max(memory, 0) // mib if mib else whole,
+                )
+                for cards, cpu_milli, models, mib, _ in self._multi
+            )
+            if len(self._copies_cache) >= _CACHE_LIMIT:
+                self._copies_cache.clear()
+            self._copies_cache[sig] = value
+        return value
+
+    def _lost(self, before: NodeSignature, after: NodeSignature) -> tuple[int, ...]:
+        if not self._multi:
+            return ()
+        return tuple(b - a for b, a in zip(self.copies(before), self.copies(after), strict=True))
+
+    def whole_card_costs(self, state: ClusterState) -> tuple[float, ...]:
+        """``M`` per copy of each multi-card class a placement removes: ``cards × 1000 × Φ((μ − C) / σ)``, or
+        ``()`` while every chance is negligible.
+
+        As for ``R``, the requests to come are taken to ask for what is free now, drawn from the workload: class
+        ``k`` (``cards`` whole cards on one node, its CPU and memory) asks for ``μ_k = q_k · free`` milli-GPU
+        (``q_k``: its share of the GPU demand), with ``σ²_k = μ_k · cards · 1000``; the cluster can host ``C_k``
+        milli-GPU of it (the copies that nodes' whole free cards, CPU and memory still take, × cards × 1000). A
+        placement that removes a copy risks one request of the class with chance ``Φ((μ_k − C_k) / σ_k)``; that
+        request fails and leaves its cards' worth idle. Totals are kept per node and updated only on the nodes
+        whose version changed since the last decision.
+        """
+        self._track(state)
+        costs: list[float] = []
+        total = float(self._free_total)
+        for (cards, _cpu, _models, _mib, share), hosted in zip(self._multi, self._copies_total, strict=True):
+            size = cards * MILLI_PER_GPU
+            mean = share * total
+            chance = 0.0
+            if mean > 0:
+                chance = 0.5 * math.erfc((hosted * size - mean) / (math.sqrt(2.0 * mean * size)))
+            costs.append(size * chance if chance >= _NEGLIGIBLE else 0.0)
+        return tuple(costs) if any(costs) else ()
+
+    def _track(self, state: ClusterState) -> None:
+        sigs, versions = state.signature, state.version
+        if state is not self._copies_state or len(self._copies_seen) != len(sigs):
+            self._copies_state = state
+            self._copies_seen = list(versions)
+            self._copies_node = [self.copies(sig) for sig in sigs]
+            self._copies_total = [sum(c[k] for c in self._copies_node) for k in range(len(self._multi))]
+            self._free_node = [sum(sig[3]) for sig in sigs]
+            self._free_total = sum(self._free_node)
+            return
+        seen = self._copies_seen
+        for i in [i for i, (a, b) in enumerate(zip(versions, seen, strict=True)) if a != b]:
+            seen[i] = versions[i]
+            new = self.copies(sigs[i])
+            old = self._copies_node[i]
+            for k in range(len(new)):
+                self._copies_total[k] += new[k] - old[k]
+            self._copies_node[i] = new
+            free = sum(sigs[i][3])
+            self._free_total += free - self._free_node[i]
+            self._free_node[i] = free
+
+    def scarcity_costs(self, state: ClusterState) -> dict[str, float]:
+        """``R`` per milli-GPU on each GPU model: the chance that capacity taken on the model now is capacity the
+        workload's restricted requests will miss.
+
+        The requests still to come are taken to ask for what is free now (``free``, all models), drawn from the
+        workload: the requests restricted to a model set ``A`` ask for ``q_A · free`` (``q_A``: their share of
+        the workload's GPU demand), spread over ``A``'s models in proportion to what each has free. On a model
+        ``M`` that gives a restricted demand with mean ``μ_M`` and variance ``σ²_M = Σ q_A-parts · E[X²]/E[X]``
+        (a compound Poisson count of requests of size ``X``); the chance that it exceeds what ``M`` has free is
+        ``Φ((μ_M − free_M) / σ_M)``. A placement of ``g`` milli-GPU on ``M`` then displaces about ``g`` times
+        that chance of restricted demand, which fails and leaves as much idle elsewhere: ``R = g · Φ(…)``, the
+        same unit as ``F``, ``S`` and ``D``. Workloads without restricted requests have no ``R``.
+        """
+        free: dict[str, int] = {}
+        for sig in state.signature:
+            cards = sig[3]
+            if cards:
+                free[sig[0]] = free.get(sig[0], 0) + sum(cards)
+        total = sum(free.values())
+        mean: dict[str, float] = {}
+        variance: dict[str, float] = {}
+        for models, share, moment in self._restricted:
+            free_set = sum(free.get(m, 0) for m in models)
+            if free_set <= 0:
+                continue
+            demand = share * total
+            for m in models:
+                part = demand * free.get(m, 0) / free_set
+                mean[m] = mean.get(m, 0.0) + part
+                variance[m] = variance.get(m, 0.0) + part * moment
+        costs: dict[str, float] = {}
+        for m, mu in mean.items():
+            sd = math.sqrt(variance[m])
+            if sd > 0:
+                costs[m] = 0.5 * math.erfc((free.get(m, 0) - mu) / (sd * math.sqrt(2.0)))
+        return costs
 
     def dead_space(self, free: int) -> int:
         """``D``: the milli-GPU of a shared card's ``free`` that no combination of the workload's share sizes fills
@@ -273,5 +426,7 @@ def build(name: str, args: Args, ctx: PluginContext) -> ConsolidatingFragmentati
     tolerance = args.number("tolerance", DEFAULT_TOLERANCE, low=0.0)
     stranding = args.flag("cpu-stranding", True)
     pairing = args.flag("share-pairing", True)
+    scarcity = args.flag("gpu-scarcity", True)
+    whole_cards = args.flag("multi-card-scarcity", True)
     args.finish()
-    return ConsolidatingFragmentation(ctx.workload, name, tolerance, stranding, pairing)
+    return ConsolidatingFragmentation(ctx.workload, name, tolerance, stranding, pairing, scarcity, whole_cards)
