@@ -209,7 +209,7 @@ class ConsolidatingFragmentation:
                 return (float("inf"), 0, left, (), ())
             after = list(free)
             after[best[3]] -= r.gpu_milli
-            lost = self._lost(state.signature[node], (gpu_model, cpu_after, memory_after, tuple(after)))
+            lost = self._lost(state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after)))
             return (best[0], best[1], left, (best[3],), lost)
         after = list(free)
         if r.num_gpu:
@@ -217,7 +217,7 @@ class ConsolidatingFragmentation:
             for g in whole:
                 after[g] = 0
         growth = frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after, memory_after) - before
-        lost = self._lost(state.signature[node], (gpu_model, cpu_after, memory_after, tuple(after)))
+        lost = self._lost(state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after)))
         return (growth, 0, left, (), lost)
 
     # ---- M: whole cards for the multi-card requests -----------------------------------------------------
@@ -308,11 +308,7 @@ class ConsolidatingFragmentation:
         that chance of restricted demand, which fails and leaves as much idle elsewhere: ``R = g · Φ(…)``, the
         same unit as ``F``, ``S`` and ``D``. Workloads without restricted requests have no ``R``.
         """
-        free: dict[str, int] = {}
-        for sig in state.signature:
-            cards = sig[3]
-            if cards:
-                free[sig[0]] = free.get(sig[0], 0) + sum(cards)
+        free = state.free_gpu_milli_by_model()  # kept by the state as it changes: no walk over every node
         total = sum(free.values())
         mean: dict[str, float] = {}
         variance: dict[str, float] = {}
