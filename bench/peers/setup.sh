@@ -5,7 +5,7 @@
 #   bench/peers/setup.sh [perf_analyzer|triton|all]     (default: all)
 #
 # Cache: $OCTACLOUD_PEERS (default ~/.cache/octacloud-peers). Prints nothing else on success but the paths.
-# See ../shared/PEERS.md for why each step is needed.
+# docs/serving.md (the benchmark section) says what each peer is and how it is run.
 set -euo pipefail
 WHAT=${1:-all}
 ROOT=${OCTACLOUD_PEERS:-$HOME/.cache/octacloud-peers}
