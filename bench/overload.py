@@ -39,6 +39,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
+HEADER = "x-octacloud-internal"  # what replicas of a cloud require (octacloud.protocols.internal.HEADER)
 
 
 def free_port() -> int:
@@ -47,11 +48,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_http(url: str, timeout: float = 120.0) -> None:
+def wait_http(url: str, timeout: float = 120.0, headers: dict[str, str] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=1) as r:  # loopback only
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=1) as r:
                 if r.status == 200:
                     return
         except OSError:
@@ -362,7 +363,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="octacloud-overload-"))
     secret_file = tmp / "internal.secret"
     fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, os.urandom(32).hex().encode())
+    secret = os.urandom(32).hex()
+    os.write(fd, secret.encode())
     os.close(fd)
     env = {**os.environ, "PYTHONPATH": str(SRC), "OCTACLOUD_INTERNAL_SECRET_FILE": str(secret_file)}
     replica_port = free_port()
@@ -381,7 +383,8 @@ def main() -> None:
             bound = args.bound if name == "bounded" else 0
             argv = [sys.executable, __file__, "--gateway", str(port), str(replica_port), str(bound)]
             procs.append(subprocess.Popen([*argv, str(secret_file), args.model], env=env))
-        wait_http(f"http://127.0.0.1:{replica_port}/v2/models/{args.model}/ready")
+        # the replica answers its cloud only: the model's readiness is asked with the internal secret
+        wait_http(f"http://127.0.0.1:{replica_port}/v2/models/{args.model}/ready", headers={HEADER: secret})
         for port in ports.values():
             wait_http(f"http://127.0.0.1:{port}/v2/health/ready")
         try:

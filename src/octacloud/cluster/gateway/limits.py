@@ -38,10 +38,11 @@ class GatewayLimits:
     """Open client connections (REST); one more is closed at once. Keep it below the process's file limit."""
     max_concurrent_rpcs: int = 4_096
     """gRPC calls in progress; more are refused with RESOURCE_EXHAUSTED by gRPC itself."""
-    max_inflight_per_replica: int = 16
+    max_inflight_per_replica: int = 8
     """Requests one deployment may have in flight per ready replica; more are refused at once with 503 and
     ``Retry-After`` (load shedding), so the queue at the replicas, and the latency of what is admitted, stay
-    bounded. 0: no bound."""
+    bounded. 0: no bound. 8 keeps admitted p99 within 2× of the unloaded p99 under overload where 16 did not
+    (bench/overload.py, docs/security.md); raise it for models whose throughput needs larger batches."""
 
     def __post_init__(self) -> None:
         for name in (
