@@ -333,3 +333,24 @@ def test_folder_measurement_is_bounded(tmp_path: Path) -> None:
         (tmp_path / f"f{i}").write_bytes(b"x" * 10)
     assert folder_bytes(tmp_path) == 300
     assert folder_bytes(tmp_path, max_files=5) == 50
+
+
+async def test_the_last_interval_at_shutdown_keeps_traffic_even_when_the_clock_moves_on(ledger: Ledger) -> None:
+    """flush() closes at "now"; if the clock passes that millisecond before the close reads the counters (it
+    integrates allocations first), the requests since the last mark must still land in this last interval: no
+    later interval will ever take them. A fake source that advances the clock while allocations are read."""
+    clock = ManualClock(epoch=EPOCH)
+
+    class SlowSource(FakeSource):
+        def allocations(self) -> list[Allocation]:
+            clock.advance(0.005)  # reading the scheduler's state takes a few milliseconds
+            return super().allocations()
+
+    source = SlowSource([Allocation("a", "web", "web-000001", "H100", 125)])
+    meter = Meter(ledger, source, clock, interval_s=10)
+    await meter.prime()
+    clock.advance(2)
+    await meter.tick()  # a mark inside the interval, before any request
+    source.send("a", "web", 7, 700, 70)
+    assert await meter.flush()
+    assert total(ledger, Metric.REQUESTS, tenant="a") == 7

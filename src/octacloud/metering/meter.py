@@ -166,14 +166,14 @@ class Meter:
         self.sample()
         return closed
 
-    async def close(self, end_ms: int) -> bool:
-        """Close the open interval at ``end_ms`` (an aligned end, or now on shutdown). False if the ledger write
-        failed: the interval stays open and is written, with the same keys, by a later call."""
+    async def close(self, end_ms: int, *, final: bool = False) -> bool:
+        """Close the open interval at ``end_ms`` (an aligned end, or now on shutdown: ``final``). False if the
+        ledger write failed: the interval stays open and is written, with the same keys, by a later call."""
         self._integrate(end_ms)
         start, length = self.start_ms, end_ms - self.start_ms
         if length <= 0:
             return True
-        if end_ms >= self._now():  # closing at now (shutdown): the counters now are the interval's
+        if final or end_ms >= self._now():  # closing at now (shutdown): the counters now are the interval's
             traffic = dict(self.source.traffic())
         elif self._mark is not None and start <= self._mark[0] <= end_ms:
             traffic = self._mark[1]
@@ -225,7 +225,9 @@ class Meter:
 
     async def flush(self) -> bool:
         """On shutdown: close the open interval at now, so nothing measured so far is lost."""
-        return await self.close(max(self._now(), self.start_ms))
+        # ``final``: the counters as they are now belong to this last interval even if the clock has moved on by
+        # the time close() compares it with ``end_ms`` (no later interval will ever take them)
+        return await self.close(max(self._now(), self.start_ms), final=True)
 
     def _wait_s(self, tick_s: float) -> float:
         """Until the next tick: ``tick_s``, or sooner to mark just before the interval's end and close just
