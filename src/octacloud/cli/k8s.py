@@ -49,6 +49,11 @@ async def _until_signalled(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
+def _log_to_stderr() -> None:
+    """The three long-running k8s processes log one timestamped line per event, as their containers' logs."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
 @k8s_app.command("extender")
 def extender(
     host: str = typer.Option("127.0.0.1", help="Address to bind (kube-scheduler's urlPrefix points here)."),
@@ -67,7 +72,7 @@ def extender(
     from octacloud.k8s.extender_http import serve_extender
     from octacloud.protocols.server import new_event_loop
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _log_to_stderr()
     try:
         if resync <= 0:
             raise InvalidSpecError(f"--resync must be > 0 seconds, got {resync}")
@@ -125,7 +130,7 @@ def device_plugin(
     from octacloud.observability.dcgm import NvmlCards, open_nvml
     from octacloud.protocols.server import new_event_loop
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _log_to_stderr()
     wanted = {"octants": OCTANTS, "gpus": GPUS}
     try:
         names = [r.strip() for r in resources.split(",") if r.strip()]
@@ -192,7 +197,7 @@ def operator(
     from octacloud.cluster.health import RepositoryFootprints
     from octacloud.k8s.operator import register_handlers
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _log_to_stderr()
     try:
         _client(api_server, token_file, ca_file)  # fail early with a clear message outside a cluster
     except InvalidSpecError as exc:
