@@ -177,7 +177,10 @@ def test_two_workers_share_routes_auth_metering_and_survive_kill(cloud: CloudThr
         t.join(timeout=30)
     failed = [at for at, ok in outcomes if not ok]
     after = [ok for at, ok in outcomes if at > killed_at]
-    assert len(failed) <= len(threads), failed  # at most the requests on the killed worker's connections
+    # only requests on the killed worker's connections fail: those it held (one per client at most) and those
+    # that reached its accept queue while the kernel tore its socket down, all at the moment of the kill
+    assert len(failed) <= 2 * len(threads), failed
+    assert all(killed_at <= at < killed_at + 1.0 for at in failed), (killed_at, failed)
     assert sum(after) > 10  # the other worker (then both) kept serving
     assert w.restarts == 1
     events = call(c, c.key, "GET", "/admin/events?limit=50").json()["events"]
@@ -190,3 +193,35 @@ def test_two_workers_share_routes_auth_metering_and_survive_kill(cloud: CloudThr
     counted = traffic(c, "acme", "acme-lin") - counted_before
     assert answered - last_push <= counted <= answered, (answered, last_push, counted)
     print(f"kill -9 of a worker under load: {len(failed)} failed of {len(outcomes)}; {answered - counted} not metered")
+
+
+def test_workers_serve_tls_on_both_ports(tmp_path: Path) -> None:
+    import ssl
+
+    import tritonclient.grpc as grpcclient
+
+    from octacloud.cluster.tls import TlsConfig, make_dev_certs
+
+    certs = make_dev_certs(tmp_path / "tls")
+    repo = tmp_path / "models"
+    write_linear_model(repo)
+    cfg = config(tmp_path, repo)
+    cfg.gateway_workers = 2
+    cfg.tls = TlsConfig(certs["server.pem"], certs["server.key"])
+    c = CloudThread(cfg)
+    try:
+        trust = ssl.create_default_context(cafile=str(certs["ca.pem"]))
+        url = f"https://127.0.0.1:{c.cloud.http_port}"
+        for _ in range(8):  # fresh connections, both workers
+            assert httpx.get(f"{url}/v2/health/ready", verify=trust).json() == {"ready": True}
+            listed = httpx.get(f"{url}/admin/deployments", headers=c.auth, verify=trust)
+            assert listed.status_code == 200, listed.text
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{c.cloud.http_port}/v2/health/ready", timeout=5)
+        g = grpcclient.InferenceServerClient(
+            f"localhost:{c.cloud.grpc_port}", ssl=True, root_certificates=str(certs["ca.pem"])
+        )
+        assert g.is_server_ready()
+        g.close()
+    finally:
+        c.stop(stop_replicas=True)

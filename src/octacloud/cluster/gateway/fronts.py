@@ -36,15 +36,17 @@ class Front(Protocol):
     async def stop(self, grace: float) -> None: ...
 
 
-def bind_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool, reuse_addr: bool = True) -> socket.socket:
     """A TCP socket bound to ``host:port`` (``SO_REUSEPORT`` set when asked), not yet listening.
 
-    Bound but not listening, it reserves the port (and names the one the kernel picked for port 0) for processes
-    that then listen on it with ``SO_REUSEPORT``: a socket that does not listen takes no connections."""
+    Bound but not listening (and without ``reuse_addr``), it reserves the port (and names the one the kernel
+    picked for port 0) for processes that then listen on it with ``SO_REUSEPORT``: a socket that does not listen
+    takes no connections, and one without ``SO_REUSEPORT`` cannot bind the port meanwhile."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_addr:  # a restarted server binds at once, past its old connections in TIME_WAIT
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)

@@ -139,8 +139,8 @@ class GatewayWorkers:
     async def start(self, http_port: int, grpc_port: int) -> tuple[int, int]:
         """Reserve the ports, start the feed, the internal admin port and every worker; returns the public ports
         once every worker serves (raises, having stopped what it started, when one cannot)."""
-        http_sock = bind_socket(self.host, http_port, reuse_port=True)
-        grpc_sock = bind_socket(self.host, grpc_port, reuse_port=True)
+        http_sock = bind_socket(self.host, http_port, reuse_port=True, reuse_addr=False)
+        grpc_sock = bind_socket(self.host, grpc_port, reuse_port=True, reuse_addr=False)
         self._reserved = [http_sock, grpc_sock]
         self.http_port, self.grpc_port = http_sock.getsockname()[1], grpc_sock.getsockname()[1]
         await self.hub.start()
