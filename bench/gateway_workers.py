@@ -8,8 +8,9 @@ the replica started by the first run is adopted by every later one (``up`` resta
 Each round measures every worker count once, in a rotated order (interleaved rounds: drift in the machine's
 load spreads over all counts alike). The load is a closed loop of ``--connections`` keep-alive HTTP/1.1
 connections (JSON bodies, ``Authorization: Bearer``), spread over ``--clients`` client processes: many
-connections, because the kernel spreads connections, not requests, over the workers. The cloud runs without an
-in-flight bound (``--limit max_inflight_per_replica=0``): the bench measures the gateway, not load shedding.
+connections, because the kernel spreads connections, not requests, over the workers (``--per-worker``: that
+many connections per worker, so that each gateway process carries the same load whatever N is). The cloud runs
+without an in-flight bound (``--limit max_inflight_per_replica=0``): the bench measures the gateway, not load shedding.
 
 Per point it prints throughput, p50/p99, the CPU that all gateway processes together spent per answered
 request (``/proc/PID/stat`` utime+stime of ``octacloud up`` and its workers over the point ÷ the requests the
@@ -81,6 +82,19 @@ def cpu_s(pid: int) -> float:
     except FileNotFoundError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) * TICK_S
+
+
+def switches(pid: int) -> int:
+    """Context switches of all the process's threads so far (voluntary: it waited for work; involuntary: preempted)."""
+    total = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            for line in Path(f"/proc/{pid}/task/{task}/status").read_text().splitlines():
+                if line.endswith("ctxt_switches:") or "ctxt_switches:" in line:
+                    total += int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return total
 
 
 def children(pid: int) -> list[int]:
@@ -214,30 +228,39 @@ async def client(port: int, key: str, connections: int, warmup: float, seconds: 
 
 
 def run_clients(args: argparse.Namespace, up: Up, replica: int) -> dict[str, Any]:
-    per = [args.connections // args.clients + (i < args.connections % args.clients) for i in range(args.clients)]
+    total = args.connections * (up.workers if args.per_worker else 1)
+    per = [total // args.clients + (i < total % args.clients) for i in range(args.clients)]
+    per = [n for n in per if n]
+    outputs = [Path(tempfile.mktemp(prefix="octacloud-gwbench-client-", suffix=".json")) for _ in per]
+    command = [sys.executable, __file__, "--client", str(up.port), up.key]
     procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--client", str(up.port), up.key, str(n), str(args.warmup), str(args.seconds)],
-            stdout=subprocess.PIPE,
-        )
-        for n in per
-        if n
+        subprocess.Popen([*command, str(n), str(args.warmup), str(args.seconds), str(out)])
+        for n, out in zip(per, outputs, strict=True)
     ]
     time.sleep(args.warmup)
     pids = up.gateway_pids()
     before = [cpu_s(p) for p in pids] + [cpu_s(replica)]
+    switched = sum(switches(p) for p in pids)
     t0 = time.monotonic()
-    outs = [json.loads(p.communicate(timeout=args.seconds + args.warmup + 60)[0]) for p in procs]
+    for proc in procs:
+        proc.wait(timeout=args.seconds + args.warmup + 60)
+    outs = [json.loads(out.read_text()) for out in outputs]
+    for out in outputs:
+        out.unlink()
     wall = time.monotonic() - t0
     after = [cpu_s(p) for p in pids] + [cpu_s(replica)]
+    switched = sum(switches(p) for p in pids) - switched
     answered = sum(o["answered"] for o in outs)
     lat = sorted(x for o in outs for x in o["latencies_ms"])
     gateway_cpu = sum(after[:-1]) - sum(before[:-1])
+    main_cpu = after[0] - before[0]  # `octacloud up` itself: the whole gateway with 1 worker, else the controller
     return {
         "throughput": answered / args.seconds,
         "p50_ms": statistics.median(lat) if lat else float("nan"),
         "p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else float("nan"),
         "gateway_us": gateway_cpu / max(1, answered) * 1e6,
+        "main_us": main_cpu / max(1, answered) * 1e6,
+        "switches": switched / max(1, answered),
         "replica_us": (after[-1] - before[-1]) / max(1, answered) * 1e6,
         "failed": sum(o["failed"] for o in outs),
         "load1": os.getloadavg()[0],
@@ -247,14 +270,14 @@ def run_clients(args: argparse.Namespace, up: Up, replica: int) -> dict[str, Any
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        port, key, n, warmup, seconds = sys.argv[2:7]
+        port, key, n, warmup, seconds, out = sys.argv[2:8]
         try:
             import uvloop
 
             uvloop.install()
         except ImportError:
             pass
-        print(json.dumps(asyncio.run(client(int(port), key, int(n), float(warmup), float(seconds)))))
+        Path(out).write_text(json.dumps(asyncio.run(client(int(port), key, int(n), float(warmup), float(seconds)))))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
@@ -263,8 +286,14 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--clients", type=int, default=2, help="client processes the connections are spread over")
+    p.add_argument(
+        "--per-worker",
+        action="store_true",
+        help="--connections per gateway worker (N workers: N times as many): the same load on each process",
+    )
     args = p.parse_args()
-    print(f"cores: {os.cpu_count()}  connections: {args.connections} over {args.clients} client processes  "
+    each = " per worker" if args.per_worker else ""
+    print(f"cores: {os.cpu_count()}  connections: {args.connections}{each} over {args.clients} client processes  "
           f"points: {args.seconds:g} s after {args.warmup:g} s warm-up")  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="octacloud-gwbench-"))
     repo, state = work / "models", work / "state"
@@ -295,7 +324,8 @@ def main() -> None:
                     up.stop()
                 results[n].append(point)
                 print(f"round {r + 1} workers {n}: {point['throughput']:7.0f}/s  p50 {point['p50_ms']:5.2f} ms  "
-                      f"p99 {point['p99_ms']:6.2f} ms  gateway {point['gateway_us']:5.0f} us/req  "
+                      f"p99 {point['p99_ms']:6.2f} ms  gateway {point['gateway_us']:5.0f} us/req "
+                      f"(main {point['main_us']:4.0f}, {point['switches']:.2f} switches/req)  "
                       f"replica {point['replica_us']:4.0f} us/req  failed {point['failed']}  "
                       f"load {point['load1']:.2f}", flush=True)  # fmt: skip
     finally:
@@ -309,6 +339,7 @@ def main() -> None:
         p99 = statistics.median(x["p99_ms"] for x in points)
         print(f"  workers {n}: {tput:7.0f}/s ({tput / base:4.2f}x)  p99 {p99:6.2f} ms"
               f"  gateway CPU {cpu:5.0f} us/req ({cpu / base_cpu:4.2f}x)"
+              f"  {statistics.median(x['switches'] for x in points):.2f} switches/req"
               f"  load {statistics.median(x['load1'] for x in points):.2f}")  # fmt: skip
     print(f"(logs in {work})")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -288,6 +289,10 @@ async def serve_worker(spec: WorkerSpec, index: int) -> None:
     fronts = gateway_fronts(rest, grpc_gateway, limits, spec.tls_config())
     await feed.connect()
     await fronts.start(spec.host, spec.http_port, spec.grpc_port, reuse_port=True)
+    # as a replica does (protocols/server.py): the start-up heap out of the collector's view, fewer collections
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     feed.serving(fronts.http_port, fronts.grpc_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
