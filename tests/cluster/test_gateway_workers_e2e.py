@@ -148,6 +148,17 @@ def test_two_workers_share_routes_auth_metering_and_survive_kill(cloud: CloudThr
     billed = before + 40 + 6 + 30 + 1  # REST inferences, gRPC ModelReady calls; refusals are not billed
     wait_until("every billed request counted", lambda: traffic(c, "acme", "acme-lin") == billed, timeout=5)
 
+    # readiness at the workers is the controller loop's: a loop that stopped completing passes is seen by both
+    controller = c.cloud.controller
+    healthy = controller.ready
+    controller.ready = lambda: (False, "the loop stopped")  # type: ignore[method-assign]
+    try:
+        wait_until("both workers not ready", lambda: all(
+            httpx.get(f"{c.url}/v2/health/ready").status_code == 503 for _ in range(8)), timeout=5)  # fmt: skip
+    finally:
+        controller.ready = healthy  # type: ignore[method-assign]
+    wait_until("ready again", lambda: all(httpx.get(f"{c.url}/v2/health/ready").status_code == 200 for _ in range(8)))
+
     # kill -9 one worker under load: the other keeps serving, the killed one is restarted
     outcomes: list[tuple[float, bool]] = []
     stop = threading.Event()
@@ -225,3 +236,56 @@ def test_workers_serve_tls_on_both_ports(tmp_path: Path) -> None:
         g.close()
     finally:
         c.stop(stop_replicas=True)
+
+
+def test_workers_stop_when_the_main_process_is_killed(tmp_path: Path) -> None:
+    """kill -9 of `octacloud up`: its workers see the feed end and exit; nothing keeps serving stale routes."""
+    import subprocess
+    import sys
+
+    repo = tmp_path / "models"
+    write_linear_model(repo)
+    state = tmp_path / "var"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    up = subprocess.Popen(
+        [sys.executable, "-m", "octacloud", "up", "--repository", str(repo), "--state-dir", str(state),
+         "--http-port", str(port), "--grpc-port", "0", "--cpu-nodes", "1", "--gateway-workers", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until("octacloud up with two workers", ready, timeout=60)
+        workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == up.pid
+                   and b"octacloud.cluster.gateway.workers" in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+        assert len(workers) == 2
+        up.kill()
+        up.wait()
+        wait_until("the workers to exit", lambda: not any(_alive(p) for p in workers), timeout=15)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return -1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False

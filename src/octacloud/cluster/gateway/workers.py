@@ -190,6 +190,7 @@ class GatewayWorkers:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
+                start_new_session=True,  # Ctrl-C at `up`'s terminal reaches `up`, which stops its workers itself
             )
 
     async def _until_serving(self, indexes: set[int]) -> None:
