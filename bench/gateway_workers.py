@@ -9,7 +9,8 @@ Each round measures every worker count once, in a rotated order (interleaved rou
 load spreads over all counts alike). The load is a closed loop of ``--connections`` keep-alive HTTP/1.1
 connections (JSON bodies, ``Authorization: Bearer``), spread over ``--clients`` client processes: many
 connections, because the kernel spreads connections, not requests, over the workers (``--per-worker``: that
-many connections per worker, so that each gateway process carries the same load whatever N is). The cloud runs
+many connections per worker, so that each gateway process carries the same load whatever N is; ``--ask gateway``:
+``GET /v2``, answered by the gateway itself, to measure its own cost without a replica). The cloud runs
 without an in-flight bound (``--limit max_inflight_per_replica=0``): the bench measures the gateway, not load shedding.
 
 Per point it prints throughput, p50/p99, the CPU that all gateway processes together spent per answered
@@ -171,7 +172,9 @@ class Up:
         self.log.close()
 
 
-def request_bytes(port: int, key: str) -> bytes:
+def request_bytes(port: int, key: str, ask: str = "model") -> bytes:
+    if ask == "gateway":  # answered by the gateway itself: its own cost, no replica
+        return f"GET /v2 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {key}\r\n\r\n".encode()
     data = [round(0.1 * (i - WIDTH / 2), 2) for i in range(WIDTH)]
     body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, WIDTH], "datatype": "FP32", "data": data}]}).encode()
     head = (f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {key}\r\n"
@@ -182,9 +185,9 @@ def request_bytes(port: int, key: str) -> bytes:
 _LENGTH = re.compile(rb"content-length:\s*(\d+)", re.IGNORECASE)
 
 
-async def client(port: int, key: str, connections: int, warmup: float, seconds: float) -> dict[str, Any]:
+async def client(port: int, key: str, connections: int, warmup: float, seconds: float, ask: str) -> dict[str, Any]:
     """Closed loop over ``connections`` keep-alive connections; latencies of answers within the window."""
-    wire = request_bytes(port, key)
+    wire = request_bytes(port, key, ask)
     loop = asyncio.get_running_loop()
     start = loop.time() + warmup
     end = start + seconds
@@ -234,7 +237,7 @@ def run_clients(args: argparse.Namespace, up: Up, replica: int) -> dict[str, Any
     outputs = [Path(tempfile.mktemp(prefix="octacloud-gwbench-client-", suffix=".json")) for _ in per]
     command = [sys.executable, __file__, "--client", str(up.port), up.key]
     procs = [
-        subprocess.Popen([*command, str(n), str(args.warmup), str(args.seconds), str(out)])
+        subprocess.Popen([*command, str(n), str(args.warmup), str(args.seconds), str(out), args.ask])
         for n, out in zip(per, outputs, strict=True)
     ]
     time.sleep(args.warmup)
@@ -270,14 +273,15 @@ def run_clients(args: argparse.Namespace, up: Up, replica: int) -> dict[str, Any
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--client":
-        port, key, n, warmup, seconds, out = sys.argv[2:8]
+        port, key, n, warmup, seconds, out, ask = sys.argv[2:9]
         try:
             import uvloop
 
             uvloop.install()
         except ImportError:
             pass
-        Path(out).write_text(json.dumps(asyncio.run(client(int(port), key, int(n), float(warmup), float(seconds)))))
+        result = asyncio.run(client(int(port), key, int(n), float(warmup), float(seconds), ask))
+        Path(out).write_text(json.dumps(result))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
@@ -286,6 +290,12 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--clients", type=int, default=2, help="client processes the connections are spread over")
+    p.add_argument(
+        "--ask",
+        choices=["model", "gateway"],
+        default="model",
+        help="model: infer on the tiny model; gateway: GET /v2, answered by the gateway itself (no replica)",
+    )
     p.add_argument(
         "--per-worker",
         action="store_true",
@@ -306,6 +316,11 @@ def main() -> None:
             for n in order:
                 up = Up(repo, state, n)
                 try:
+                    if args.ask == "gateway":
+                        point = run_clients(args, up, 0)  # no replica: pid 0 has no /proc entry, 0 CPU
+                        results[n].append(point)
+                        report(r, n, point)
+                        continue
                     if not deployed:
                         spec = {"name": MODEL, "model": MODEL, "octants": 4}
                         status, answer = http(f"{up.url}/admin/deployments", up.key, "POST", spec)
@@ -323,13 +338,22 @@ def main() -> None:
                 finally:
                     up.stop()
                 results[n].append(point)
-                print(f"round {r + 1} workers {n}: {point['throughput']:7.0f}/s  p50 {point['p50_ms']:5.2f} ms  "
-                      f"p99 {point['p99_ms']:6.2f} ms  gateway {point['gateway_us']:5.0f} us/req "
-                      f"(main {point['main_us']:4.0f}, {point['switches']:.2f} switches/req)  "
-                      f"replica {point['replica_us']:4.0f} us/req  failed {point['failed']}  "
-                      f"load {point['load1']:.2f}", flush=True)  # fmt: skip
+                report(r, n, point)
     finally:
         subprocess.run([sys.executable, "-m", "octacloud", "down", "--state-dir", str(state)], capture_output=True)
+    summary(args, results)
+    print(f"(logs in {work})")
+
+
+def report(r: int, n: int, point: dict[str, Any]) -> None:
+    print(f"round {r + 1} workers {n}: {point['throughput']:7.0f}/s  p50 {point['p50_ms']:5.2f} ms  "
+          f"p99 {point['p99_ms']:6.2f} ms  gateway {point['gateway_us']:5.0f} us/req "
+          f"(main {point['main_us']:4.0f}, {point['switches']:.2f} switches/req)  "
+          f"replica {point['replica_us']:4.0f} us/req  failed {point['failed']}  "
+          f"load {point['load1']:.2f}", flush=True)  # fmt: skip
+
+
+def summary(args: argparse.Namespace, results: dict[int, list[dict[str, Any]]]) -> None:
     base = statistics.median(x["throughput"] for x in results[args.workers[0]])
     base_cpu = statistics.median(x["gateway_us"] for x in results[args.workers[0]])
     print(f"\nmedian over {args.rounds} rounds (ratios to {args.workers[0]} worker(s)):")
@@ -341,7 +365,6 @@ def main() -> None:
               f"  gateway CPU {cpu:5.0f} us/req ({cpu / base_cpu:4.2f}x)"
               f"  {statistics.median(x['switches'] for x in points):.2f} switches/req"
               f"  load {statistics.median(x['load1'] for x in points):.2f}")  # fmt: skip
-    print(f"(logs in {work})")
 
 
 if __name__ == "__main__":

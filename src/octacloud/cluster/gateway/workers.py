@@ -190,8 +190,7 @@ class GatewayWorkers:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
-                start_new_session=True,  # Ctrl-C at `up`'s terminal reaches `up`, which stops its workers itself
-            )
+            )  # in `up`'s session: a session of its own (an autogroup of its own) doubled the latency on one connection
 
     async def _until_serving(self, indexes: set[int]) -> None:
         loop = asyncio.get_running_loop()
@@ -297,8 +296,10 @@ async def serve_worker(spec: WorkerSpec, index: int) -> None:
     feed.serving(fronts.http_port, fronts.grpc_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    # Ctrl-C at `up`'s terminal reaches the whole process group: `up` stops its workers itself (SIGTERM), so that
+    # the supervisor does not see them exit first and restart them
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     fed = asyncio.create_task(feed.run())
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({fed, stopped}, return_when=asyncio.FIRST_COMPLETED)
