@@ -23,7 +23,7 @@ import pytest
 
 from octacloud.cluster.gateway.workers import GatewayWorkers
 from octacloud.cluster.internal_auth import HEADER
-from tests.cluster.conftest import IN, write_linear_model
+from tests.cluster.conftest import IN, expected_output, write_linear_model
 from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, wait_until
 from tests.security.conftest import call, make_tenant
 
@@ -115,6 +115,13 @@ def test_two_workers_share_routes_auth_metering_and_survive_kill(cloud: CloudThr
             g.is_model_ready("acme-lin", headers={"authorization": f"Bearer {globex}"})
         assert g.is_model_ready("acme-lin", headers={"authorization": f"Bearer {acme}"})
         g.close()
+    g = grpcclient.InferenceServerClient(f"127.0.0.1:{c.cloud.grpc_port}")  # and an inference over gRPC
+    x = np.random.default_rng(3).standard_normal((2, IN)).astype(np.float32)
+    ginp = grpcclient.InferInput("INPUT0", list(x.shape), "FP32")
+    ginp.set_data_from_numpy(x)
+    out = g.infer("acme-lin", [ginp], headers={"authorization": f"Bearer {acme}"}).as_numpy("OUTPUT0")
+    np.testing.assert_allclose(out, expected_output(x), rtol=1e-5, atol=1e-5)
+    g.close()
 
     # a revoked key is refused by every worker within the bound (each had it cached)
     made = call(c, c.key, "POST", "/admin/keys", {"tenant": "acme"}).json()
@@ -145,7 +152,7 @@ def test_two_workers_share_routes_auth_metering_and_survive_kill(cloud: CloudThr
             answer = s.recv(4096)
         assert b'"refused"' in answer and b"snapshot" not in answer
     assert w.hub.refused == refused + 3
-    billed = before + 40 + 6 + 30 + 1  # REST inferences, gRPC ModelReady calls; refusals are not billed
+    billed = before + 40 + 6 + 1 + 30 + 1  # REST inferences, gRPC ModelReady calls and one inference; not refusals
     wait_until("every billed request counted", lambda: traffic(c, "acme", "acme-lin") == billed, timeout=5)
 
     # readiness at the workers is the controller loop's: a loop that stopped completing passes is seen by both
@@ -189,8 +196,9 @@ def test_two_workers_share_routes_auth_metering_and_survive_kill(cloud: CloudThr
     failed = [at for at, ok in outcomes if not ok]
     after = [ok for at, ok in outcomes if at > killed_at]
     # only requests on the killed worker's connections fail: those it held (one per client at most) and those
-    # that reached its accept queue while the kernel tore its socket down, all at the moment of the kill
-    assert len(failed) <= 2 * len(threads), failed
+    # whose new connection reached its listening socket before the kernel closed it (a client that retries at
+    # once may land there again): all in the moment of the kill, none after
+    assert len(failed) <= 4 * len(threads), failed
     assert all(killed_at <= at < killed_at + 1.0 for at in failed), (killed_at, failed)
     assert sum(after) > 10  # the other worker (then both) kept serving
     assert w.restarts == 1
