@@ -70,9 +70,11 @@ def cloud(ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory
 def replica_stats(cloud: CloudThread, replica_id: str) -> int:
     """Inferences this replica served, asked of the replica itself (not through the gateway)."""
     r = next(r for r in cloud.cloud.store.replicas() if r.id == replica_id)
-    url = f"http://{r.host}:{r.http_port}/v2/models/linear/stats"
+    url = f"https://{r.host}:{r.http_port}/v2/models/linear/stats"  # internal TLS: on by default on Ray
     internal = {HEADER: cloud.cloud.internal_secret}  # replicas answer their own cloud only
-    stats = httpx.get(url, headers=internal, timeout=10).json()["model_stats"]
+    verify = cloud.cloud.internal_tls  # the cloud's CA, and the cloud's client certificate
+    assert verify is not None
+    stats = httpx.get(url, headers=internal, timeout=10, verify=verify).json()["model_stats"]
     return sum(int(s["inference_count"]) for s in stats)
 
 

@@ -24,6 +24,7 @@ from typing import Protocol
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from octacloud.cluster.internal_tls import InternalCa
 from octacloud.cluster.slices import Slice
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 
@@ -153,7 +154,10 @@ class LocalProcessLauncher:
         host: str = "127.0.0.1",
         python: str = sys.executable,
         environment: Callable[[], Mapping[str, str]] | None = None,
+        internal_ca: InternalCa | None = None,
     ) -> None:
+        self.internal_ca = internal_ca
+        """Internal TLS: each replica gets a fresh certificate of this CA (files in its folder, key mode 0600)."""
         self.workdir = workdir
         self.host = host
         """Where replicas listen: loopback, since the gateway runs on this machine."""
@@ -183,6 +187,8 @@ class LocalProcessLauncher:
         ]  # fmt: skip
         node_env = self.environment() if self.environment is not None else {}
         env = {**os.environ, **node_env, **spec.env, "OCTACLOUD_REPLICA_ID": spec.replica_id, "PYTHONUNBUFFERED": "1"}
+        if self.internal_ca is not None:
+            env.update(self.internal_ca.issue_replica(spec.replica_id, [self.host]).write(root, "replica").env())
         log = root / "replica.log"
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:

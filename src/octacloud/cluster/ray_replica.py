@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from octacloud.cluster import internal_auth
+from octacloud.cluster.internal_tls import Credentials
 from octacloud.cluster.launcher import LaunchSpec, model_view
 from octacloud.cluster.storage import FetchResult, ModelCache
 
@@ -46,6 +47,9 @@ class ActorLaunch:
     internal_secret: str | None = None
     """The cloud's internal secret: written (mode 0600) to the replica's scratch folder, whose path the replica
     reads from ``OCTACLOUD_INTERNAL_SECRET_FILE`` as a local replica does (see ``cluster.internal_auth``)."""
+    tls: Credentials | None = None
+    """Internal TLS: this replica's certificate, key and the cloud CA, written (key mode 0600) to the replica's
+    scratch folder; the replica then serves TLS only (see ``cluster.internal_tls``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,7 @@ class ReplicaActor:
             os.environ[internal_auth.ENV_VAR] = str(secret_file)  # this actor's own process only
         local = LaunchSpec(spec.replica_id, spec.serve_as, cache.path, spec.version, spec.env, spec.threads)
         repository = model_view(local, scratch)
+        tls = launch.tls.write(scratch, "replica") if launch.tls is not None else None
         settings = ServerSettings(
             repository=repository,
             host=launch.host,
@@ -95,6 +100,7 @@ class ReplicaActor:
             control_mode=ControlMode.EXPLICIT,
             load_models=(spec.serve_as,),
             threads=spec.threads,
+            tls=tls,
         )
         server = ReplicaServer(settings)
         started = threading.Event()

@@ -1,0 +1,233 @@
+"""Internal TLS: the per-cloud CA with which the gateway and its replicas know each other across machines.
+
+Each cloud has its own certificate authority, made at first start in ``<state>/internal-tls/`` (``ca.pem``;
+``ca.key`` with mode 0600) and kept across restarts, so that replicas that outlive a restart stay trusted.
+
+- Every replica launch gets a fresh server certificate (:meth:`InternalCa.issue_replica`), valid for
+  :data:`REPLICA_CERT_LIFETIME`, naming the address the replica binds (an IP or DNS SAN) and the replica
+  itself (``<replica id>.replica.octacloud``, see :func:`replica_server_name`). A restarted replica gets a
+  new one; the old key dies with the old process.
+- The gateway (and the prober, the scrapers) present a client certificate of the same CA
+  (:meth:`InternalCa.client_credentials`, re-issued at each start), and replicas require it: a replica
+  answers only handshakes from its own cloud, a client trusts only replicas of its own cloud.
+
+The per-cloud internal secret (``cluster.internal_auth``) is still sent and checked on top: TLS keeps it
+from crossing the network in clear.
+
+When the hop is protected is :class:`InternalTlsMode`: ``auto`` turns it on where replicas may run on another
+machine (the Ray launcher) and off for local loopback processes, where the secret suffices.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import ipaddress
+import os
+import ssl
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from octacloud.cluster.tls import _key, _pem_key, _write
+from octacloud.core.errors import InvalidSpecError
+from octacloud.protocols.internal import ReplicaTls
+
+FOLDER = "internal-tls"
+"""The CA's folder in the cloud's state directory."""
+CA_LIFETIME = dt.timedelta(days=3650)
+REPLICA_CERT_LIFETIME = dt.timedelta(days=7)
+"""A replica's certificate: longer than a replica usually lives; a replica restarted gets a new one."""
+CLIENT_CERT_LIFETIME = dt.timedelta(days=7)
+"""The gateway's client certificate: re-issued at every start of the cloud."""
+CLOCK_SKEW = dt.timedelta(minutes=5)
+"""Certificates are valid from this long before they are made (machines' clocks differ a little)."""
+
+
+class InternalTlsMode(enum.StrEnum):
+    """Whether the gateway → replica hop runs over TLS: ``auto`` (on when replicas may be on another machine:
+    the Ray launcher; off for local processes on loopback), ``on``, ``off``."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+    @classmethod
+    def parse(cls, value: str) -> InternalTlsMode:
+        try:
+            return cls(value.lower())
+        except ValueError:
+            raise InvalidSpecError(f"internal TLS must be auto, on or off, got {value!r}") from None
+
+    def enabled(self, replicas_may_be_remote: bool) -> bool:
+        if self is InternalTlsMode.AUTO:
+            return replicas_may_be_remote
+        return self is InternalTlsMode.ON
+
+
+def replica_server_name(replica_id: str) -> str:
+    """The DNS name a replica's certificate carries besides its address (what a client can check it against)."""
+    return f"{replica_id}.replica.octacloud"
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """A certificate, its private key and the CA that signed it, as PEM."""
+
+    cert_pem: bytes
+    key_pem: bytes
+    ca_pem: bytes
+
+    def write(self, folder: Path, name: str) -> ReplicaTls:
+        """Write ``<name>.pem``, ``<name>.key`` (0600) and ``ca.pem`` into ``folder``; returns the files."""
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = ReplicaTls(folder / f"{name}.pem", folder / f"{name}.key", folder / "ca.pem")
+        _write(paths.keyfile, self.key_pem, private=True)
+        os.chmod(paths.keyfile, 0o600)  # an existing file keeps its mode through O_TRUNC
+        _write(paths.certfile, self.cert_pem, private=False)
+        _write(paths.client_ca, self.ca_pem, private=False)
+        return paths
+
+
+class InternalCa:
+    """The cloud's internal CA. ``now`` (seconds since the epoch) dates the certificates it issues."""
+
+    def __init__(
+        self, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey, now: Callable[[], float] = time.time
+    ) -> None:
+        self.cert = cert
+        self._key = key
+        self._now = now
+        self.ca_pem = cert.public_bytes(serialization.Encoding.PEM)
+
+    @classmethod
+    def ensure(cls, state_dir: Path, now: Callable[[], float] = time.time) -> InternalCa:
+        """The CA in ``state_dir/internal-tls``, made on first use; an existing one is kept (and checked)."""
+        folder = state_dir / FOLDER
+        cert_path, key_path = folder / "ca.pem", folder / "ca.key"
+        if not key_path.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            os.chmod(folder, 0o700)
+            key = _key()
+            cert = _build(_name("octacloud internal CA"), key, None, now, CA_LIFETIME, ca=True)
+            _write(key_path, _pem_key(key), private=True)
+            _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
+        return cls.load(folder, now)
+
+    @classmethod
+    def load(cls, folder: Path, now: Callable[[], float] = time.time) -> InternalCa:
+        cert_path, key_path = folder / "ca.pem", folder / "ca.key"
+        try:
+            mode = key_path.stat().st_mode
+            cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+            key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        except (OSError, ValueError) as exc:
+            raise InvalidSpecError(f"internal CA in {folder} does not load: {exc}") from None
+        if mode & 0o077:
+            raise InvalidSpecError(
+                f"internal CA key {key_path} is readable by others (mode {mode & 0o777:o}); chmod it 600"
+            )
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key() != cert.public_key():
+            raise InvalidSpecError(f"internal CA in {folder}: ca.key is not the key of ca.pem")
+        return cls(cert, key, now)
+
+    def issue_replica(
+        self, replica_id: str, addresses: Sequence[str], lifetime: dt.timedelta = REPLICA_CERT_LIFETIME
+    ) -> Credentials:
+        """A server certificate for replica ``replica_id`` listening on ``addresses`` (IPs or host names)."""
+        names: list[x509.GeneralName] = [x509.DNSName(replica_server_name(replica_id))]
+        for address in addresses:
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(address.strip("[]"))))
+            except ValueError:
+                names.append(x509.DNSName(address))
+        return self._issue(f"replica {replica_id}", names, lifetime, server=True)
+
+    def client_credentials(self, lifetime: dt.timedelta = CLIENT_CERT_LIFETIME) -> Credentials:
+        """The client certificate the gateway, the prober and the scrapers present to replicas."""
+        return self._issue("octacloud gateway", [], lifetime, server=False)
+
+    def _issue(
+        self, subject: str, names: list[x509.GeneralName], lifetime: dt.timedelta, *, server: bool
+    ) -> Credentials:
+        key = _key()
+        cert = _build(_name(subject), key, (self.cert.subject, self._key), self._now, lifetime, names=names,
+                      server=server)  # fmt: skip
+        return Credentials(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key), self.ca_pem)
+
+
+@dataclass(frozen=True, slots=True)
+class InternalClientTls:
+    """The gateway side of internal TLS: what each client of replicas needs."""
+
+    files: ReplicaTls
+    """The client certificate, its key and the cloud CA, as files (``ssl`` loads keys from files only)."""
+    credentials: Credentials
+
+    @classmethod
+    def issue(cls, ca: InternalCa, state_dir: Path) -> InternalClientTls:
+        """A fresh client certificate for this start, written to ``state_dir/internal-tls/gateway.*``."""
+        credentials = ca.client_credentials()
+        return cls(credentials.write(state_dir / FOLDER, "gateway"), credentials)
+
+    def context(self) -> ssl.SSLContext:
+        """A client context that trusts only the cloud CA, checks the replica's name, and presents our certificate."""
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=self.credentials.ca_pem.decode())
+        context.load_cert_chain(self.files.certfile, self.files.keyfile)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        return context
+
+    def grpc_credentials_args(self) -> tuple[bytes, bytes, bytes]:
+        """``grpc.ssl_channel_credentials`` arguments: root certificates, private key, certificate chain."""
+        return self.credentials.ca_pem, self.credentials.key_pem, self.credentials.cert_pem
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "octacloud"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])  # fmt: skip
+
+
+def _build(
+    name: x509.Name,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None,
+    now: Callable[[], float],
+    lifetime: dt.timedelta,
+    *,
+    ca: bool = False,
+    server: bool = False,
+    names: Sequence[x509.GeneralName] = (),
+) -> x509.Certificate:
+    issuer_name, issuer_key = issuer if issuer is not None else (name, key)
+    start = dt.datetime.fromtimestamp(now(), dt.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start - CLOCK_SKEW)
+        .not_valid_after(start + lifetime)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+    )
+    if ca:
+        usage = x509.KeyUsage(False, False, False, False, False, True, True, False, False)
+        builder = builder.add_extension(usage, critical=True)
+        builder = builder.add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+    else:
+        usage = x509.KeyUsage(True, False, False, False, False, False, False, False, False)
+        builder = builder.add_extension(usage, critical=True)
+        purpose = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        builder = builder.add_extension(x509.ExtendedKeyUsage([purpose]), critical=False)
+        if issuer is not None:
+            aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer[1].public_key())
+            builder = builder.add_extension(aki, critical=False)
+    if names:
+        builder = builder.add_extension(x509.SubjectAlternativeName(list(names)), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
