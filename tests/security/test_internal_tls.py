@@ -350,3 +350,14 @@ def test_a_replica_killed_and_restarted_gets_a_new_certificate_and_is_trusted(tl
 def _instance_or_none(c: CloudThread) -> dict[str, Any] | None:
     ready = [i for i in c.deployment("linear")["instances"] if i["state"] == "ready"]
     return ready[0] if ready else None
+
+
+def test_up_refuses_an_unknown_internal_tls_mode(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from octacloud.cli.main import app
+
+    (tmp_path / "models").mkdir()
+    args = ["up", "--repository", str(tmp_path / "models"), "--state-dir", str(tmp_path), "--internal-tls", "yes"]
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
+    assert result.exit_code == 2 and "internal TLS must be auto, on or off, got 'yes'" in result.output
