@@ -138,6 +138,31 @@ def test_gateway_reaches_replicas_on_every_node(cloud: CloudThread) -> None:
     assert sum(served.values()) == 40 * len(x)  # inference_count counts samples
 
 
+def test_replicas_on_ray_serve_internal_tls_only(cloud: CloudThread) -> None:
+    """Internal TLS is on by default on Ray: each replica has its own certificate (key mode 0600, handed over in
+    the actor's start arguments), answers the cloud's client certificate and refuses plain text."""
+    from cryptography import x509
+
+    from octacloud.cluster.internal_tls import replica_server_name
+
+    cache_root = cloud.cloud.controller.launcher.cache_root  # type: ignore[attr-defined]
+    internal = {HEADER: cloud.cloud.internal_secret}
+    for r in cloud.cloud.store.replicas("linear"):
+        folder = cache_root / r.node / ".replicas" / r.id
+        assert (folder / "replica.key").stat().st_mode & 0o777 == 0o600
+        cert = x509.load_pem_x509_certificate((folder / "replica.pem").read_bytes())
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert replica_server_name(r.id) in names.get_values_for_type(x509.DNSName)
+        assert r.host == "127.0.0.1"  # every node of this cluster is this machine: the gateway's node, loopback
+        for port, path in ((r.http_port, "/v2/health/ready"), (r.metrics_port, "/metrics")):
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"http://{r.host}:{port}{path}", headers=internal, timeout=5)
+            answer = httpx.get(
+                f"https://{r.host}:{port}{path}", headers=internal, timeout=5, verify=cloud.cloud.internal_tls
+            )
+            assert answer.status_code == 200
+
+
 def test_a_lost_node_is_replaced_within_15_s(cloud: CloudThread, ray_cluster: LocalRayCluster) -> None:
     x = np.ones((1, IN), np.float32)
     victim = next(r for r in cloud.ready("linear") if r["node"] == "ray-c")

@@ -361,3 +361,27 @@ def test_up_refuses_an_unknown_internal_tls_mode(tmp_path: Path) -> None:
     args = ["up", "--repository", str(tmp_path / "models"), "--state-dir", str(tmp_path), "--internal-tls", "yes"]
     result = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
     assert result.exit_code == 2 and "internal TLS must be auto, on or off, got 'yes'" in result.output
+
+
+def test_the_prober_trusts_only_the_replica_it_expects(replica: TlsReplica, tmp_path: Path) -> None:
+    from octacloud.cluster.deployments import Replica
+    from octacloud.cluster.health import HttpProber
+
+    s = replica.server
+    headers = [(internal_auth.HEADER_BYTES, replica.secret.encode())]
+
+    async def probe(replica_id: str, tls: ssl.SSLContext | None) -> bool:
+        prober = HttpProber(headers=headers, tls=tls)
+        try:
+            answer = await prober.probe(
+                Replica(replica_id, "linear", host="127.0.0.1", http_port=s.http_port), "linear", 5
+            )
+        finally:
+            await prober.close()
+        return answer.ready
+
+    other = InternalClientTls.issue(InternalCa.ensure(tmp_path / "other-cloud"), tmp_path / "other-cloud")
+    assert asyncio.run(probe(REPLICA, replica.client.context()))
+    assert not asyncio.run(probe("linear-ffffff", replica.client.context()))  # another replica's address
+    assert not asyncio.run(probe(REPLICA, other.context()))  # another cloud
+    assert not asyncio.run(probe(REPLICA, None))  # plain text
