@@ -30,7 +30,7 @@ from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import RouteTable
 from octacloud.cluster.gateway.upstream import UpstreamPool
 from octacloud.cluster.health import HttpProber, RepositoryFootprints
-from octacloud.cluster.internal_tls import InternalCa, InternalClientTls, InternalTlsMode
+from octacloud.cluster.internal_tls import RENEW_INTERVAL_S, InternalCa, InternalClientTls, InternalTlsMode
 from octacloud.cluster.launcher import LocalProcessLauncher, ReplicaLauncher
 from octacloud.cluster.mps import MpsDaemon, SharingCollector
 from octacloud.cluster.storage import FleetCacheStats, ModelCacheCollector
@@ -301,6 +301,9 @@ class Cloud:
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self._watch_fleet(self.watcher)))
         self._tasks.append(asyncio.create_task(self.meter.run(self._stop)))
+        renew = getattr(self.controller.launcher, "renew_certificates", None)
+        if self.internal_ca is not None and renew is not None:
+            self._tasks.append(asyncio.create_task(self._renew_certificates(renew)))
         if self.mps:
             self._tasks.append(asyncio.create_task(self._watch_mps()))
         self._started = True
@@ -341,6 +344,18 @@ class Cloud:
             await self._stop.wait()
         finally:
             await self.stop()
+
+    async def _renew_certificates(self, renew: Callable[[], int]) -> None:
+        """Internal TLS: replicas' certificates past half their life are renewed while they run."""
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), RENEW_INTERVAL_S)
+                return
+            try:
+                if renewed := renew():
+                    log.info("internal TLS: renewed %d replica certificates", renewed)
+            except Exception:
+                log.exception("internal TLS: renewing replica certificates failed")
 
     def _ready(self) -> bool:
         """Ready: started, and the controller's loop runs and completes iterations."""

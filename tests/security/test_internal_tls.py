@@ -34,6 +34,7 @@ from octacloud.cluster.internal_tls import (
     InternalCa,
     InternalClientTls,
     InternalTlsMode,
+    Renewals,
     replica_server_name,
 )
 from octacloud.core.errors import InvalidSpecError
@@ -385,3 +386,90 @@ def test_the_prober_trusts_only_the_replica_it_expects(replica: TlsReplica, tmp_
     assert not asyncio.run(probe("linear-ffffff", replica.client.context()))  # another replica's address
     assert not asyncio.run(probe(REPLICA, other.context()))  # another cloud
     assert not asyncio.run(probe(REPLICA, None))  # plain text
+
+
+def test_certificates_past_half_their_life_are_renewed(tmp_path: Path) -> None:
+    clock = [1_900_000_000.0]
+    renewals = Renewals(InternalCa.ensure(tmp_path, now=lambda: clock[0]), lifetime=dt.timedelta(hours=2))
+    first = renewals.issue("r1", ["10.0.0.1"])
+    renewals.track("h1", "r1", ["10.0.0.1"])
+    renewals.track("h2", "r2", ["10.0.0.2"])
+    clock[0] += 3599
+    assert renewals.due() == []
+    clock[0] += 1
+    due = renewals.due()
+    assert [(h, r) for h, r, _ in due] == [("h1", "r1"), ("h2", "r2")]
+    renewed = x509.load_pem_x509_certificate(due[0][2].cert_pem)
+    assert renewed.serial_number != x509.load_pem_x509_certificate(first.cert_pem).serial_number
+    assert renewed.not_valid_after_utc == dt.datetime.fromtimestamp(clock[0], dt.UTC) + dt.timedelta(hours=2)
+    assert renewals.due() == []  # not again until half the new life has passed
+    renewals.forget("h2")
+    clock[0] += 3600
+    assert [h for h, _, _ in renewals.due()] == ["h1"]
+
+
+def _served_serial(port: int, context: ssl.SSLContext) -> int:
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+async def test_a_running_replica_loads_its_renewed_certificate(tmp_path: Path) -> None:
+    write_linear_model(tmp_path / "models")
+    week_ago = time.time() - 8 * 86400  # its first certificate has expired: clients refuse it
+    old_ca = InternalCa.ensure(tmp_path / "state", now=lambda: week_ago)
+    files = old_ca.issue_replica(REPLICA, ["127.0.0.1"]).write(tmp_path / "replica", "replica")
+    settings = ServerSettings(repository=tmp_path / "models", http_port=0, grpc_port=0, metrics_port=0, tls=files,
+                              internal_secret_file=None, tls_reload_s=0.05)  # fmt: skip
+    server = ReplicaServer(settings)
+    await server.start()
+    try:
+        ca = InternalCa.ensure(tmp_path / "state")  # the same CA, today's clock
+        context = InternalClientTls.issue(ca, tmp_path / "state").context()
+        ports = [server.http_port or 0, server.grpc_port or 0, server.metrics_port or 0]
+        for port in ports:
+            with pytest.raises(ssl.SSLCertVerificationError, match="expired"):
+                await asyncio.to_thread(_served_serial, port, context)
+        renewed = ca.issue_replica(REPLICA, ["127.0.0.1"])
+        renewed.write(tmp_path / "replica", "replica")
+        serial = x509.load_pem_x509_certificate(renewed.cert_pem).serial_number
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ssl.SSLError):
+                if await asyncio.to_thread(_served_serial, ports[0], context) == serial:
+                    break
+            await asyncio.sleep(0.05)
+        for port in ports:  # REST, gRPC and metrics all serve the new one, without a restart
+            assert await asyncio.to_thread(_served_serial, port, context) == serial
+        async with httpx.AsyncClient(verify=context) as client:
+            assert (await client.get(f"https://127.0.0.1:{ports[0]}/v2/health/ready")).status_code == 200
+    finally:
+        await server.stop()
+
+
+def test_the_local_launcher_renews_the_certificates_of_its_replicas(tmp_path: Path) -> None:
+    from octacloud.cluster.launcher import LaunchSpec, LocalProcessLauncher
+
+    repo = tmp_path / "models"
+    write_linear_model(repo)
+    clock = [time.time()]
+    launcher = LocalProcessLauncher(
+        tmp_path / "replicas", internal_ca=InternalCa.ensure(tmp_path, now=lambda: clock[0])
+    )
+    launched = launcher.launch(LaunchSpec("r1", "linear", repo / "linear", "", {}, 1))
+    try:
+        pem = tmp_path / "replicas" / "r1" / "replica.pem"
+        first = x509.load_pem_x509_certificate(pem.read_bytes()).serial_number
+        assert launcher.renew_certificates() == 0
+        clock[0] += REPLICA_CERT_LIFETIME.total_seconds() / 2
+        assert launcher.renew_certificates() == 1
+        assert x509.load_pem_x509_certificate(pem.read_bytes()).serial_number != first
+        assert (tmp_path / "replicas" / "r1" / "replica.key").stat().st_mode & 0o777 == 0o600
+    finally:
+        launcher.stop(launched.handle, 2.0)
+    clock[0] += REPLICA_CERT_LIFETIME.total_seconds()
+    assert launcher.renew_certificates() == 0  # a stopped replica is forgotten

@@ -6,7 +6,8 @@ Each cloud has its own certificate authority, made at first start in ``<state>/i
 - Every replica launch gets a fresh server certificate (:meth:`InternalCa.issue_replica`), valid for
   :data:`REPLICA_CERT_LIFETIME`, naming the address the replica binds (an IP or DNS SAN) and the replica
   itself (``<replica id>.replica.octacloud``, see :func:`replica_server_name`). A restarted replica gets a
-  new one; the old key dies with the old process.
+  new one; the old key dies with the old process. Past half its life the launcher hands a running replica
+  a new one (:class:`Renewals`), which the replica loads for its next handshakes without a restart.
 - The gateway (and the prober, the scrapers) present a client certificate of the same CA
   (:meth:`InternalCa.client_credentials`, re-issued at each start), and replicas require it: a replica
   answers only handshakes from its own cloud, a client trusts only replicas of its own cloud.
@@ -44,8 +45,11 @@ FOLDER = "internal-tls"
 CA_LIFETIME = dt.timedelta(days=3650)
 REPLICA_CERT_LIFETIME = dt.timedelta(days=7)
 """A replica's certificate: longer than a replica usually lives; a replica restarted gets a new one."""
-CLIENT_CERT_LIFETIME = dt.timedelta(days=7)
-"""The gateway's client certificate: re-issued at every start of the cloud."""
+CLIENT_CERT_LIFETIME = dt.timedelta(days=365)
+"""The gateway's client certificate: re-issued at every start of the cloud. It lives in the state directory
+next to the CA's key, so a shorter life would protect nothing the CA's key does not already open."""
+RENEW_INTERVAL_S = 3600.0
+"""How often a cloud looks for replica certificates past half their life."""
 CLOCK_SKEW = dt.timedelta(minutes=5)
 """Certificates are valid from this long before they are made (machines' clocks differ a little)."""
 
@@ -88,10 +92,17 @@ class Credentials:
         """Write ``<name>.pem``, ``<name>.key`` (0600) and ``ca.pem`` into ``folder``; returns the files."""
         folder.mkdir(parents=True, exist_ok=True)
         paths = ReplicaTls(folder / f"{name}.pem", folder / f"{name}.key", folder / "ca.pem")
-        _write(paths.keyfile, self.key_pem, private=True)
-        os.chmod(paths.keyfile, 0o600)  # an existing file keeps its mode through O_TRUNC
-        _write(paths.certfile, self.cert_pem, private=False)
-        _write(paths.client_ca, self.ca_pem, private=False)
+        # Each file is replaced whole (written aside, then renamed), the certificate last: a running replica
+        # that sees a new certificate file finds its key already in place (protocols/internal.py reloads).
+        for path, data, private in (
+            (paths.client_ca, self.ca_pem, False),
+            (paths.keyfile, self.key_pem, True),
+            (paths.certfile, self.cert_pem, False),
+        ):
+            aside = path.with_name(path.name + ".new")
+            _write(aside, data, private)
+            os.chmod(aside, 0o600 if private else 0o644)
+            os.replace(aside, path)
         return paths
 
 
@@ -103,7 +114,7 @@ class InternalCa:
     ) -> None:
         self.cert = cert
         self._key = key
-        self._now = now
+        self.now = now
         self.ca_pem = cert.public_bytes(serialization.Encoding.PEM)
 
     @classmethod
@@ -157,9 +168,50 @@ class InternalCa:
         self, subject: str, names: list[x509.GeneralName], lifetime: dt.timedelta, *, server: bool
     ) -> Credentials:
         key = _key()
-        cert = _build(_name(subject), key, (self.cert.subject, self._key), self._now, lifetime, names=names,
+        cert = _build(_name(subject), key, (self.cert.subject, self._key), self.now, lifetime, names=names,
                       server=server)  # fmt: skip
         return Credentials(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key), self.ca_pem)
+
+
+@dataclass(slots=True)
+class _Issued:
+    replica_id: str
+    addresses: tuple[str, ...]
+    renew_at: float
+
+
+class Renewals:
+    """The certificates a launcher issued to the replicas it runs, and which are past half their life.
+
+    ``issue`` before a launch, ``track`` once the launcher knows the replica's handle, ``forget`` at stop;
+    ``due`` re-issues every tracked certificate past half its life and returns (handle, replica id, new
+    credentials) for the launcher to hand over. A replica adopted from an earlier controller is not tracked:
+    it keeps the certificate it has until it is replaced.
+    """
+
+    def __init__(self, ca: InternalCa, lifetime: dt.timedelta = REPLICA_CERT_LIFETIME) -> None:
+        self.ca = ca
+        self.lifetime = lifetime
+        self._issued: dict[str, _Issued] = {}
+
+    def issue(self, replica_id: str, addresses: Sequence[str]) -> Credentials:
+        return self.ca.issue_replica(replica_id, addresses, self.lifetime)
+
+    def track(self, handle: str, replica_id: str, addresses: Sequence[str]) -> None:
+        half = self.lifetime.total_seconds() / 2
+        self._issued[handle] = _Issued(replica_id, tuple(addresses), self.ca.now() + half)
+
+    def forget(self, handle: str) -> None:
+        self._issued.pop(handle, None)
+
+    def due(self) -> list[tuple[str, str, Credentials]]:
+        now = self.ca.now()
+        out = []
+        for handle, issued in self._issued.items():
+            if now >= issued.renew_at:
+                out.append((handle, issued.replica_id, self.issue(issued.replica_id, issued.addresses)))
+                issued.renew_at = now + self.lifetime.total_seconds() / 2
+        return out
 
 
 @dataclass(frozen=True, slots=True)

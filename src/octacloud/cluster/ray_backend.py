@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import ray
 from octacloud.cluster.controller import NodeChange
-from octacloud.cluster.internal_tls import InternalCa
+from octacloud.cluster.internal_tls import InternalCa, Renewals
 from octacloud.cluster.launcher import Launched, LaunchFailedError, LaunchSpec, ReplicaAddress
 from octacloud.cluster.ray_inventory import FAST_FAILURE_DETECTION, node_from_ray, node_name, slice_resources
 from octacloud.cluster.ray_replica import ActorLaunch, ActorStarted, ReplicaActor
@@ -146,6 +146,7 @@ class RayLauncher:
     ) -> None:
         self.internal_ca = internal_ca
         """Internal TLS: each replica gets a fresh server certificate of this CA with its start arguments."""
+        self._renewals = Renewals(internal_ca) if internal_ca is not None else None
         self.gateway_host = gateway_host
         """The address of the node the gateway runs on (default: this process's node, asked of Ray): replicas
         placed there bind loopback, since nothing else needs to reach them."""
@@ -183,11 +184,13 @@ class RayLauncher:
             max_restarts=0,  # a lost replica is re-placed by our scheduler, never restarted in place by Ray
         ).remote()
         host = self.bind_address(host)
-        tls = self.internal_ca.issue_replica(spec.replica_id, [host]) if self.internal_ca is not None else None
+        tls = self._renewals.issue(spec.replica_id, [host]) if self._renewals is not None else None
         launch = ActorLaunch(spec, s.node, self.storage, self.cache_root, host, self.internal_secret, tls)
         self._actors[handle] = actor
         self._starts[handle] = (s.node, actor.start.remote(launch))
         self._watches[handle] = actor.watch.remote()
+        if self._renewals is not None:
+            self._renewals.track(handle, spec.replica_id, [host])
         return Launched(handle, None, None)
 
     def bind_address(self, node_address: str) -> str:
@@ -237,7 +240,22 @@ class RayLauncher:
         ready, _ = ray.wait([watch], timeout=0)
         return not ready
 
+    def renew_certificates(self) -> int:
+        """Send a new certificate to each replica actor whose certificate is past half its life (the replica
+        loads it for its next handshakes); returns how many were sent. Never waits for an actor."""
+        if self._renewals is None:
+            return 0
+        renewed = 0
+        for handle, _, credentials in self._renewals.due():
+            actor = self._actors.get(handle)
+            if actor is not None:
+                actor.renew_tls.remote(credentials)
+                renewed += 1
+        return renewed
+
     def stop(self, handle: str, grace: float = 5.0) -> None:
+        if self._renewals is not None:
+            self._renewals.forget(handle)
         actor = self._actor(handle)
         self._starts.pop(handle, None)
         self._watches.pop(handle, None)

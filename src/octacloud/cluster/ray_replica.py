@@ -71,6 +71,7 @@ class ReplicaActor:
         self._stop_serving: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._started: ActorStarted | None = None
+        self._scratch: Path | None = None
 
     def start(self, launch: ActorLaunch) -> ActorStarted:
         """Fetch the model, start the server, return once it serves (model loaded and warmed up)."""
@@ -81,6 +82,7 @@ class ReplicaActor:
         cache = ModelCache(launch.cache_root / launch.node).fetch(launch.storage, spec.model_dir.name)
         scratch = launch.cache_root / launch.node / ".replicas" / spec.replica_id
         scratch.mkdir(parents=True, exist_ok=True)
+        self._scratch = scratch
         if launch.internal_secret is not None:
             secret_file = scratch / internal_auth.FILE_NAME
             fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -136,6 +138,11 @@ class ReplicaActor:
         ports = (server.http_port, server.grpc_port, server.metrics_port)
         self._started = ActorStarted(launch.host, *ports, os.getpid(), cache)
         return self._started
+
+    def renew_tls(self, credentials: Credentials) -> None:
+        """Replace this replica's certificate files; the server loads them for its next handshakes."""
+        if self._scratch is not None:
+            credentials.write(self._scratch, "replica")
 
     def started(self) -> ActorStarted | None:
         """What :meth:`start` returned, or None while it runs (for a controller that adopts this replica)."""

@@ -76,6 +76,18 @@ class ReplicaTls:
             context.set_alpn_protocols(list(alpn))
         return context
 
+    def version(self) -> tuple[int, int]:
+        """What changes when the certificate file is replaced (inode, modification time)."""
+        stat = self.certfile.stat()
+        return stat.st_ino, stat.st_mtime_ns
+
+    def reload(self, contexts: Sequence[ssl.SSLContext]) -> None:
+        """Load the files' certificate and key into running ``contexts`` (their next handshakes use them).
+        A pair that does not load together is refused first, and the contexts keep what they had."""
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.certfile, self.keyfile)
+        for context in contexts:
+            context.load_cert_chain(self.certfile, self.keyfile)
+
     def uvicorn_options(self) -> dict[str, object]:
         return {
             "ssl_certfile": str(self.certfile),

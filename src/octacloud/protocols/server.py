@@ -85,6 +85,9 @@ class ServerSettings:
     """The cloud's internal secret (default: ``$OCTACLOUD_INTERNAL_SECRET_FILE``); None: open endpoints."""
     tls: ReplicaTls | None = field(default_factory=tls_from_env)
     """Internal TLS (default: ``$OCTACLOUD_INTERNAL_TLS_CERT|KEY|CA``); None: plain text."""
+    tls_reload_s: float = 30.0
+    """How often the certificate file is checked; a renewed one serves the next handshakes (no restart; REST,
+    metrics and the ``h2`` gRPC server — ``grpc.aio`` keeps the certificate it started with)."""
 
     def __post_init__(self) -> None:
         if self.internal_secret_file is not None and self.tls is None and self.host in WILDCARD_HOSTS:
@@ -177,6 +180,7 @@ class ReplicaServer:
         self._grpc_h2: GrpcServer | None = None
         self._metrics: Any = None
         self._metrics_thread: threading.Thread | None = None
+        self._tls_watch: asyncio.Task[None] | None = None
 
     @property
     def address(self) -> str:
@@ -233,6 +237,8 @@ class ReplicaServer:
         except BaseException:
             await self.stop()
             raise
+        if s.tls is not None:
+            self._tls_watch = asyncio.get_running_loop().create_task(self._watch_tls(s.tls))
         self.dataplane.ready = True
         log.info(
             "octacloud serving %s: http %s, grpc %s, metrics %s",
@@ -273,6 +279,21 @@ class ReplicaServer:
             raise OSError(f"cannot bind the gRPC port {s.host}:{s.grpc_port} (in use?)") from None
         await server.start()
 
+    async def _watch_tls(self, tls: ReplicaTls) -> None:
+        """Load a renewed certificate (the launcher replaces the files) for the next handshakes."""
+        contexts = [c for c in (self._tls_http, self._tls_grpc, self._tls_metrics) if c is not None]
+        version = tls.version()
+        while True:
+            await asyncio.sleep(self.settings.tls_reload_s)
+            try:
+                now = tls.version()
+                if now != version:
+                    tls.reload(contexts)
+                    version = now
+                    log.info("internal TLS: loaded the renewed certificate %s", tls.certfile)
+            except (OSError, ssl.SSLError) as exc:  # half-written or gone: the old one serves until next time
+                log.warning("internal TLS: cannot load %s yet: %s", tls.certfile, exc)
+
     def _stats(self) -> Iterable[VersionStats]:
         for _ in range(3):  # the metrics thread reads while the loop may change the set of models
             try:
@@ -284,6 +305,11 @@ class ReplicaServer:
     async def stop(self) -> None:
         """Stop taking requests, finish those in flight, unload every model."""
         self.dataplane.ready = False
+        if self._tls_watch is not None:
+            self._tls_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tls_watch
+            self._tls_watch = None
         if self._grpc is not None:
             await self._grpc.stop(self.settings.grpc_grace_s)
             self._grpc = None
