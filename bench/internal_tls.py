@@ -3,9 +3,11 @@
 Two replica processes of the same model (``octacloud serve``, the cloud's internal secret on both), one given
 a certificate of a fresh internal CA (mutual TLS), one plain. The client is the gateway's own upstream pool
 (:class:`~octacloud.cluster.gateway.upstream.UpstreamPool`, keep-alive connections; with the cloud's client
-context for TLS). Rounds alternate plain / TLS, side by side in one run; per round: inferences per second and
-CPU µs per inference, the client's (this process) and the replica's (``/proc/<pid>/stat``). A last pair of
-rounds opens a fresh connection for every request: the cost of a handshake.
+context for TLS) for REST, a ``grpc.aio`` channel (insecure, or secure with the cloud's client certificate)
+for gRPC, as the gateway's gRPC proxy. Rounds alternate plain / TLS, side by side in one run; per round:
+inferences per second and CPU µs per inference, the client's (this process) and the replica's
+(``/proc/<pid>/stat``). A last pair of rounds opens a fresh connection for every request: the cost of a
+handshake.
 
 Run inside a loopback-only namespace::
 
@@ -27,6 +29,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
 
 from octacloud.cluster import internal_auth
 from octacloud.cluster.gateway.upstream import UpstreamPool
@@ -51,16 +56,38 @@ class Replica:
     name: str
     process: subprocess.Popen[bytes]
     port: int
+    grpc_port: int
     tls: bool
 
 
 def start_replica(name: str, repo: Path, model: str, env: dict[str, str], tls: bool) -> Replica:
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     argv = [sys.executable, "-m", "octacloud", "serve", "--repository", str(repo), "--model-control-mode",
             "explicit", "--load-model", model, "--host", "127.0.0.1", "--http-port", str(port),
-            "--grpc-port", "-1", "--metrics-port", "-1", "--threads", "1"]  # fmt: skip
+            "--grpc-port", str(grpc_port), "--metrics-port", "-1", "--threads", "1"]  # fmt: skip
     process = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return Replica(name, process, port, tls)
+    return Replica(name, process, port, grpc_port, tls)
+
+
+async def grpc_round(
+    channel: grpc.aio.Channel, r: Replica, request: bytes, secret: str, c: int, seconds: float
+) -> dict[str, float]:
+    call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    metadata = ((internal_auth.HEADER, secret),)
+    done = 0
+    stop = time.monotonic() + seconds
+
+    async def worker() -> None:
+        nonlocal done
+        while time.monotonic() < stop:
+            await call(request, metadata=metadata, timeout=30)
+            done += 1
+
+    client0, server0, wall0 = time.process_time(), cpu_s(r.process.pid), time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(c)))
+    wall = time.monotonic() - wall0
+    client, server = time.process_time() - client0, cpu_s(r.process.pid) - server0
+    return {"per_s": done / wall, "client_us": 1e6 * client / done, "replica_us": 1e6 * server / done, "n": done}
 
 
 async def wait_ready(pool: UpstreamPool, r: Replica, model: str, headers: list[tuple[bytes, bytes]]) -> None:
@@ -136,15 +163,31 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 {"inputs": [{"name": args.input, "shape": [1, args.features], "datatype": "FP32", "data": data}]}
             ).encode()
             path = f"/v2/models/{args.model}/infer".encode()
+            grpc_request = pb.ModelInferRequest(model_name=args.model)
+            tensor = grpc_request.inputs.add(name=args.input, datatype="FP32", shape=[1, args.features])
+            tensor.contents.fp32_contents.extend(data)
+            wire = grpc_request.SerializeToString()
+            creds = grpc.ssl_channel_credentials(*client_tls.grpc_credentials_args())
+            channels = {
+                False: grpc.aio.insecure_channel(f"127.0.0.1:{plain.grpc_port}"),
+                True: grpc.aio.secure_channel(f"127.0.0.1:{secure.grpc_port}", creds),
+            }
             for r in (plain, secure):  # warm-up
                 await round_(pools[r.tls], r, path, headers, body, args.concurrency, 1.0)
+                await grpc_round(channels[r.tls], r, wire, secret, args.concurrency, 1.0)
             load_before = os.getloadavg()
-            results: dict[str, list[dict[str, float]]] = {"plain": [], "tls": []}
+            results: dict[str, list[dict[str, float]]] = {"plain": [], "tls": [], "grpc plain": [], "grpc tls": []}
             for _ in range(args.rounds):
                 for r in (plain, secure):
                     results[r.name].append(
                         await round_(pools[r.tls], r, path, headers, body, args.concurrency, args.seconds)
                     )
+                for r in (plain, secure):
+                    results[f"grpc {r.name}"].append(
+                        await grpc_round(channels[r.tls], r, wire, secret, args.concurrency, args.seconds)
+                    )
+            for channel in channels.values():
+                await channel.close()
             fresh = {
                 "plain": await fresh_round(plain, None, path, headers, body, args.fresh),
                 "tls": await fresh_round(secure, client_tls, path, headers, body, args.fresh),
@@ -177,19 +220,23 @@ def report(out: dict[str, object], args: argparse.Namespace) -> None:
     assert isinstance(keep, dict) and isinstance(fresh, dict)
     print(f"model {args.model}, concurrency {args.concurrency}, {args.rounds} rounds of {args.seconds:g} s each, "
           "alternating plain / TLS (mutual, ECDSA P-256) on keep-alive connections")  # fmt: skip
-    print(f"{'':18}{'infer/s':>10}{'client µs':>12}{'replica µs':>12}{'total µs':>10}")
+    print(f"{'':22}{'infer/s':>10}{'client µs':>12}{'replica µs':>12}{'total µs':>10}   per round: infer/s, total µs")
     med = {}
-    for name in ("plain", "tls"):
+    for name in ("plain", "tls", "grpc plain", "grpc tls"):
         rows = keep[name]
         med[name] = {k: median([r[k] for r in rows]) for k in ("per_s", "client_us", "replica_us")}
         m = med[name]
-        print(f"{name + ' (median)':18}{m['per_s']:>10.0f}{m['client_us']:>12.0f}{m['replica_us']:>12.0f}"
-              f"{m['client_us'] + m['replica_us']:>10.0f}")  # fmt: skip
-    tls, plain = med["tls"], med["plain"]
-    total_t, total_p = tls["client_us"] + tls["replica_us"], plain["client_us"] + plain["replica_us"]
-    print(f"TLS / plain: throughput {tls['per_s'] / plain['per_s']:.3f}, CPU per inference {total_t / total_p:.3f} "
-          f"(+{total_t - total_p:.0f} µs: client +{tls['client_us'] - plain['client_us']:.0f}, "
-          f"replica +{tls['replica_us'] - plain['replica_us']:.0f})")  # fmt: skip
+        each = "  ".join(f"{r['per_s']:.0f}/{r['client_us'] + r['replica_us']:.0f}" for r in rows)
+        label = ("rest " if not name.startswith("grpc") else "") + name + " (median)"
+        print(f"{label:22}{m['per_s']:>10.0f}{m['client_us']:>12.0f}{m['replica_us']:>12.0f}"
+              f"{m['client_us'] + m['replica_us']:>10.0f}   {each}")  # fmt: skip
+    for protocol, p, t in (("REST", "plain", "tls"), ("gRPC", "grpc plain", "grpc tls")):
+        tls, plain = med[t], med[p]
+        total_t, total_p = tls["client_us"] + tls["replica_us"], plain["client_us"] + plain["replica_us"]
+        extra_client, extra_replica = tls["client_us"] - plain["client_us"], tls["replica_us"] - plain["replica_us"]
+        print(f"{protocol} TLS / plain: throughput {tls['per_s'] / plain['per_s']:.3f}, CPU per inference "
+              f"{total_t / total_p:.3f} (+{total_t - total_p:.0f} µs: client +{extra_client:.0f}, "
+              f"replica +{extra_replica:.0f})")  # fmt: skip
     ft, fp = fresh["tls"], fresh["plain"]
     print(f"a fresh connection per request ({args.fresh} each): plain {fp['per_s']:.0f}/s "
           f"{fp['client_us'] + fp['replica_us']:.0f} µs, TLS {ft['per_s']:.0f}/s "
