@@ -473,3 +473,12 @@ def test_the_local_launcher_renews_the_certificates_of_its_replicas(tmp_path: Pa
         launcher.stop(launched.handle, 2.0)
     clock[0] += REPLICA_CERT_LIFETIME.total_seconds()
     assert launcher.renew_certificates() == 0  # a stopped replica is forgotten
+
+
+def test_ray_replicas_bind_loopback_on_the_gateway_node_only(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    from octacloud.cluster.ray_backend import RayFleet, RayLauncher
+
+    launcher = RayLauncher(RayFleet(lambda: []), "models", tmp_path, gateway_host="10.0.0.1")
+    assert launcher.bind_address("10.0.0.1") == "127.0.0.1"  # the gateway's own node: nothing else needs it
+    assert launcher.bind_address("10.0.0.2") == "10.0.0.2"  # another node: its address in the cluster
