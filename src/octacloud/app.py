@@ -124,7 +124,7 @@ class Cloud:
             getattr(launcher, "internal_ca", None) if launcher is not None else internal_ca(config, remote=False)
         )
         """The cloud's internal CA when the gateway → replica hop runs over TLS (None: plain text on loopback)."""
-        client_tls = InternalClientTls.issue(self.internal_ca, config.state_dir) if self.internal_ca else None
+        client_tls = InternalClientTls.issue(self.internal_ca) if self.internal_ca else None
         self.internal_tls = client_tls.context() if client_tls is not None else None
         """What every client of replicas (gateway, prober, scrapers) connects with under internal TLS."""
         gpu_node = local_nvml_node(self.nodes)

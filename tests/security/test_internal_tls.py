@@ -165,6 +165,7 @@ def test_a_client_of_the_cloud_is_answered_on_rest_grpc_and_metrics(replica: Tls
         )
 
     files = replica.client.files  # gRPC over TLS (ALPN h2) with the cloud's client certificate
+    assert files is not None
     g = grpcclient.InferenceServerClient(
         f"127.0.0.1:{s.grpc_port}",
         ssl=True,
@@ -220,6 +221,7 @@ def _refused(replica: TlsReplica, context: ssl.SSLContext, server_name: str = "1
 
 def test_clients_that_are_not_of_this_cloud_are_refused(replica: TlsReplica, tmp_path: Path) -> None:
     ours = replica.client.files
+    assert ours is not None
     assert not _refused(replica, _context(replica.ca.ca_pem, ours))  # the control: ours is answered
     assert not _refused(replica, _context(replica.ca.ca_pem, ours), replica_server_name(REPLICA))
     # a client with no certificate
@@ -227,6 +229,7 @@ def test_clients_that_are_not_of_this_cloud_are_refused(replica: TlsReplica, tmp
     # a second cloud: its client certificate is not of our CA (even trusting ours for the server)
     other = InternalCa.ensure(tmp_path / "other-cloud")
     theirs = InternalClientTls.issue(other, tmp_path / "other-cloud").files
+    assert theirs is not None
     assert _refused(replica, _context(replica.ca.ca_pem, theirs))
     # a client that trusts another CA does not accept our replica
     assert _refused(replica, _context(other.ca_pem, ours))
@@ -313,7 +316,9 @@ def test_the_gateway_forwards_through_internal_tls_as_a_direct_call_answers(tls_
     with pytest.raises(httpx.HTTPError):  # the replica itself speaks TLS only
         httpx.post(f"http://127.0.0.1:{r['http_port']}/v2/models/linear/infer", json=body, headers=internal, timeout=5)
 
-    files = InternalClientTls.issue(c.cloud.internal_ca, c.cloud.config.state_dir).files  # type: ignore[arg-type]
+    assert c.cloud.internal_ca is not None
+    files = InternalClientTls.issue(c.cloud.internal_ca, c.cloud.config.state_dir / "test-client").files
+    assert files is not None
     answers = []
     for target, meta, secure in (
         (f"127.0.0.1:{c.cloud.grpc_port}", {"authorization": f"Bearer {c.key}"}, False),

@@ -26,6 +26,7 @@ import enum
 import ipaddress
 import os
 import ssl
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,8 +47,8 @@ CA_LIFETIME = dt.timedelta(days=3650)
 REPLICA_CERT_LIFETIME = dt.timedelta(days=7)
 """A replica's certificate: longer than a replica usually lives; a replica restarted gets a new one."""
 CLIENT_CERT_LIFETIME = dt.timedelta(days=365)
-"""The gateway's client certificate: re-issued at every start of the cloud. It lives in the state directory
-next to the CA's key, so a shorter life would protect nothing the CA's key does not already open."""
+"""The gateway's client certificate: issued at every start of the cloud, kept in memory. Whoever could steal it
+can read the CA's key in the same state directory, so a shorter life would protect nothing more."""
 RENEW_INTERVAL_S = 3600.0
 """How often a cloud looks for replica certificates past half their life."""
 CLOCK_SKEW = dt.timedelta(minutes=5)
@@ -218,26 +219,37 @@ class Renewals:
 class InternalClientTls:
     """The gateway side of internal TLS: what each client of replicas needs."""
 
-    files: ReplicaTls
-    """The client certificate, its key and the cloud CA, as files (``ssl`` loads keys from files only)."""
     credentials: Credentials
+    ssl_context: ssl.SSLContext
+    files: ReplicaTls | None = None
+    """The certificate, key and CA as files, when :meth:`issue` was asked to keep them (other clients' use)."""
 
     @classmethod
-    def issue(cls, ca: InternalCa, state_dir: Path) -> InternalClientTls:
-        """A fresh client certificate for this start, written to ``state_dir/internal-tls/gateway.*``."""
+    def issue(cls, ca: InternalCa, keep_in: Path | None = None) -> InternalClientTls:
+        """A fresh client certificate (one per process: each gateway process of a cloud makes its own). ``ssl``
+        loads keys from files only: they are written to a private temporary folder, loaded and removed, unless
+        ``keep_in`` names a folder to keep them in."""
         credentials = ca.client_credentials()
-        return cls(credentials.write(state_dir / FOLDER, "gateway"), credentials)
+        if keep_in is not None:
+            files = credentials.write(keep_in, "gateway")
+            return cls(credentials, _client_context(credentials, files), files)
+        with tempfile.TemporaryDirectory(prefix="octacloud-internal-tls-") as folder:  # mode 0700
+            return cls(credentials, _client_context(credentials, credentials.write(Path(folder), "gateway")))
 
     def context(self) -> ssl.SSLContext:
-        """A client context that trusts only the cloud CA, checks the replica's name, and presents our certificate."""
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=self.credentials.ca_pem.decode())
-        context.load_cert_chain(self.files.certfile, self.files.keyfile)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
-        return context
+        """The client context: trusts only the cloud CA, checks the replica's name, presents our certificate."""
+        return self.ssl_context
 
     def grpc_credentials_args(self) -> tuple[bytes, bytes, bytes]:
         """``grpc.ssl_channel_credentials`` arguments: root certificates, private key, certificate chain."""
         return self.credentials.ca_pem, self.credentials.key_pem, self.credentials.cert_pem
+
+
+def _client_context(credentials: Credentials, files: ReplicaTls) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=credentials.ca_pem.decode())
+    context.load_cert_chain(files.certfile, files.keyfile)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
 
 
 def _name(common_name: str) -> x509.Name:
