@@ -487,3 +487,16 @@ def test_ray_replicas_bind_loopback_on_the_gateway_node_only(tmp_path: Path) -> 
     launcher = RayLauncher(RayFleet(lambda: []), "models", tmp_path, gateway_host="10.0.0.1")
     assert launcher.bind_address("10.0.0.1") == "127.0.0.1"  # the gateway's own node: nothing else needs it
     assert launcher.bind_address("10.0.0.2") == "10.0.0.2"  # another node: its address in the cluster
+
+
+def test_the_replica_offers_http1_on_rest_and_h2_on_grpc(replica: TlsReplica) -> None:
+    assert replica.client.files is not None
+    context = _context(replica.ca.ca_pem, replica.client.files)
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    for port, expected in ((replica.server.http_port, "http/1.1"), (replica.server.grpc_port, "h2")):
+        with (
+            socket.create_connection(("127.0.0.1", port or 0), timeout=5) as raw,
+            context.wrap_socket(raw, server_hostname=replica_server_name(REPLICA)) as tls,
+        ):
+            assert tls.selected_alpn_protocol() == expected
+            assert tls.version() in ("TLSv1.2", "TLSv1.3")

@@ -88,14 +88,6 @@ class ReplicaTls:
         for context in contexts:
             context.load_cert_chain(self.certfile, self.keyfile)
 
-    def uvicorn_options(self) -> dict[str, object]:
-        return {
-            "ssl_certfile": str(self.certfile),
-            "ssl_keyfile": str(self.keyfile),
-            "ssl_ca_certs": str(self.client_ca),
-            "ssl_cert_reqs": ssl.CERT_REQUIRED,
-        }
-
 
 def tls_from_env() -> ReplicaTls | None:
     """The internal TLS files a launcher gave this process (None: plain text)."""
