@@ -162,6 +162,22 @@ def test_replicas_on_ray_serve_internal_tls_only(cloud: CloudThread) -> None:
             )
             assert answer.status_code == 200
 
+    # past half its life, each replica's certificate is renewed in place (the actor rewrites its files; the
+    # replica loads them for its next handshakes: tests/security/test_internal_tls.py)
+    launcher = cloud.cloud.controller.launcher
+    serials = {}
+    for r in cloud.cloud.store.replicas("linear"):
+        pem = cache_root / r.node / ".replicas" / r.id / "replica.pem"
+        serials[r.id] = (pem, x509.load_pem_x509_certificate(pem.read_bytes()).serial_number)
+    for issued in launcher._renewals._issued.values():  # type: ignore[attr-defined]
+        issued.renew_at = 0.0
+    assert cloud.call(launcher.renew_certificates) == REPLICAS  # type: ignore[attr-defined]
+    wait_until(
+        "renewed certificates on every node",
+        lambda: all(x509.load_pem_x509_certificate(p.read_bytes()).serial_number != s for p, s in serials.values()),
+        timeout=30,
+    )
+
 
 def test_a_lost_node_is_replaced_within_15_s(cloud: CloudThread, ray_cluster: LocalRayCluster) -> None:
     x = np.ones((1, IN), np.float32)
