@@ -22,6 +22,7 @@ from octacloud.cluster.admin import build_admin_app
 from octacloud.cluster.auth import Guard, KeyStore, server_secret
 from octacloud.cluster.controller import Controller, ControllerSettings, NodeChange
 from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer, local_nvml_node
+from octacloud.cluster.deployments import ReplicaState
 from octacloud.cluster.fleet import discover_fleet
 from octacloud.cluster.gateway.grpc_proxy import GrpcGateway, server_options
 from octacloud.cluster.gateway.http_server import bounded_protocol
@@ -346,12 +347,17 @@ class Cloud:
             await self.stop()
 
     async def _renew_certificates(self, renew: Callable[[], int]) -> None:
-        """Internal TLS: replicas' certificates past half their life are renewed while they run."""
+        """Internal TLS: replicas' certificates past half their life are renewed while they run (those an earlier
+        run started, whose age is unknown, at the first pass)."""
+        adopt: Callable[[str, str, str], None] = getattr(self.controller.launcher, "adopt_certificate", _no_op)
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), RENEW_INTERVAL_S)
                 return
             try:
+                ready = [r for r in self.store.replicas() if r.state is ReplicaState.READY and r.handle and r.host]
+                for r in ready:
+                    adopt(r.handle, r.id, r.host)  # a no-op for the replicas this run launched
                 if renewed := renew():
                     log.info("internal TLS: renewed %d replica certificates", renewed)
             except Exception:
@@ -422,6 +428,10 @@ def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
     secret = internal_auth.ensure_secret(config.state_dir / internal_auth.FILE_NAME)
     launcher = RayLauncher(fleet, storage, cache, internal_secret=secret, internal_ca=internal_ca(config, remote=True))
     return Cloud(config, nodes=nodes, launcher=launcher, clock=clock, watcher=fleet.poll)
+
+
+def _no_op(*_: object) -> None:
+    pass
 
 
 def internal_ca(config: CloudConfig, remote: bool) -> InternalCa | None:

@@ -411,6 +411,9 @@ def test_certificates_past_half_their_life_are_renewed(tmp_path: Path) -> None:
     renewals.forget("h2")
     clock[0] += 3600
     assert [h for h, _, _ in renewals.due()] == ["h1"]
+    # a replica an earlier run started: its certificate's age is unknown, so it is renewed at once
+    assert renewals.adopt("h3", "r3", ["10.0.0.3"]) and not renewals.adopt("h1", "r1", ["10.0.0.1"])
+    assert [h for h, _, _ in renewals.due()] == ["h3"]
 
 
 def _served_serial(port: int, context: ssl.SSLContext) -> int:
@@ -478,6 +481,26 @@ def test_the_local_launcher_renews_the_certificates_of_its_replicas(tmp_path: Pa
         launcher.stop(launched.handle, 2.0)
     clock[0] += REPLICA_CERT_LIFETIME.total_seconds()
     assert launcher.renew_certificates() == 0  # a stopped replica is forgotten
+
+
+def test_a_replica_adopted_from_an_earlier_run_is_renewed(tmp_path: Path) -> None:
+    from octacloud.cluster.launcher import LaunchSpec, LocalProcessLauncher
+
+    repo = tmp_path / "models"
+    write_linear_model(repo)
+    ca = InternalCa.ensure(tmp_path)
+    earlier = LocalProcessLauncher(tmp_path / "replicas", internal_ca=ca)
+    launched = earlier.launch(LaunchSpec("r1", "linear", repo / "linear", "", {}, 1))
+    later = LocalProcessLauncher(tmp_path / "replicas", internal_ca=ca)  # a restarted controller
+    try:
+        pem = tmp_path / "replicas" / "r1" / "replica.pem"
+        first = x509.load_pem_x509_certificate(pem.read_bytes()).serial_number
+        assert later.renew_certificates() == 0  # it does not know the replica yet
+        later.adopt_certificate(launched.handle, "r1", "127.0.0.1")
+        assert later.renew_certificates() == 1
+        assert x509.load_pem_x509_certificate(pem.read_bytes()).serial_number != first
+    finally:
+        later.stop(launched.handle, 2.0)
 
 
 def test_ray_replicas_bind_loopback_on_the_gateway_node_only(tmp_path: Path) -> None:

@@ -186,8 +186,8 @@ class Renewals:
 
     ``issue`` before a launch, ``track`` once the launcher knows the replica's handle, ``forget`` at stop;
     ``due`` re-issues every tracked certificate past half its life and returns (handle, replica id, new
-    credentials) for the launcher to hand over. A replica adopted from an earlier controller is not tracked:
-    it keeps the certificate it has until it is replaced.
+    credentials) for the launcher to hand over. A replica adopted from an earlier controller, whose
+    certificate's age is unknown here, is tracked with ``adopt``: it is renewed at the next ``due``.
     """
 
     def __init__(self, ca: InternalCa, lifetime: dt.timedelta = REPLICA_CERT_LIFETIME) -> None:
@@ -201,6 +201,13 @@ class Renewals:
     def track(self, handle: str, replica_id: str, addresses: Sequence[str]) -> None:
         half = self.lifetime.total_seconds() / 2
         self._issued[handle] = _Issued(replica_id, tuple(addresses), self.ca.now() + half)
+
+    def adopt(self, handle: str, replica_id: str, addresses: Sequence[str]) -> bool:
+        """Track a running replica this launcher did not start (due at once); False when already tracked."""
+        if handle in self._issued:
+            return False
+        self._issued[handle] = _Issued(replica_id, tuple(addresses), self.ca.now())
+        return True
 
     def forget(self, handle: str) -> None:
         self._issued.pop(handle, None)

@@ -225,6 +225,11 @@ class LocalProcessLauncher:
             return _pid_alive(pid)  # not our child (adopted after a controller restart)
         return done == 0
 
+    def adopt_certificate(self, handle: str, replica_id: str, host: str) -> None:
+        """A replica an earlier controller started: renew its certificate from now on (the next renewal first)."""
+        if self._renewals is not None:
+            self._renewals.adopt(handle, replica_id, [host])
+
     def renew_certificates(self) -> int:
         """Hand a new certificate to each running replica whose certificate is past half its life (it loads it
         for its next handshakes); returns how many were renewed."""

@@ -240,6 +240,11 @@ class RayLauncher:
         ready, _ = ray.wait([watch], timeout=0)
         return not ready
 
+    def adopt_certificate(self, handle: str, replica_id: str, host: str) -> None:
+        """A replica an earlier controller started: renew its certificate from now on (the next renewal first)."""
+        if self._renewals is not None:
+            self._renewals.adopt(handle, replica_id, [host])
+
     def renew_certificates(self) -> int:
         """Send a new certificate to each replica actor whose certificate is past half its life (the replica
         loads it for its next handshakes); returns how many were sent. Never waits for an actor."""
@@ -247,7 +252,7 @@ class RayLauncher:
             return 0
         renewed = 0
         for handle, _, credentials in self._renewals.due():
-            actor = self._actors.get(handle)
+            actor = self._actor(handle)
             if actor is not None:
                 actor.renew_tls.remote(credentials)
                 renewed += 1
