@@ -347,13 +347,10 @@ class Cloud:
             await self.stop()
 
     async def _renew_certificates(self, renew: Callable[[], int]) -> None:
-        """Internal TLS: replicas' certificates past half their life are renewed while they run (those an earlier
-        run started, whose age is unknown, at the first pass)."""
+        """Internal TLS: replicas' certificates past half their life are renewed while they run; those an earlier
+        run started, whose age is unknown, at the first pass (at start)."""
         adopt: Callable[[str, str, str], None] = getattr(self.controller.launcher, "adopt_certificate", _no_op)
         while not self._stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), RENEW_INTERVAL_S)
-                return
             try:
                 ready = [r for r in self.store.replicas() if r.state is ReplicaState.READY and r.handle and r.host]
                 for r in ready:
@@ -362,6 +359,8 @@ class Cloud:
                     log.info("internal TLS: renewed %d replica certificates", renewed)
             except Exception:
                 log.exception("internal TLS: renewing replica certificates failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), RENEW_INTERVAL_S)
 
     def _ready(self) -> bool:
         """Ready: started, and the controller's loop runs and completes iterations."""

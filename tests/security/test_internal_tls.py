@@ -523,3 +523,27 @@ def test_the_replica_offers_http1_on_rest_and_h2_on_grpc(replica: TlsReplica) ->
         ):
             assert tls.selected_alpn_protocol() == expected
             assert tls.version() in ("TLSv1.2", "TLSv1.3")
+
+
+@pytest.mark.slow
+def test_a_restarted_cloud_renews_the_certificates_of_the_replicas_it_adopts(tmp_path: Path) -> None:
+    write_linear_model(tmp_path / "models")
+    cfg = config(tmp_path, tmp_path / "models")
+    cfg.internal_tls = InternalTlsMode.ON
+    first = CloudThread(cfg)
+    try:
+        assert first.admin("POST", "/deployments", {"name": "linear", "model": "linear"}).status_code == 201
+        wait_until("a ready replica", lambda: len(ready_ids(first, "linear")) == 1)
+        [replica_id] = ready_ids(first, "linear")
+        pid = _instance(first)["pid"]
+    finally:
+        first.stop(stop_replicas=False)  # the replica keeps running, as after a restart of `octacloud up`
+    serial = _serial(first, replica_id)
+    second = CloudThread(cfg)
+    try:
+        wait_until("the adopted replica's certificate renewed", lambda: _serial(second, replica_id) != serial, 20)
+        assert ready_ids(second, "linear") == {replica_id} and _instance(second)["pid"] == pid  # adopted
+        through = httpx.post(f"{second.url}/v2/models/linear/infer", json=infer_body(X), headers=second.auth)
+        assert through.status_code == 200, through.text
+    finally:
+        second.stop(stop_replicas=True)
