@@ -62,6 +62,14 @@ def test_the_ca_is_made_once_private_and_kept(tmp_path: Path) -> None:
         InternalCa.ensure(tmp_path)
 
 
+def test_processes_that_start_together_agree_on_one_ca(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        cas = list(pool.map(lambda _: InternalCa.ensure(tmp_path).ca_pem, range(8)))
+    assert len(set(cas)) == 1 and sorted(p.name for p in tmp_path.iterdir()) == [FOLDER]
+
+
 def test_a_replica_certificate_names_its_address_and_itself_and_is_short_lived(tmp_path: Path) -> None:
     now = 1_900_000_000.0
     ca = InternalCa.ensure(tmp_path, now=lambda: now)

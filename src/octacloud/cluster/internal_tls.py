@@ -25,6 +25,7 @@ import datetime as dt
 import enum
 import ipaddress
 import os
+import shutil
 import ssl
 import tempfile
 import time
@@ -122,14 +123,19 @@ class InternalCa:
     def ensure(cls, state_dir: Path, now: Callable[[], float] = time.time) -> InternalCa:
         """The CA in ``state_dir/internal-tls``, made on first use; an existing one is kept (and checked)."""
         folder = state_dir / FOLDER
-        cert_path, key_path = folder / "ca.pem", folder / "ca.key"
-        if not key_path.exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            os.chmod(folder, 0o700)
+        if not (folder / "ca.key").exists():
+            # Made whole in a folder of its own, then renamed into place: processes that start together agree
+            # on one CA (the rename of a second one fails on the first one's non-empty folder).
+            state_dir.mkdir(parents=True, exist_ok=True)
+            aside = Path(tempfile.mkdtemp(prefix=f".{FOLDER}-", dir=state_dir))  # mode 0700
             key = _key()
             cert = _build(_name("octacloud internal CA"), key, None, now, CA_LIFETIME, ca=True)
-            _write(key_path, _pem_key(key), private=True)
-            _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
+            _write(aside / "ca.key", _pem_key(key), private=True)
+            _write(aside / "ca.pem", cert.public_bytes(serialization.Encoding.PEM), private=False)
+            try:
+                os.rename(aside, folder)
+            except OSError:  # another process made it first
+                shutil.rmtree(aside, ignore_errors=True)
         return cls.load(folder, now)
 
     @classmethod
