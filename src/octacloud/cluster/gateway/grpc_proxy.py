@@ -150,7 +150,10 @@ class GrpcGateway:
         guard: Guard | None = None,
         limits: GatewayLimits | None = None,
         internal_secret: str | None = None,
+        internal_tls: grpc.ChannelCredentials | None = None,
     ) -> None:
+        self.internal_tls = internal_tls
+        """Internal TLS: replica channels are secure, the replica's certificate checked against the cloud CA."""
         self.guard = guard
         self.routes = routes
         self.ready = ready
@@ -215,7 +218,12 @@ class GrpcGateway:
                 ("grpc.max_send_message_length", self.limits.max_message_bytes),
                 ("grpc.max_receive_message_length", -1),
             ]
-            channel = self._channels[key] = grpc.aio.insecure_channel(f"{key[0]}:{key[1]}", options=options)
+            target = f"{key[0]}:{key[1]}"
+            channel = self._channels[key] = (
+                grpc.aio.insecure_channel(target, options=options)
+                if self.internal_tls is None
+                else grpc.aio.secure_channel(target, self.internal_tls, options=options)
+            )
         return channel
 
     def _forget(self, endpoint: Endpoint) -> None:
