@@ -43,8 +43,11 @@ from octacloud.serving.text import TextInput
 from octacloud.serving.types import numpy_dtype
 
 PARAM_BATCH_ISOLATION = "batch_isolation"
-"""Config parameter: "none" lets requests of a row-coupled (dynamically quantized) model share batches again,
-trading isolation between requests (and tenants) for throughput; by default they never do."""
+"""Config parameter: "auto" (the default) never batches two requests of a model whose graph couples rows
+(per-batch dynamic quantization, serving/onnxops.py) and batches every other model; "requests" never batches
+two requests of this model whatever its graph; "none" lets a row-coupled model's requests share batches again,
+trading isolation between requests (and tenants) for throughput."""
+BATCH_ISOLATION_VALUES = ("auto", "requests", "none")
 CAP_REFRESH_S = 1.0
 WARMUP_MEASURE_ROWS = 8
 
@@ -104,8 +107,12 @@ class ModelVersion:
         self._clock = clock
         settings = BatchingSettings.from_config(config)
         param = config.parameters.get(PARAM_BATCH_ISOLATION)
-        isolation = param.string_value if param is not None else ""
-        if getattr(runtime, "couples_rows", False) and isolation != "none":
+        isolation = param.string_value if param is not None and param.string_value else "auto"
+        if isolation not in BATCH_ISOLATION_VALUES:
+            raise ModelConfigError(
+                f"parameter {PARAM_BATCH_ISOLATION!r} is {isolation!r}; choose one of {list(BATCH_ISOLATION_VALUES)}"
+            )
+        if isolation == "requests" or (isolation == "auto" and getattr(runtime, "couples_rows", False)):
             settings = dataclasses.replace(settings, isolate_requests=True)
         self.isolates_requests = settings.isolate_requests
         self.batcher = DynamicBatcher(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +39,12 @@ class _Item(Pending):
     inputs: Arrays | None = None
     future: asyncio.Future[dict[str, npt.NDArray[Any]]] | None = None
     enqueued_ns: int = 0
+
+
+def batch_group(inputs: Arrays) -> Hashable:
+    """What requests must share to be concatenated into one batch: each input's dtype and shape after the batch
+    axis (text of different lengths, say, runs in separate batches instead of failing together)."""
+    return tuple((k, v.dtype.str, v.shape[1:]) for k, v in sorted(inputs.items()))
 
 
 class DynamicBatcher:
@@ -130,7 +136,8 @@ class DynamicBatcher:
                 )
         deadline, reject = s.deadline_of(now, level, timeout_us)
         future: asyncio.Future[dict[str, npt.NDArray[Any]]] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Item(now, rows, level, deadline, reject, inputs, future, time.perf_counter_ns()))
+        item = _Item(now, rows, level, deadline, reject, batch_group(inputs), inputs, future, time.perf_counter_ns())
+        self._queue.append(item)
         self._timed = self._timed or deadline is not None
         self._counts[level] = self._counts.get(level, 0) + 1
         self._wake()

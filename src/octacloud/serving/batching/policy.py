@@ -13,7 +13,7 @@ With ``isolate_requests`` every batch is one request (or one chunk of it), run a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -140,6 +140,9 @@ class Pending:
     priority: int = 0
     deadline: float | None = None
     reject_on_timeout: bool = True
+    group: Hashable = None
+    """Requests of different groups never share a batch (the mechanism groups by the shapes and types of the
+    inputs after the batch axis: a batch is one array per input, and one odd request must not fail the others)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,25 +192,27 @@ class BatchPolicy:
             return Decision(batch=(order[0],), expired=tuple(expired))
 
         cap = max(1, min(cap, s.max_batch_size))
+        lead = queue[order[0]].group
+        same = [i for i in order if queue[i].group == lead]  # the first request's group; others wait their turn
         batch: list[int] = []
         rows = 0
-        for i in order:
+        for i in same:
             if rows + queue[i].rows > cap:
                 break
             batch.append(i)
             rows += queue[i].rows
-        full = rows >= cap or len(batch) < len(order)
-        oldest = min(queue[i].arrival for i in order)
+        full = rows >= cap or len(batch) < len(same)
+        oldest = min(queue[i].arrival for i in same)
         if full or self._delay <= 0 or now - oldest >= self._delay:
             return Decision(batch=tuple(batch), expired=tuple(expired))
         if s.preferred_batch_sizes:
             if rows >= s.preferred_batch_sizes[-1]:
                 return Decision(batch=tuple(self._preferred_prefix(queue, batch)), expired=tuple(expired))
-        elif len(order) >= s.merge_after:
+        elif len(same) >= s.merge_after:
             return Decision(batch=tuple(batch), expired=tuple(expired))
         wake_at = oldest + self._delay
         if timed:
-            deadlines = [queue[i].deadline for i in order if queue[i].deadline is not None]
+            deadlines = [queue[i].deadline for i in order if queue[i].deadline is not None]  # every group's
             wake_at = min([wake_at, *(d for d in deadlines if d is not None and d > now)])
         return Decision(expired=tuple(expired), wake_at=wake_at)
 
