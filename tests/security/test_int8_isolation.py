@@ -10,14 +10,20 @@ structure and its requests never share a batch.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tritonclient.grpc import service_pb2 as pb
 
-from octacloud.serving import ControlMode, DataPlane, InferenceRequest, ModelRepository, Tensor
+from octacloud.protocols.grpc.h2 import CallContext
+from octacloud.protocols.grpc.servicer import InferenceServicer
+from octacloud.protocols.internal import TENANT_HEADER
+from octacloud.protocols.rest.app import RestApp
+from octacloud.serving import ControlMode, DataPlane, InferenceRequest, InferenceResponse, ModelRepository, Tensor
 from octacloud.serving.batching.policy import BatchingSettings, BatchPolicy, Pending
 from octacloud.serving.errors import ModelConfigError
 from octacloud.serving.onnxops import couples_rows, op_types, row_coupling
@@ -141,16 +147,69 @@ async def test_a_tenants_int8_results_do_not_depend_on_anothers_inputs_and_int8_
         await repo.close()
 
 
-async def test_a_model_with_per_batch_scales_still_never_shares_a_batch(tmp_path: Path) -> None:
+async def test_a_model_with_per_batch_scales_batches_only_within_one_tenant(tmp_path: Path) -> None:
     root = per_batch_scales(tmp_path)
     repo = ModelRepository(root, control_mode=ControlMode.EXPLICIT, threads=1)
     await repo.start(["mlp_pt"])
     try:
         dp = DataPlane(repo)
-        assert repo.get("mlp_pt").isolates_requests
-        assert await _differing(dp, "mlp_pt", 20) == (0, 1)
+        model = repo.get("mlp_pt")
+        assert model.isolates_tenants and not model.isolates_requests
+        assert await _differing(dp, "mlp_pt", 20) == (0, 1)  # tenant unknown (no gateway): every request alone
+        rng = np.random.default_rng(5)
+        a = rng.normal(size=(1, 256)).astype(np.float32)
+        b = (rng.normal(size=(1, 256)) * 1000).astype(np.float32)
+        alone = (await dp.infer(dataclasses.replace(request("mlp_pt", a), tenant="alice"))).outputs[0].data
+        mixed = 0
+        for _ in range(20):
+            results = await asyncio.gather(
+                *(dp.infer(dataclasses.replace(request("mlp_pt", a), tenant="alice")) for _ in range(4)),
+                *(dp.infer(dataclasses.replace(request("mlp_pt", b), tenant="bob")) for _ in range(4)),
+            )
+            mixed += sum(not np.array_equal(r.outputs[0].data, alone) for r in results[:4])
+        assert mixed == 0 and max(model.stats.batch_stats) > 1  # alice's requests batch together, never bob's
     finally:
         await repo.close()
+
+
+class SpyDataPlane:
+    """Records the tenant of every request the protocol adapters hand over."""
+
+    def __init__(self) -> None:
+        self.tenants: list[str] = []
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        self.tenants.append(request.tenant)
+        zeros = np.zeros((1, 4), np.float32)
+        return InferenceResponse(request.model, "1", [Tensor("OUTPUT0", "FP32", zeros.shape, zeros)], request.id)
+
+
+async def _rest(app: RestApp, headers: list[tuple[bytes, bytes]]) -> int:
+    body = b'{"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[1,4],"data":[1,2,3,4]}]}'
+    scope = {"type": "http", "method": "POST", "path": "/v2/models/add/infer", "headers": headers}
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return int(str(sent[0]["status"]))
+
+
+async def test_the_tenant_header_is_believed_only_behind_the_internal_secret() -> None:
+    # Without the secret anyone can reach the replica and could claim a tenant to join its batches.
+    claimed = [(TENANT_HEADER.encode(), b"alice")]
+    for trusted, expected in ((True, "alice"), (False, "")):
+        spy = SpyDataPlane()
+        assert await _rest(RestApp(spy, trust_tenant=trusted), claimed) == 200  # type: ignore[arg-type]
+        servicer = InferenceServicer(spy, trust_tenant=trusted)  # type: ignore[arg-type]
+        message = pb.ModelInferRequest(model_name="add")
+        message.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4]).contents.fp32_contents.extend([1, 2, 3, 4])
+        await servicer.ModelInfer(message, CallContext(((TENANT_HEADER, "alice"),), "peer"))
+        assert spy.tenants == [expected, expected]
 
 
 async def test_batch_isolation_can_be_asked_for_and_a_wrong_value_is_refused(tmp_path: Path) -> None:

@@ -43,11 +43,11 @@ from octacloud.serving.text import TextInput
 from octacloud.serving.types import numpy_dtype
 
 PARAM_BATCH_ISOLATION = "batch_isolation"
-"""Config parameter: "auto" (the default) never batches two requests of a model whose graph couples rows
-(per-batch dynamic quantization, serving/onnxops.py) and batches every other model; "requests" never batches
-two requests of this model whatever its graph; "none" lets a row-coupled model's requests share batches again,
-trading isolation between requests (and tenants) for throughput."""
-BATCH_ISOLATION_VALUES = ("auto", "requests", "none")
+"""Config parameter: "auto" (the default) batches a model whose graph couples rows (per-batch dynamic
+quantization, serving/onnxops.py) only within one tenant (requests of unknown tenant alone) and every other
+model freely; "tenants" does that for any model; "requests" never batches two requests of this model; "none"
+lets a row-coupled model's requests share batches across tenants, trading isolation for throughput."""
+BATCH_ISOLATION_VALUES = ("auto", "tenants", "requests", "none")
 CAP_REFRESH_S = 1.0
 WARMUP_MEASURE_ROWS = 8
 
@@ -112,9 +112,12 @@ class ModelVersion:
             raise ModelConfigError(
                 f"parameter {PARAM_BATCH_ISOLATION!r} is {isolation!r}; choose one of {list(BATCH_ISOLATION_VALUES)}"
             )
-        if isolation == "requests" or (isolation == "auto" and getattr(runtime, "couples_rows", False)):
+        if isolation == "requests":
             settings = dataclasses.replace(settings, isolate_requests=True)
+        elif isolation == "tenants" or (isolation == "auto" and getattr(runtime, "couples_rows", False)):
+            settings = dataclasses.replace(settings, isolate_tenants=True)
         self.isolates_requests = settings.isolate_requests
+        self.isolates_tenants = settings.isolate_tenants
         self.batcher = DynamicBatcher(
             settings,
             self._run,
@@ -186,9 +189,9 @@ class ModelVersion:
             self._drained.set()
 
     async def infer(
-        self, inputs: Arrays, rows: int, priority: int = 0, timeout_us: int = 0
+        self, inputs: Arrays, rows: int, priority: int = 0, timeout_us: int = 0, tenant: str = ""
     ) -> dict[str, npt.NDArray[Any]]:
-        return await self.batcher.submit(inputs, rows, priority=priority, timeout_us=timeout_us)
+        return await self.batcher.submit(inputs, rows, priority=priority, timeout_us=timeout_us, tenant=tenant)
 
     async def _run(self, inputs: Arrays) -> dict[str, npt.NDArray[Any]]:
         return await self._handoff.run(lambda: self.runtime.run(inputs, self.output_names))

@@ -92,25 +92,28 @@ class DynamicBatcher:
             self._loop_task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher:{self.name}")
 
     async def submit(
-        self, inputs: Arrays, rows: int = 1, *, priority: int = 0, timeout_us: int = 0
+        self, inputs: Arrays, rows: int = 1, *, priority: int = 0, timeout_us: int = 0, tenant: str = ""
     ) -> dict[str, npt.NDArray[Any]]:
-        """Queue one request of ``rows`` rows (1 for a model without batching) and wait for its outputs."""
+        """Queue one request of ``rows`` rows (1 for a model without batching) and wait for its outputs.
+        ``tenant`` ("" unknown) matters only with ``isolate_tenants``."""
         if self._closed:
             raise ModelNotReadyError(f"model {self.name!r} is unloading; retry")
         cap = self.cap if self.settings.max_batch_size else rows
         if rows <= cap:
-            return await self._enqueue(inputs, rows, priority, timeout_us)
+            return await self._enqueue(inputs, rows, priority, timeout_us, tenant)
         starts = range(0, rows, cap)
         parts = await asyncio.gather(
             *(
-                self._enqueue({k: v[s : s + cap] for k, v in inputs.items()}, min(cap, rows - s), priority, timeout_us)
+                self._enqueue(
+                    {k: v[s : s + cap] for k, v in inputs.items()}, min(cap, rows - s), priority, timeout_us, tenant
+                )
                 for s in starts
             )
         )
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     def _enqueue(
-        self, inputs: Arrays, rows: int, priority: int, timeout_us: int
+        self, inputs: Arrays, rows: int, priority: int, timeout_us: int, tenant: str = ""
     ) -> asyncio.Future[dict[str, npt.NDArray[Any]]]:
         s = self.settings
         level = s.level_of(priority)
@@ -136,7 +139,10 @@ class DynamicBatcher:
                 )
         deadline, reject = s.deadline_of(now, level, timeout_us)
         future: asyncio.Future[dict[str, npt.NDArray[Any]]] = asyncio.get_running_loop().create_future()
-        item = _Item(now, rows, level, deadline, reject, batch_group(inputs), inputs, future, time.perf_counter_ns())
+        group = batch_group(inputs)
+        if s.isolate_tenants:  # one tenant per batch; a request of unknown tenant shares with no one
+            group = (group, tenant or object())
+        item = _Item(now, rows, level, deadline, reject, group, inputs, future, time.perf_counter_ns())
         self._queue.append(item)
         self._timed = self._timed or deadline is not None
         self._counts[level] = self._counts.get(level, 0) + 1

@@ -69,8 +69,11 @@ class BatchingSettings:
     default_queue: QueuePolicy = QueuePolicy()
     queues: Mapping[int, QueuePolicy] = field(default_factory=dict)
     isolate_requests: bool = False
-    """Never put two requests in one batch: for models whose rows are coupled within a batch (dynamic
-    quantization's per-batch activation scale), so one request's results never depend on another's."""
+    """Never put two requests in one batch (``batch_isolation: "requests"``)."""
+    isolate_tenants: bool = False
+    """Put only one tenant's requests in a batch, and a request of unknown tenant alone: for models whose rows
+    are coupled within a batch (dynamic quantization's per-batch activation scale), so that one tenant's
+    results never depend on another's. The mechanism makes it part of each request's ``group``."""
     max_pending: int = 0
     """The most requests (chunks) waiting at once, over all levels; 0: unbounded."""
     max_queue_wait_us: int | None = None
