@@ -176,3 +176,11 @@ def test_requests_of_different_groups_never_share_a_batch() -> None:
     q += [Pending(0.0, group="a"), Pending(0.0, group="a")]
     assert policy.decide(q, 0.0, 8).batch == (0, 2, 4, 5)  # four of group a: merge now
     assert policy.decide(q, 0.0, 3).batch == (0, 2, 4)  # a full batch of group a goes at once
+
+
+def test_a_request_that_shares_with_no_one_goes_at_once_even_behind_a_waiting_group() -> None:
+    policy = BatchPolicy(BatchingSettings(max_batch_size=8, max_queue_delay_us=2000))
+    assert policy.decide([Pending(0.0, group=object(), alone=True)], 0.0, 8).batch == (0,)
+    q = [Pending(0.0, group="alice"), Pending(0.0, group=object(), alone=True), Pending(0.0, group="alice")]
+    assert policy.decide(q, 0.0, 8).batch == (1,)  # alice's two wait for company or the delay; it does not
+    assert policy.decide([q[0], q[2]], 2 * MS, 8).batch == (0, 1)

@@ -139,10 +139,11 @@ class DynamicBatcher:
                 )
         deadline, reject = s.deadline_of(now, level, timeout_us)
         future: asyncio.Future[dict[str, npt.NDArray[Any]]] = asyncio.get_running_loop().create_future()
-        group = batch_group(inputs)
-        if s.isolate_tenants:  # one tenant per batch; a request of unknown tenant shares with no one
+        group: Hashable = batch_group(inputs)
+        alone = s.isolate_tenants and not tenant  # one tenant per batch; a request of unknown tenant alone
+        if s.isolate_tenants:
             group = (group, tenant or object())
-        item = _Item(now, rows, level, deadline, reject, group, inputs, future, time.perf_counter_ns())
+        item = _Item(now, rows, level, deadline, reject, group, alone, inputs, future, time.perf_counter_ns())
         self._queue.append(item)
         self._timed = self._timed or deadline is not None
         self._counts[level] = self._counts.get(level, 0) + 1

@@ -146,6 +146,9 @@ class Pending:
     group: Hashable = None
     """Requests of different groups never share a batch (the mechanism groups by the shapes and types of the
     inputs after the batch axis: a batch is one array per input, and one odd request must not fail the others)."""
+    alone: bool = False
+    """Shares a batch with no one (a request of unknown tenant under ``isolate_tenants``): run as soon as an
+    instance is free, without waiting for company."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +194,9 @@ class BatchPolicy:
         order.extend(delayed)  # DELAY: timed-out requests go after every other one
         if not order:
             return Decision(expired=tuple(expired))
-        if s.max_batch_size <= 0 or s.isolate_requests:
+        if s.max_batch_size <= 0 or s.isolate_requests or queue[order[0]].alone:
             return Decision(batch=(order[0],), expired=tuple(expired))
+        alone = next((i for i in order if queue[i].alone), None)  # goes while the first group waits for company
 
         cap = max(1, min(cap, s.max_batch_size))
         lead = queue[order[0]].group
@@ -213,6 +217,8 @@ class BatchPolicy:
                 return Decision(batch=tuple(self._preferred_prefix(queue, batch)), expired=tuple(expired))
         elif len(same) >= s.merge_after:
             return Decision(batch=tuple(batch), expired=tuple(expired))
+        if alone is not None:
+            return Decision(batch=(alone,), expired=tuple(expired))
         wake_at = oldest + self._delay
         if timed:
             deadlines = [queue[i].deadline for i in order if queue[i].deadline is not None]  # every group's
