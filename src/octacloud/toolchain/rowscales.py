@@ -8,8 +8,8 @@ axis: per sample for a ``[batch, features]`` activation, per token for ``[batch,
 and just as isolating. Per row, it is exactly ``DynamicQuantizeLinear``'s formula::
 
     lo, hi = min(0, min(x)), max(0, max(x))          # over the last axis, kept as [..., 1]
-    scale  = (hi - lo) / 255  (1 where hi == lo)
-    zp     = round(clip(-lo / scale, 0, 255))
+    scale  = (hi - lo) / 255                          # hi at least 2^-100: never 0
+    zp     = -round(lo / scale)                       # in [0, 255]
     q      = uint8(clip(round(x / scale) + zp, 0, 255))
 
 The scale, now ``[..., 1]``, still multiplies the weight scale and the integer product by broadcasting. The zero
@@ -17,7 +17,7 @@ point cannot stay an input of ``MatMulInteger``: the operator allows a per-row `
 kernel accepts only a scalar ("input1 zero point must be a scalar or 1D tensor of size 1"). So the product is taken
 with zero point 0 and corrected exactly, in int32::
 
-    sum_k (q - zp) (w - wzp)  =  MatMulInteger(q, W, 0, wzp)  -  zp * sum_k (w - wzp)
+    sum_k (q - zp) (w - wzp)  =  MatMulInteger(q, W, 0, wzp)  +  (-zp) * sum_k (w - wzp)
 
 with the weight's column sums a constant. Every step is either integer-exact or elementwise along a row, so a row's
 result is bit-identical whatever else is in the batch. Weights are untouched (7-bit, see :mod:`.variants`).
@@ -38,6 +38,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 _QMAX = 255.0
+_TINY = 2.0**-100
+"""The least ``max(0, max(x))``: keeps the scale normal and nonzero; a row whose largest value is below it differs
+from ``DynamicQuantizeLinear`` (which then uses scale 1) only in values that small."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +81,10 @@ class _Builder:
 
 
 def _quantize_rows(b: _Builder, x: str, q: str, scale: str, opset: int) -> str:
-    """Nodes computing ``q`` (uint8) and ``scale`` ([..., 1] float) per row of ``x``; returns the int32 zero point."""
+    """Nodes computing ``q`` (uint8) and ``scale`` ([..., 1] float) per row of ``x``; returns minus the zero point
+    (int32). Fourteen small nodes: onnxruntime's cost per node, not per element, dominates at small batches."""
     zero = b.const("zero", np.array(0.0, np.float32))
-    one = b.const("one", np.array(1.0, np.float32))
+    tiny = b.const("tiny", np.array(_TINY, np.float32))
     qmax = b.const("qmax", np.array(_QMAX, np.float32))
     if opset >= 18:
         axes = b.const("axes", np.array([-1], np.int64))
@@ -90,13 +94,12 @@ def _quantize_rows(b: _Builder, x: str, q: str, scale: str, opset: int) -> str:
         lo = b.op("ReduceMin", [x], axes=[-1], keepdims=1)
         hi = b.op("ReduceMax", [x], axes=[-1], keepdims=1)
     lo = b.op("Min", [lo, zero])
-    hi = b.op("Max", [hi, zero])
-    span = b.op("Sub", [hi, lo])
-    b.op("Where", [b.op("Equal", [span, zero]), one, b.op("Div", [span, qmax])], scale)
-    zp = b.op("Round", [b.op("Clip", [b.op("Div", [b.op("Neg", [lo]), scale]), zero, qmax])])
-    levels = b.op("Clip", [b.op("Add", [b.op("Round", [b.op("Div", [x, scale])]), zp]), zero, qmax])
+    hi = b.op("Max", [hi, tiny])  # > 0, so the scale is never 0 (a row of zeros quantizes to zeros either way)
+    b.op("Div", [b.op("Sub", [hi, lo]), qmax], scale)
+    minus_zp = b.op("Round", [b.op("Div", [lo, scale])])  # in [-255, 0]: lo <= 0 and -lo <= hi - lo
+    levels = b.op("Clip", [b.op("Sub", [b.op("Round", [b.op("Div", [x, scale])]), minus_zp]), zero, qmax])
     b.op("Cast", [levels], q, to=TensorProto.UINT8)
-    return b.op("Cast", [zp], to=TensorProto.INT32)
+    return b.op("Cast", [minus_zp], to=TensorProto.INT32)
 
 
 def _column_sums(weight: np.ndarray, zero_point: np.ndarray | None) -> np.ndarray:
@@ -147,7 +150,7 @@ def per_row_activation_scales(model: onnx.ModelProto) -> RowScaleRewrite:
             kept.append(f"{label}: {why}")
             continue
         b = _Builder(model, f"{label}/rowscale")
-        zp_rows = _quantize_rows(b, x, q, scale, opset)
+        minus_zp = _quantize_rows(b, x, q, scale, opset)
         replaced[id(node)] = b.nodes
         rewritten += 1
         changed |= {scale, *(n.output[0] for n, _ in uses[scale])}
@@ -160,7 +163,7 @@ def per_row_activation_scales(model: onnx.ModelProto) -> RowScaleRewrite:
             product = mm.output[0]
             mm.input[2] = u8_zero
             mm.output[0] = after.name("uncorrected")
-            after.op("Sub", [mm.output[0], after.op("Mul", [zp_rows, sums])], product)
+            after.op("Add", [mm.output[0], after.op("Mul", [minus_zp, sums])], product)
             replaced[id(mm)] = [mm, *after.nodes]
 
     if replaced:
