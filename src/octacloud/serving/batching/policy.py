@@ -9,6 +9,9 @@ Triton's options are honoured: ``max_batch_size``, ``preferred_batch_size``, ``m
 ``allow_timeout_override``, ``max_queue_size``). The design's default is added: a batch is dispatched as soon as
 more than 3 requests wait (``merge_after`` = 4), or when the oldest has waited the delay (2 ms by default).
 With ``isolate_requests`` every batch is one request (or one chunk of it), run as soon as an instance is free.
+Requests of different ``group`` (input shapes after the batch axis; with ``isolate_tenants`` also the tenant)
+never share a batch: the first request's group is batched, the others wait their turn; a request marked
+``alone`` is run as soon as an instance is free.
 """
 
 from __future__ import annotations
