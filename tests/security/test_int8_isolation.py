@@ -286,3 +286,20 @@ async def test_text_int8_batches_per_token_and_other_lengths_do_not_fail_the_bat
         assert max(repo.get("minilm_int8").stats.batch_stats) > 1
     finally:
         await repo.close()
+
+
+async def test_the_gateway_sends_the_verified_tenant_and_drops_a_clients_claim() -> None:
+    import httpx
+
+    from octacloud.cluster.auth.keys import ADMIN_TENANT
+    from tests.reliability.harness import gateway
+
+    gw = await gateway()  # no key store: every caller is the anonymous admin
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.port}") as client:
+            await client.post("/v2/models/m/infer", content=b"x", headers={TENANT_HEADER: "victim"})
+        [fake, _, _] = gw.replicas[0]
+        seen = fake.seen[-1]["headers"]
+        assert [v for k, v in seen if k == TENANT_HEADER.encode()] == [ADMIN_TENANT.encode()]
+    finally:
+        await gw.close()
