@@ -97,14 +97,6 @@ class ModelVersion:
         }
         self.output_names = tuple(t.name for t in self.outputs)
         self.max_batch_size = int(config.max_batch_size)
-        instances = sum(g.count for g in config.instance_group) or 1
-        self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix=f"model-{name}")
-        self._handoff = BatchHandoff(self._executor, instances)
-        self._probe = probe or default_probe(runtime.device)
-        self.bytes_per_sample = int_parameter(config, PARAM_BYTES_PER_SAMPLE) or 0
-        self._cap_value = max(1, self.max_batch_size)
-        self._cap_at = -math.inf
-        self._clock = clock
         settings = BatchingSettings.from_config(config)
         param = config.parameters.get(PARAM_BATCH_ISOLATION)
         isolation = param.string_value if param is not None and param.string_value else "auto"
@@ -118,6 +110,14 @@ class ModelVersion:
             settings = dataclasses.replace(settings, isolate_tenants=True)
         self.isolates_requests = settings.isolate_requests
         self.isolates_tenants = settings.isolate_tenants
+        instances = sum(g.count for g in config.instance_group) or 1
+        self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix=f"model-{name}")
+        self._handoff = BatchHandoff(self._executor, instances)
+        self._probe = probe or default_probe(runtime.device)
+        self.bytes_per_sample = int_parameter(config, PARAM_BYTES_PER_SAMPLE) or 0
+        self._cap_value = max(1, self.max_batch_size)
+        self._cap_at = -math.inf
+        self._clock = clock
         self.batcher = DynamicBatcher(
             settings,
             self._run,
