@@ -31,6 +31,11 @@ from octacloud.core.errors import InvalidSpecError
 
 ENV_VAR = "OCTACLOUD_INTERNAL_SECRET_FILE"
 HEADER = "x-octacloud-internal"
+TENANT_HEADER = "x-octacloud-tenant"
+"""The calling tenant, as the gateway verified it: believed only by a replica that requires the secret (a client
+reaching an open replica could claim any tenant); requests of a model whose rows are coupled share batches only
+with the same tenant's (serving/model.py)."""
+_TENANT_HEADER = TENANT_HEADER.encode()
 _HEADER = HEADER.encode()
 REFUSED = f"this replica serves its cloud's gateway only: {HEADER} is missing or wrong"
 OPEN_HTTP_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
@@ -197,3 +202,11 @@ def wsgi_requiring_secret(app: WSGIApp, secret: bytes) -> WSGIApp:
         return app(environ, start_response)
 
     return guarded
+
+
+def tenant_of(pairs: Iterable[tuple[Any, Any]]) -> str:
+    """The gateway's ``x-octacloud-tenant`` among HTTP headers (bytes) or gRPC metadata (str); "" if absent."""
+    for k, v in pairs:
+        if k in (TENANT_HEADER, _TENANT_HEADER):
+            return v.decode("latin-1") if isinstance(v, bytes) else str(v)
+    return ""

@@ -198,7 +198,7 @@ class ReplicaServer:
             if s.http_port is not None:
                 sock = _bind(s.host, s.http_port)
                 self.http_port = sock.getsockname()[1]
-                rest: Any = RestApp(self.dataplane, s.max_body_bytes)
+                rest: Any = RestApp(self.dataplane, s.max_body_bytes, trust_tenant=self.secret is not None)
                 config = uvicorn.Config(
                     rest if self.secret is None else RequireSecret(rest, self.secret),
                     http=OneWriteHttpToolsProtocol,
@@ -265,7 +265,7 @@ class ReplicaServer:
         server = self._grpc = grpc.aio.server(
             interceptors=[SecretInterceptor(self.secret)] if self.secret is not None else [], options=options
         )
-        add_to_server(self.dataplane, server)
+        add_to_server(self.dataplane, server, trust_tenant=self.secret is not None)
         try:
             address = f"{s.host}:{s.grpc_port}"
             if s.tls is not None:

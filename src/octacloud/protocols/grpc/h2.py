@@ -598,7 +598,7 @@ class GrpcServer:
         extra: Mapping[str, Method] | None = None,
         secret: bytes | None = None,
     ) -> None:
-        self.methods = {**methods(InferenceServicer(dataplane)), **(extra or {})}
+        self.methods = {**methods(InferenceServicer(dataplane, trust_tenant=secret is not None)), **(extra or {})}
         self.secret = secret
         """The cloud's internal secret: every call but ServerLive/ServerReady must carry it (protocols/internal.py)."""
         self.max_message_bytes = max_message_bytes
