@@ -214,11 +214,14 @@ def test_two_workers_share_routes_auth_metering_and_survive_kill(cloud: CloudThr
     print(f"kill -9 of a worker under load: {len(failed)} failed of {len(outcomes)}; {answered - counted} not metered")
 
 
-def test_workers_serve_tls_on_both_ports(tmp_path: Path) -> None:
+def test_workers_serve_tls_on_both_ports_and_to_replicas(tmp_path: Path) -> None:
+    """TLS to clients on both ports, and internal TLS to the replicas: each worker presents its own client
+    certificate from the cloud's CA."""
     import ssl
 
     import tritonclient.grpc as grpcclient
 
+    from octacloud.cluster.internal_tls import InternalTlsMode
     from octacloud.cluster.tls import TlsConfig, make_dev_certs
 
     certs = make_dev_certs(tmp_path / "tls")
@@ -227,10 +230,33 @@ def test_workers_serve_tls_on_both_ports(tmp_path: Path) -> None:
     cfg = config(tmp_path, repo)
     cfg.gateway_workers = 2
     cfg.tls = TlsConfig(certs["server.pem"], certs["server.key"])
+    cfg.internal_tls = InternalTlsMode.ON
     c = CloudThread(cfg)
     try:
         trust = ssl.create_default_context(cafile=str(certs["ca.pem"]))
         url = f"https://127.0.0.1:{c.cloud.http_port}"
+        spec = {"name": "linear", "model": "linear", "octants": 1}
+        assert httpx.post(f"{url}/admin/deployments", json=spec, headers=c.auth, verify=trust).status_code == 201
+
+        def replica_ready() -> bool:
+            answer = httpx.get(f"{url}/admin/deployments/linear", headers=c.auth, verify=trust).json()
+            return any(r["state"] == "ready" for r in answer["instances"])
+
+        wait_until("a ready replica", replica_ready)
+        x = np.ones((2, IN), np.float32)
+        inputs = [{"name": "INPUT0", "shape": [2, IN], "datatype": "FP32", "data": x.ravel().tolist()}]
+
+        def infer_once() -> int:
+            answer = httpx.post(f"{url}/v2/models/linear/infer", json={"inputs": inputs}, headers=c.auth,
+                                verify=trust)  # fmt: skip
+            if answer.status_code == 200:
+                out = np.array(answer.json()["outputs"][0]["data"], np.float32).reshape(2, -1)
+                np.testing.assert_allclose(out, expected_output(x), rtol=1e-5, atol=1e-5)
+            return answer.status_code
+
+        wait_until("the route at the workers", lambda: infer_once() == 200, timeout=10)
+        assert [infer_once() for _ in range(16)] == [200] * 16  # fresh connections: through both workers
+        wait_until("both workers to have carried some", lambda: len(workers_of(c).hub.served()) == 2, timeout=5)
         for _ in range(8):  # fresh connections, both workers
             assert httpx.get(f"{url}/v2/health/ready", verify=trust).json() == {"ready": True}
             listed = httpx.get(f"{url}/admin/deployments", headers=c.auth, verify=trust)
@@ -241,6 +267,10 @@ def test_workers_serve_tls_on_both_ports(tmp_path: Path) -> None:
             f"localhost:{c.cloud.grpc_port}", ssl=True, root_certificates=str(certs["ca.pem"])
         )
         assert g.is_server_ready()
+        ginp = grpcclient.InferInput("INPUT0", [2, IN], "FP32")
+        ginp.set_data_from_numpy(x)
+        out = g.infer("linear", [ginp], headers={"authorization": f"Bearer {c.key}"}).as_numpy("OUTPUT0")
+        np.testing.assert_allclose(out, expected_output(x), rtol=1e-5, atol=1e-5)
         g.close()
     finally:
         c.stop(stop_replicas=True)

@@ -238,6 +238,9 @@ def up(
         help="Processes serving the REST and gRPC ports (SO_REUSEPORT); 1: the cloud's own process "
         "(docs/serving.md, Gateway workers).",
     ),
+    internal_tls: str = typer.Option(
+        "auto", "--internal-tls", help="TLS from the gateway to replicas: auto (on Ray), on, off (docs/security.md)."
+    ),
 ) -> None:
     """Run the cloud: fleet, controller, replicas on slices, and the OIP gateway (on this machine, or on Ray)."""
     from octacloud.app import Cloud, CloudConfig, ray_cloud
@@ -260,9 +263,11 @@ def up(
         err.print("[red]error:[/] --tls-cert and --tls-key go together")
         raise typer.Exit(2)
     from octacloud.cluster.gateway.limits import GatewayLimits
+    from octacloud.cluster.internal_tls import InternalTlsMode
 
     try:
         limits = GatewayLimits.parse(limit)
+        internal_tls_mode = InternalTlsMode.parse(internal_tls)
     except OctacloudError as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
@@ -293,6 +298,7 @@ def up(
         model_cache=model_cache,
         limits=limits,
         gateway_workers=gateway_workers,
+        internal_tls=internal_tls_mode,
     )
     on_ray = backend == "ray" or ray_address is not None
     scheme = "https" if config.tls is not None else "http"

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from octacloud.cluster.auth import Guard, KeyStore, server_secret
 from octacloud.cluster.gateway.admin_link import AdminProxy, InternalOnly
 from octacloud.cluster.gateway.feed import FeedClient, FeedHub
@@ -36,9 +38,13 @@ from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import RouteTable
 from octacloud.cluster.gateway.sharing import SharedRateLimiter
+from octacloud.cluster.gateway.upstream import UpstreamPool
 from octacloud.cluster.internal_auth import read_secret
+from octacloud.cluster.internal_tls import FOLDER as INTERNAL_TLS_FOLDER
+from octacloud.cluster.internal_tls import InternalCa, InternalClientTls
 from octacloud.cluster.tls import TlsConfig
 from octacloud.core.clock import SystemClock
+from octacloud.core.errors import InvalidSpecError
 from octacloud.protocols.asgi import ASGIApp
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,9 @@ class WorkerSpec:
     """[certfile, keyfile, client_ca] or None."""
     push_s: float = 0.25
     key_cache_s: float = 5.0
+    internal_ca_pem: str | None = None
+    """With TLS to the replicas: the cloud's internal CA certificate; each worker issues its own client
+    certificate from the CA in ``<state_dir>/internal-tls`` (which must be that one)."""
 
     def gateway_limits(self) -> GatewayLimits:
         return GatewayLimits(**self.limits)
@@ -98,6 +107,7 @@ class GatewayWorkers:
         ready: Callable[[], bool],
         on_event: Callable[[str], None] = lambda message: None,
         push_s: float = 0.25,
+        internal_ca: InternalCa | None = None,
     ) -> None:
         if count < 1:
             raise ValueError(f"gateway workers: at least 1, got {count}")
@@ -110,6 +120,7 @@ class GatewayWorkers:
         self.tls = tls
         self.on_event = on_event
         self.push_s = push_s
+        self.internal_ca = internal_ca
         self.hub = FeedHub(routes, secret, self._feed_path(), ready)
         self.admin = InternalOnly(admin_app, secret)
         self._admin_front = RestFront(self.admin, limits)
@@ -161,6 +172,7 @@ class GatewayWorkers:
             else None,
             push_s=self.push_s,
             key_cache_s=self.keys.cache_s,
+            internal_ca_pem=self.internal_ca.ca_pem.decode() if self.internal_ca is not None else None,
         )
         self._spec_file = self.state_dir / "gateway-workers.json"
         self._spec_file.unlink(missing_ok=True)
@@ -272,6 +284,7 @@ async def serve_worker(spec: WorkerSpec, index: int) -> None:
     keys = KeyStore(store.engine, server_secret(state_dir / "server.secret"), clock, cache_s=spec.key_cache_s)
     guard = Guard(keys, SharedRateLimiter(clock, spec.count))
     limits = spec.gateway_limits()
+    pool, channel_tls = _internal_tls(spec)
     routes = RouteTable()
     feed = FeedClient(Path(spec.feed), secret, index, routes, keys.forget, push_s=spec.push_s)
     proxy = AdminProxy("127.0.0.1", spec.admin_port, secret)
@@ -284,8 +297,11 @@ async def serve_worker(spec: WorkerSpec, index: int) -> None:
         metrics=proxy,
         limits=limits,
         internal_secret=secret,
+        pool=pool,
     )
-    grpc_gateway = GrpcGateway(routes, ready=feed.ready, guard=guard, limits=limits, internal_secret=secret)
+    grpc_gateway = GrpcGateway(
+        routes, ready=feed.ready, guard=guard, limits=limits, internal_secret=secret, internal_tls=channel_tls
+    )
     fronts = gateway_fronts(rest, grpc_gateway, limits, spec.tls_config())
     await feed.connect()
     await fronts.start(spec.host, spec.http_port, spec.grpc_port, reuse_port=True)
@@ -312,6 +328,17 @@ async def serve_worker(spec: WorkerSpec, index: int) -> None:
     await feed.close()
     await proxy.close()
     store.close()
+
+
+def _internal_tls(spec: WorkerSpec) -> tuple[UpstreamPool | None, grpc.ChannelCredentials | None]:
+    """With TLS to the replicas: this worker's own client certificate, from the cloud's CA."""
+    if spec.internal_ca_pem is None:
+        return None, None
+    ca = InternalCa.load(Path(spec.state_dir) / INTERNAL_TLS_FOLDER)
+    if ca.ca_pem.decode() != spec.internal_ca_pem:
+        raise InvalidSpecError(f"the internal CA in {spec.state_dir} is not the one the cloud's main process uses")
+    client = InternalClientTls.issue(ca)
+    return UpstreamPool(tls=client.context()), grpc.ssl_channel_credentials(*client.grpc_credentials_args())
 
 
 def main(argv: list[str]) -> int:
