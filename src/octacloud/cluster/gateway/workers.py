@@ -19,6 +19,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -264,6 +265,8 @@ class GatewayWorkers:
                     p.kill()
                 await p.wait()
         await self.hub.stop()
+        if self.hub.path.parent != self.state_dir:  # the private folder made for a long state dir's socket
+            shutil.rmtree(self.hub.path.parent, ignore_errors=True)
         await self._admin_front.stop(grace)
         for sock in self._reserved:
             sock.close()
