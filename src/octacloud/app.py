@@ -1,7 +1,9 @@
 """The one place where everything is wired: fleet → scheduler → controller → gateway (REST, gRPC, admin).
 
 ``Cloud`` runs in one asyncio loop: the controller's reconcile loop, the REST gateway (uvicorn) with the admin
-API under ``/admin``, and the gRPC gateway. Replicas run as their own processes (local) or actors (Ray).
+API under ``/admin``, and the gRPC gateway. With ``gateway_workers`` ≥ 2 the public ports are served by that
+many worker processes instead (``cluster.gateway.workers``), and this process keeps the rest. Replicas run as
+their own processes (local) or actors (Ray).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import uvicorn
 
 from octacloud.cluster import internal_auth
 from octacloud.cluster.admin import build_admin_app
@@ -24,12 +25,14 @@ from octacloud.cluster.controller import Controller, ControllerSettings, NodeCha
 from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer, local_nvml_node
 from octacloud.cluster.deployments import ReplicaState
 from octacloud.cluster.fleet import discover_fleet
-from octacloud.cluster.gateway.grpc_proxy import GrpcGateway, server_options
-from octacloud.cluster.gateway.http_server import bounded_protocol
+from octacloud.cluster.gateway.fronts import Fronts, gateway_fronts
+from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import RouteTable
+from octacloud.cluster.gateway.sharing import Unlimited
 from octacloud.cluster.gateway.upstream import UpstreamPool
+from octacloud.cluster.gateway.workers import GatewayWorkers
 from octacloud.cluster.health import HttpProber, RepositoryFootprints
 from octacloud.cluster.internal_tls import RENEW_INTERVAL_S, InternalCa, InternalClientTls, InternalTlsMode
 from octacloud.cluster.launcher import LocalProcessLauncher, ReplicaLauncher
@@ -86,6 +89,9 @@ class CloudConfig:
     """Price sheet (YAML) for usage reports' cost column."""
     limits: GatewayLimits = field(default_factory=GatewayLimits)
     """The gateway's bounds: body and message size, header/body/idle time, connections, load shedding."""
+    gateway_workers: int = 1
+    """Processes serving the public REST and gRPC ports. 1: this process does (the controller's too); N ≥ 2: N
+    worker processes share the ports (SO_REUSEPORT) and this process keeps the controller, store and meter."""
     internal_tls: InternalTlsMode = InternalTlsMode.AUTO
     """TLS with the cloud's own CA on the gateway → replica hop: auto = on with the Ray launcher (replicas may be
     on other machines), off for local replicas on loopback (see cluster/internal_tls.py)."""
@@ -106,6 +112,8 @@ class Cloud:
         self.config = config
         self.watcher = watcher
         check_exposure(config.host, config.tls, config.allow_insecure)
+        if config.gateway_workers < 1:
+            raise InvalidSpecError(f"gateway workers must be at least 1, got {config.gateway_workers}")
         if config.tls is not None:
             config.tls.check()
         prices = PriceSheet.load(config.prices) if config.prices is not None else None
@@ -155,7 +163,7 @@ class Cloud:
         self.routes = RouteTable()
         self._prober = HttpProber(
             headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())],
-            on_ready=self.routes.readmit,
+            on_ready=self._readmit,
             tls=self.internal_tls,
         )
         self.controller = Controller(
@@ -173,8 +181,9 @@ class Cloud:
         self._started = False
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._grpc: grpc.aio.Server | None = None
-        self._http: uvicorn.Server | None = None
+        self._fronts: Fronts | None = None
+        self.gateway_workers: GatewayWorkers | None = None
+        """With ``gateway_workers`` ≥ 2: the worker processes (made at start)."""
         self.keys = KeyStore(self.store.engine, server_secret(config.state_dir / "server.secret"), clock)
         self.guard = Guard(self.keys)
         """``guard.authorize(headers)`` → the caller's Principal, or AuthError: for every front end."""
@@ -188,10 +197,12 @@ class Cloud:
             replica_tls=self.internal_tls,
         )
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
+        # behind workers, this process's gateways only serve the admin paths: the workers took the rate budget
+        front_guard = self.guard if config.gateway_workers == 1 else Guard(self.keys, Unlimited(clock))
         self.grpc_gateway = GrpcGateway(
             self.routes,
             ready=self._ready,
-            guard=self.guard,
+            guard=front_guard,
             limits=config.limits,
             internal_secret=self.internal_secret,
             internal_tls=grpc.ssl_channel_credentials(*client_tls.grpc_credentials_args()) if client_tls else None,
@@ -210,7 +221,7 @@ class Cloud:
             self.routes,
             admin=admin,
             ready=self._ready,
-            guard=self.guard,
+            guard=front_guard,
             dashboard=dashboard,
             metrics=metrics,
             limits=config.limits,
@@ -263,39 +274,39 @@ class Cloud:
             self.store.add_event("node", node, f"GPU sharing: {mode.value} ({daemon.reason})")
             log.info("node %s shares its GPUs by %s (%s)", node, mode.value, daemon.reason)
 
+    def _readmit(self, replica_id: str) -> None:
+        """The controller's probe found a replica ready: its ejection ends here and at every gateway worker."""
+        self.routes.readmit(replica_id)
+        if self.gateway_workers is not None:
+            self.gateway_workers.readmit(replica_id)
+
+    async def _start_gateway(self) -> None:
+        config = self.config
+        if config.gateway_workers == 1:
+            self._fronts = gateway_fronts(self.rest_gateway, self.grpc_gateway, config.limits, config.tls)
+            await self._fronts.start(config.host, config.http_port, config.grpc_port)
+            self.http_port, self.grpc_port = self._fronts.http_port, self._fronts.grpc_port
+            return
+        self.gateway_workers = GatewayWorkers(
+            config.gateway_workers,
+            routes=self.routes,
+            keys=self.keys,
+            admin_app=self.rest_gateway,
+            secret=self.internal_secret,
+            state_dir=config.state_dir,
+            store_url=self.store.url,
+            host=config.host,
+            limits=config.limits,
+            tls=config.tls,
+            ready=self._ready,
+            on_event=lambda message: self.store.add_event("gateway", "workers", message),
+            internal_ca=self.internal_ca,
+        )
+        self.http_port, self.grpc_port = await self.gateway_workers.start(config.http_port, config.grpc_port)
+
     async def start(self) -> None:
         await self._start_mps()
-        limits = self.config.limits
-        self._grpc = grpc.aio.server(options=server_options(limits), maximum_concurrent_rpcs=limits.max_concurrent_rpcs)
-        self._grpc.add_generic_rpc_handlers((self.grpc_gateway.handler(),))
-        address = f"{self.config.host}:{self.config.grpc_port}"
-        tls = self.config.tls
-        if tls is None:
-            self.grpc_port = self._grpc.add_insecure_port(address)
-        else:
-            self.grpc_port = self._grpc.add_secure_port(
-                address, grpc.ssl_server_credentials(*tls.grpc_credentials_args())
-            )
-        await self._grpc.start()
-        uv = uvicorn.Config(
-            self.rest_gateway,
-            host=self.config.host,
-            port=self.config.http_port,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-            http=bounded_protocol(limits),
-            timeout_keep_alive=max(1, round(limits.keep_alive_s)),
-            **(tls.uvicorn_options() if tls is not None else {}),
-        )
-        self._http = uvicorn.Server(uv)
-        self._http.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the CLI owns signals
-        self._tasks.append(asyncio.create_task(self._http.serve()))
-        while not self._http.started:
-            if self._tasks[0].done():
-                self._tasks[0].result()  # raises why the gateway could not start (e.g. port in use)
-            await asyncio.sleep(0.02)
-        self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
+        await self._start_gateway()
         self._tasks.append(asyncio.create_task(self.controller.run(self._stop)))
         await asyncio.sleep(0)  # the controller's loop starts (readiness reports it from now on)
         self._tasks.append(asyncio.create_task(self.monitoring.run(self._stop)))
@@ -308,7 +319,7 @@ class Cloud:
         if self.mps:
             self._tasks.append(asyncio.create_task(self._watch_mps()))
         self._started = True
-        scheme = "https" if tls is not None else "http"
+        scheme = "https" if self.config.tls is not None else "http"
         log.info("octacloud gateway on %s://%s:%d (gRPC %d)", scheme, self.config.host, self.http_port, self.grpc_port)
 
     async def stop(self, stop_replicas: bool = False) -> None:
@@ -321,10 +332,10 @@ class Cloud:
             grace = self.config.controller.stop_grace_s
             stop = self.controller.launcher.stop
             await asyncio.gather(*(asyncio.to_thread(stop, r.handle, grace) for r in self.store.replicas() if r.handle))
-        if self._http is not None:
-            self._http.should_exit = True
-        if self._grpc is not None:
-            await self._grpc.stop(grace=1.0)
+        if self._fronts is not None:
+            await self._fronts.stop(grace=1.0)
+        if self.gateway_workers is not None:
+            await self.gateway_workers.stop(grace=1.0)
         await self.grpc_gateway.close()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):

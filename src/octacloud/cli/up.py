@@ -232,6 +232,12 @@ def up(
     ),
     model_cache: Path | None = typer.Option(None, "--model-cache", help="On Ray: each node's model cache folder."),
     limit: list[str] = typer.Option([], "--limit", help="Gateway bound NAME=VALUE (docs/security.md); repeatable."),
+    gateway_workers: int = typer.Option(
+        1,
+        "--gateway-workers",
+        help="Processes serving the REST and gRPC ports (SO_REUSEPORT); 1: the cloud's own process "
+        "(docs/serving.md, Gateway workers).",
+    ),
     internal_tls: str = typer.Option(
         "auto", "--internal-tls", help="TLS from the gateway to replicas: auto (on Ray), on, off (docs/security.md)."
     ),
@@ -265,6 +271,9 @@ def up(
     except OctacloudError as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
+    if gateway_workers < 1:
+        err.print(f"[red]error:[/] --gateway-workers must be at least 1, got {gateway_workers}")
+        raise typer.Exit(2)
     if deploy_max_replicas < 1:
         err.print(f"[red]error:[/] --deploy-max-replicas must be at least 1, got {deploy_max_replicas}")
         raise typer.Exit(2)
@@ -288,6 +297,7 @@ def up(
         model_storage=model_storage,
         model_cache=model_cache,
         limits=limits,
+        gateway_workers=gateway_workers,
         internal_tls=internal_tls_mode,
     )
     on_ray = backend == "ray" or ray_address is not None
