@@ -152,6 +152,79 @@ class Cloud:
         return out
 
 
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def tree(root: int, without: int) -> list[int]:
+    """``root`` and its descendants (gateway worker processes, if any), less ``without`` and its own."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent[int(entry)] = int(_stat(int(entry))[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out = []
+    for pid in parent:
+        p, chain = pid, []
+        while p > 1 and p != root:
+            chain.append(p)
+            p = parent.get(p, 0)
+        if p == root and without not in chain and pid != without:
+            out.append(pid)
+    return out
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (all their threads)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = _stat(pid)
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) * TICK_S
+    return total
+
+
+def find_replica_pid(http_port: int) -> int:
+    """The local replica process serving ``http_port`` (its command line names the port)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv and str(http_port).encode() in argv:
+            return int(entry)
+    raise SystemExit(f"no local replica process serving port {http_port}")
+
+
+class Meter:
+    """CPU the gateway's processes and the replica spent while a load ran, per request sent."""
+
+    def __init__(self, cloud: Cloud) -> None:
+        self.replica = find_replica_pid(int(cloud.replica["http_port"]))
+        self.gateway = tree(cloud.proc.pid, self.replica)
+
+    def run(self, fn: Any) -> tuple[Any, dict[str, float]]:
+        g0, r0, t0 = cpu_s(self.gateway), cpu_s([self.replica]), time.monotonic()
+        r = fn()
+        g, rep, wall = cpu_s(self.gateway) - g0, cpu_s([self.replica]) - r0, time.monotonic() - t0
+        n = max(1, r.sent_all)
+        return r, {
+            "gateway_us_per_request": round(g / n * 1e6, 1),
+            "replica_us_per_request": round(rep / n * 1e6, 1),
+            "gateway_cores": round(g / wall, 2),
+            "replica_cores": round(rep / wall, 2),
+        }
+
+
 def row(name: str, offered: float, r: Any, unloaded_p99: float, lag_limit_ms: float) -> dict[str, Any]:
     s = r.summary()
     s["name"] = name
@@ -170,43 +243,52 @@ def show(s: dict[str, Any]) -> None:
         f"p50 {s['p50_ms']:8.2f} p99 {s['p99_ms']:8.2f} ms ({s['p99_over_unloaded']:6.2f}x) | refused "
         f"{s['refused_per_s']:6.0f}/s p50 {s['refusal_p50_ms']:7.2f} p99 {s['refusal_p99_ms']:7.2f} ms "
         f"Retry-After {retry:>4} | errors {errors:5d} | lag p99 {s['client_lag_p99_ms']:6.2f} ms"
-        f"{' LAG' if s['lagged'] else ''} | load {s['load']:.1f}",
+        f"{' LAG' if s['lagged'] else ''} | cpu us/req gateway {s.get('gateway_us_per_request', 0):5.0f} "
+        f"replica {s.get('replica_us_per_request', 0):5.0f} | load {s['load']:.1f}",
         flush=True,
     )
 
 
-def sweep(args: argparse.Namespace, targets: dict[tuple[str, str], Any]) -> dict[str, Any]:
+def sweep(args: argparse.Namespace, targets: dict[tuple[str, str], Any], meter: Meter) -> dict[str, Any]:
     load_kw = {"procs": args.procs, "warmup_s": args.warmup, "max_connections": args.max_connections}
     unloaded: dict[tuple[str, str], dict[str, Any]] = {}
     capacity: dict[tuple[str, str], float] = {}
-    for key, target in targets.items():  # warm-up
+    closed: list[dict[str, Any]] = []
+    for target in targets.values():  # warm-up
         ol.run_load(target, seconds=1.0, concurrency=4, procs=1, warmup_s=0.5)
     for key, target in targets.items():
-        r = ol.run_load(target, seconds=args.seconds, concurrency=1, procs=1, warmup_s=args.warmup)
+        r, cpu = meter.run(lambda t=target: ol.run_load(t, seconds=args.seconds, concurrency=1, procs=1))
         unloaded[key] = row(f"{key[0]} {key[1]} unloaded", r.sent / r.seconds, r, 0.0, args.lag_limit_ms)
-        unloaded[key]["p99_over_unloaded"] = 1.0
+        unloaded[key].update(cpu, p99_over_unloaded=1.0)
         show(unloaded[key])
-        r = ol.run_load(
-            target, seconds=args.seconds, concurrency=args.capacity_concurrency, warmup_s=args.warmup, procs=1
-        )
-        capacity[key] = len(r.ok) / r.seconds
-        s = row(f"{key[0]} {key[1]} c={args.capacity_concurrency}", r.sent / r.seconds, r, 0.0, args.lag_limit_ms)
-        s["p99_over_unloaded"] = round(s["p99_ms"] / unloaded[key]["p99_ms"], 2)
-        show(s)
+        concurrencies = [args.capacity_concurrency] + ([args.refusal_concurrency] if key[1] == "gateway" else [])
+        for c in concurrencies:
+            r, cpu = meter.run(lambda t=target, c=c: ol.run_load(t, seconds=args.seconds, concurrency=c, procs=1))
+            if c == args.capacity_concurrency:
+                capacity[key] = len(r.ok) / r.seconds
+            s = row(f"{key[0]} {key[1]} c={c}", r.sent / r.seconds, r, unloaded[key]["p99_ms"], args.lag_limit_ms)
+            s.update(cpu, protocol=key[0], where=key[1], concurrency=c)
+            show(s)
+            closed.append(s)
     points: list[dict[str, Any]] = []
     order = list(targets)
     for i, m in enumerate(args.multipliers):
         print(f"-- {m:g}x capacity", flush=True)
         for key in order if i % 2 == 0 else order[::-1]:
             rate = m * capacity[key]
-            r = ol.run_load(targets[key], seconds=args.seconds, rate=rate, seed=i, **load_kw)
+            r, cpu = meter.run(
+                lambda t=targets[key], rate=rate, i=i: ol.run_load(
+                    t, seconds=args.seconds, rate=rate, seed=i, **load_kw
+                )
+            )
             s = row(f"{key[0]} {key[1]} {m:g}x", rate, r, unloaded[key]["p99_ms"], args.lag_limit_ms)
-            s.update(protocol=key[0], where=key[1], multiplier=m)
+            s.update(cpu, protocol=key[0], where=key[1], multiplier=m)
             show(s)
             points.append(s)
     return {
         "unloaded": {f"{k[0]} {k[1]}": v for k, v in unloaded.items()},
         "capacity": {f"{k[0]} {k[1]}": round(v, 1) for k, v in capacity.items()},
+        "closed": closed,
         "points": points,
     }
 
@@ -229,6 +311,14 @@ def summary(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 f"  {name:<13} unloaded p99 {u['p99_ms']:6.2f} ms, capacity {out['capacity'][name]:6.0f}/s | "
                 + " | ".join(cells)
             )
+    print("gateway CPU per request (closed loops: admitted at the capacity concurrency, mostly refused above it):")
+    for s in out["closed"]:
+        if s["where"] == "gateway":
+            refused = s["refused_per_s"] / max(1.0, s["sent_per_s"])
+            print(
+                f"  {s['protocol']:<4} c={s['concurrency']:<4} {s['gateway_us_per_request']:6.0f} us/request, "
+                f"{refused * 100:3.0f}% refused, {s['sent_per_s']:6.0f}/s answered in all"
+            )
 
 
 def main() -> None:
@@ -241,6 +331,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=1.0, help="sent, not counted, before each window")
     parser.add_argument("--procs", type=int, default=2, help="load generator processes (open loop)")
     parser.add_argument("--capacity-concurrency", type=int, default=8)
+    parser.add_argument(
+        "--refusal-concurrency",
+        type=int,
+        default=64,
+        help="gateway: a closed loop mostly refused (its CPU per refusal)",
+    )
     parser.add_argument("--max-connections", type=int, default=2048, help="HTTP connections at most (all procs)")
     parser.add_argument("--lag-limit-ms", type=float, default=5.0, help="client lag p99 above which a point is void")
     parser.add_argument("--limit", action="append", default=[], help="gateway limit NAME=VALUE (octacloud up)")
@@ -259,7 +355,7 @@ def main() -> None:
             f"{args.procs} generator processes; load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs",
             flush=True,
         )
-        out = sweep(args, cloud.targets(args.shape))
+        out = sweep(args, cloud.targets(args.shape), Meter(cloud))
         summary(args, out)
         if args.json:
             args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **out}, indent=1))

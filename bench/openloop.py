@@ -100,9 +100,13 @@ def http_infer_request(model: str, shape: str, headers: tuple[tuple[str, str], .
     ).encode()
     extra = "".join(f"{k}: {v}\r\n" for k, v in headers)
     return (
-        f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: bench\r\nContent-Type: application/octet-stream\r\n"
-        f"Inference-Header-Content-Length: {len(head)}\r\nContent-Length: {len(head) + len(raw)}\r\n{extra}\r\n"
-    ).encode() + head + raw
+        (
+            f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: bench\r\nContent-Type: application/octet-stream\r\n"
+            f"Inference-Header-Content-Length: {len(head)}\r\nContent-Length: {len(head) + len(raw)}\r\n{extra}\r\n"
+        ).encode()
+        + head
+        + raw
+    )
 
 
 def _int_prefix(n: int, bits: int) -> bytearray:
@@ -172,6 +176,8 @@ class Result:
     codes: Counter[str] = field(default_factory=Counter)
     """Every measured outcome by status (HTTP status or ``grpc-N``)."""
     seconds: float = 0.0
+    sent_all: int = 0
+    """Requests sent over the whole run, the warm-up and the drain included (for CPU per request)."""
     connections: int = 0
     cpu_s: float = 0.0
     """The worker's own CPU time over the run."""
@@ -185,6 +191,7 @@ class Result:
         self.errors.update(other.errors)
         self.codes.update(other.codes)
         self.seconds = max(self.seconds, other.seconds)
+        self.sent_all += other.sent_all
         self.connections += other.connections
         self.cpu_s += other.cpu_s
 
@@ -270,7 +277,7 @@ _IN, _OUT = select.EPOLLIN, select.EPOLLOUT
 
 
 class _Conn:
-    __slots__ = ("worker", "sock", "fd", "buf", "out", "connected", "dead")
+    __slots__ = ("buf", "connected", "dead", "fd", "out", "sock", "worker")
 
     def __init__(self, worker: _Worker, sock: socket.socket, connected: bool) -> None:
         self.worker, self.sock, self.fd = worker, sock, sock.fileno()
@@ -413,8 +420,17 @@ class _H1(_Conn):
 class _H2(_Conn):
     """One HTTP/2 connection carrying many gRPC calls; what a unary gRPC client needs of RFC 9113."""
 
-    __slots__ = ("decoder", "next_sid", "streams", "window", "peer_window", "max_streams", "going_away", "cont",
-                 "received")  # fmt: skip
+    __slots__ = (
+        "cont",
+        "decoder",
+        "going_away",
+        "max_streams",
+        "next_sid",
+        "peer_window",
+        "received",
+        "streams",
+        "window",
+    )
 
     def __init__(self, worker: _Worker, sock: socket.socket, connected: bool) -> None:
         super().__init__(worker, sock, connected)
@@ -429,9 +445,7 @@ class _H2(_Conn):
         self.received = 0
         settings = struct.pack(">HIHI", 0x2, 0, 0x4, MAX_WINDOW)  # no push; stream windows as large as allowed
         self.write(
-            PREFACE
-            + _frame(SETTINGS, 0, 0, settings)
-            + _frame(WINDOW_UPDATE, 0, 0, _U32.pack(MAX_WINDOW - 65535))
+            PREFACE + _frame(SETTINGS, 0, 0, settings) + _frame(WINDOW_UPDATE, 0, 0, _U32.pack(MAX_WINDOW - 65535))
         )
 
     def room(self) -> bool:
@@ -479,7 +493,7 @@ class _H2(_Conn):
             self.received = 0
 
     def frame(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
-        if kind == HEADERS or kind == CONTINUATION:
+        if kind in (HEADERS, CONTINUATION):
             if kind == HEADERS:
                 start, stop = 0, len(payload)
                 if flags & PADDED:
@@ -633,6 +647,7 @@ class _Worker:
     # -- requests --
     def dispatch(self, idx: int) -> None:
         self.inflight += 1
+        self.result.sent_all += 1
         if self.plan.target.protocol == "http":
             if self.idle:
                 self.idle.pop().start(idx)
@@ -831,9 +846,16 @@ def run_load(
         share = concurrency // procs + (1 if k < concurrency % procs else 0)
         plans.append(
             Plan(
-                target, start_at, seconds, warmup_s, rate / procs if rate > 0 else 0.0, max(1, share), seed * 1000 + k,
-                max(1, max_connections // procs), max(1, preopen // procs),
-            )  # fmt: skip
+                target,
+                start_at,
+                seconds,
+                warmup_s=warmup_s,
+                rate=rate / procs if rate > 0 else 0.0,
+                concurrency=max(1, share),
+                seed=seed * 1000 + k,
+                max_connections=max(1, max_connections // procs),
+                preopen=max(1, preopen // procs),
+            )
         )
     children = [
         subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -848,7 +870,8 @@ def run_load(
     total = Result()
     for child in children:
         assert child.stdout is not None
-        out = child.stdout.read()
+        with child.stdout:
+            out = child.stdout.read()
         if child.wait() != 0 or not out:
             raise RuntimeError(f"a load generator worker failed (exit {child.returncode})")
         total.merge(Result(**pickle.loads(out)))
