@@ -240,7 +240,8 @@ def show(s: dict[str, Any]) -> None:
     errors = sum(s["errors"].values())
     print(
         f"  {s['name']:<26} offered {s['offered_per_s']:7.0f}/s  admitted {s['ok_per_s']:6.0f}/s "
-        f"p50 {s['p50_ms']:8.2f} p99 {s['p99_ms']:8.2f} ms ({s['p99_over_unloaded']:6.2f}x) | refused "
+        f"p50 {s['p50_ms']:8.2f} p99 {s['p99_ms']:8.2f} ms ({s['p99_over_unloaded']:6.2f}x; from send "
+        f"{s['p99_from_send_ms']:8.2f}) | refused "
         f"{s['refused_per_s']:6.0f}/s p50 {s['refusal_p50_ms']:7.2f} p99 {s['refusal_p99_ms']:7.2f} ms "
         f"Retry-After {retry:>4} | errors {errors:5d} | lag p99 {s['client_lag_p99_ms']:6.2f} ms"
         f"{' LAG' if s['lagged'] else ''} | cpu us/req gateway {s.get('gateway_us_per_request', 0):5.0f} "
