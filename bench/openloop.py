@@ -14,14 +14,16 @@ processes is Poisson at the sum of the rates), each on one ``epoll`` loop over n
 requests encoded once: HTTP/1.1 keep-alive (one request at a time per connection, a new connection whenever
 no idle one is free) or gRPC over a minimal HTTP/2 client (one write of HEADERS + DATA per call, the header
 block HPACK literals encoded once, responses decoded with the ``hpack`` package; SETTINGS, PING, flow control
-and GOAWAY honoured, many streams per connection). A ``timerfd`` wakes the loop at each send time, so a
-request leaves within microseconds of its schedule instead of at the next millisecond.
+and GOAWAY honoured; a few connections, as that many gRPC clients, with many streams each, and a call the
+server's streams or window have no room for waiting in the client as in a gRPC client). A ``timerfd`` wakes
+the loop at each send time, so a request leaves within microseconds of its schedule instead of at the next
+millisecond.
 
 Latency is measured from each request's *scheduled* send time, so a client that falls behind cannot hide it
-(it shows up as latency), and the lag itself (sent − scheduled) is reported: a point whose client lag p99 is
-large says more about the client than about the server. Outcomes: ``ok`` (HTTP 200, grpc-status 0),
-``refused`` (HTTP 429/503, gRPC UNAVAILABLE/RESOURCE_EXHAUSTED: load shed), whether the refusal carried
-``Retry-After`` (header or trailing metadata), and errors by kind. Prints one JSON object.
+(it shows up as latency), and the lag itself (when the client got to the request − scheduled) is reported: a
+point whose client lag p99 is large says more about the client than about the server. Outcomes: ``ok`` (HTTP
+200, grpc-status 0), ``refused`` (HTTP 429/503, gRPC UNAVAILABLE/RESOURCE_EXHAUSTED: load shed), whether the
+refusal carried ``Retry-After`` (header or trailing metadata), and errors by kind. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import subprocess
 import sys
 import time
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -154,10 +156,14 @@ class Plan:
     """Closed loop: requests kept in flight (each sent as soon as the previous one is answered)."""
     seed: int = 0
     max_connections: int = 2048
-    """HTTP: connections at most (a request due when all are busy is counted ``unsent``). gRPC: connections at
-    most; streams beyond what they allow wait in the client (and show as lag)."""
+    """HTTP: connections at most (a request due when all are busy is counted ``unsent``)."""
     preopen: int = 16
-    """Connections opened before the clock starts (gRPC: 1 is enough; more open as streams need them)."""
+    """HTTP: connections opened before the clock starts (more open whenever no idle one is free)."""
+    h2_connections: int = 2
+    """gRPC: connections, opened before the clock starts (as that many gRPC clients would). A call due when
+    they have no room (the server's SETTINGS_MAX_CONCURRENT_STREAMS, its flow-control window) waits in the
+    client as a gRPC client's would: that wait is the server's backpressure and counts in its latency, not in
+    the client's lag."""
     drain_s: float = 10.0
     """After the last send, how long answers are waited for; what is still open then is a ``timeout``."""
 
@@ -171,7 +177,8 @@ class Result:
     """Time to the refusal, from the scheduled send time."""
     refused_with_retry_after: int = 0
     lag: array[float] = field(default_factory=lambda: array("d"))
-    """Sent − scheduled for every measured request."""
+    """For every measured request, when the client got to it (sent it, or queued it behind the server's HTTP/2
+    flow control) − its scheduled time: the client's own lateness."""
     errors: Counter[str] = field(default_factory=Counter)
     codes: Counter[str] = field(default_factory=Counter)
     """Every measured outcome by status (HTTP status or ``grpc-N``)."""
@@ -368,7 +375,6 @@ class _H1(_Conn):
 
     def start(self, idx: int) -> None:
         self.req = idx
-        self.worker.sent[idx] = time.monotonic()
         self.write(self.worker.http_request)
 
     def parse(self) -> None:
@@ -465,7 +471,6 @@ class _H2(_Conn):
         self.streams[sid] = [idx, False, False]
         block, data = w.grpc_block, w.grpc_data
         self.window -= len(data)
-        w.sent[idx] = time.monotonic()
         self.write(
             _FH.pack(len(block) >> 16, len(block) & 0xFFFF, HEADERS, END_HEADERS, sid)
             + block
@@ -610,7 +615,7 @@ class _Worker:
         self.idle: list[_H1] = []
         self.http_open = 0
         self.h2: list[_H2] = []
-        self.backlog: list[int] = []  # gRPC calls due that no connection has room for yet
+        self.backlog: deque[int] = deque()  # gRPC calls due that no connection has room for yet
         self.sched: list[float] = []
         self.sent: list[float] = []
         self.inflight = 0
@@ -648,6 +653,7 @@ class _Worker:
     def dispatch(self, idx: int) -> None:
         self.inflight += 1
         self.result.sent_all += 1
+        self.sent[idx] = time.monotonic()  # the client's own lateness ends here; any wait after is the server's
         if self.plan.target.protocol == "http":
             if self.idle:
                 self.idle.pop().start(idx)
@@ -665,7 +671,7 @@ class _Worker:
             if c.room():
                 c.start(idx)
                 return
-        if len(self.h2) < self.plan.max_connections:  # every connection is full (streams or window)
+        if len(self.h2) < self.plan.h2_connections:  # one was lost: replaced
             c = self.open_h2()
             if c.room():
                 c.start(idx)
@@ -682,10 +688,10 @@ class _Worker:
         while backlog:
             for c in self.h2:
                 if c.room():
-                    c.start(backlog.pop(0))
+                    c.start(backlog.popleft())
                     break
             else:
-                if len(self.h2) < self.plan.max_connections:
+                if len(self.h2) < self.plan.h2_connections:
                     self.open_h2()
                     continue
                 return
@@ -729,7 +735,8 @@ class _Worker:
             for _ in range(min(plan.preopen, plan.max_connections)):
                 self.idle.append(self.open_http(blocking=True))
         else:
-            self.open_h2(blocking=True)
+            for _ in range(plan.h2_connections):
+                self.open_h2(blocking=True)
         schedule: list[float] = []
         if not self.closed_loop:
             rng = random.Random(plan.seed)
@@ -835,6 +842,7 @@ def run_load(
     seed: int = 0,
     max_connections: int = 2048,
     preopen: int = 16,
+    h2_connections: int = 4,
     lead_s: float = 0.5,
 ) -> Result:
     """Open loop at ``rate`` (or a closed loop of ``concurrency``) split over ``procs`` worker processes, each
@@ -855,6 +863,7 @@ def run_load(
                 seed=seed * 1000 + k,
                 max_connections=max(1, max_connections // procs),
                 preopen=max(1, preopen // procs),
+                h2_connections=max(1, h2_connections // procs),
             )
         )
     children = [
