@@ -22,8 +22,9 @@ millisecond.
 Latency is measured from each request's *scheduled* send time, so a client that falls behind cannot hide it
 (it shows up as latency), and the lag itself (when the client got to the request − scheduled) is reported: a
 point whose client lag p99 is large says more about the client than about the server. Outcomes: ``ok`` (HTTP
-200, grpc-status 0), ``refused`` (HTTP 429/503, gRPC UNAVAILABLE/RESOURCE_EXHAUSTED: load shed), whether the
-refusal carried ``Retry-After`` (header or trailing metadata), and errors by kind. Prints one JSON object.
+200, grpc-status 0), ``refused`` (load shed: HTTP 429/503, gRPC UNAVAILABLE/RESOURCE_EXHAUSTED, or HTTP/2's
+RST_STREAM REFUSED_STREAM, a call not processed), whether the refusal carried ``Retry-After`` (header or
+trailing metadata), and errors by kind. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ import hpack
 
 GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
 REFUSED_HTTP = (429, 503)
-REFUSED_GRPC = ("14", "8")  # UNAVAILABLE, RESOURCE_EXHAUSTED
+REFUSED_GRPC = ("14", "8")  # UNAVAILABLE, RESOURCE_EXHAUSTED; and RST_STREAM REFUSED_STREAM (not processed)
+REFUSED_STREAM = 7
 _FH = struct.Struct(">BHBBI")  # frame header: length (8 + 16 bits), type, flags, stream
 _U32 = struct.Struct(">I")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -534,7 +536,11 @@ class _H2(_Conn):
                 self.window += _U32.unpack(payload)[0] & MAX_WINDOW
                 self.worker.wake()
         elif kind == RST_STREAM:
-            self.finish(sid, None, f"RST_STREAM {_U32.unpack(payload)[0]}")
+            code = _U32.unpack(payload)[0]
+            if code == REFUSED_STREAM:  # HTTP/2's own refusal: the call was not processed (grpc's overload guard)
+                self.finish(sid, "refused-stream", "")
+            else:
+                self.finish(sid, None, f"RST_STREAM {code}")
         elif kind == GOAWAY:
             self.going_away = True
             last = _U32.unpack_from(payload, 0)[0] & MAX_WINDOW
@@ -575,7 +581,8 @@ class _H2(_Conn):
         if status is None:
             w.fail(s[0], why)
         else:
-            w.complete(s[0], status == "0", status in REFUSED_GRPC, f"grpc-{status}", s[2])
+            refused = status in REFUSED_GRPC or status == "refused-stream"
+            w.complete(s[0], status == "0", refused, f"grpc-{status}", s[2])
         w.wake()
         if self.going_away and not self.streams:
             self.lost("GOAWAY")

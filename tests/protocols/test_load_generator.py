@@ -13,7 +13,7 @@ import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import grpc
 import numpy as np
@@ -213,3 +213,54 @@ def test_several_processes_share_one_schedule(replica: ThreadedServer) -> None:
     assert r.sent > 0 and len(r.ok) == r.sent and not r.errors, r.summary()
     assert r.connections == 4 and r.sent_all >= r.sent  # two gRPC connections per worker
     assert r.summary()["ok_per_s"] > 0
+
+
+class RefusingHttp2(asyncio.Protocol):
+    """An HTTP/2 server that refuses every stream with RST_STREAM REFUSED_STREAM (grpc's overload guard)."""
+
+    open: ClassVar[set[asyncio.Transport]] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.open.add(self.transport)
+        self.buf = b""
+        window = ol._frame(ol.WINDOW_UPDATE, 0, 0, (2**31 - 1 - 65535).to_bytes(4, "big"))
+        self.transport.write(ol._frame(ol.SETTINGS, 0, 0) + window)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.buf.startswith(ol.PREFACE):
+            self.buf = self.buf[len(ol.PREFACE) :]
+        while len(self.buf) >= 9:
+            length = int.from_bytes(self.buf[:3], "big")
+            if len(self.buf) < 9 + length:
+                return
+            kind, sid = self.buf[3], int.from_bytes(self.buf[5:9], "big") & 0x7FFFFFFF
+            self.buf = self.buf[9 + length :]
+            if kind == ol.HEADERS:
+                self.transport.write(ol._frame(ol.RST_STREAM, 0, sid, (7).to_bytes(4, "big")))
+
+
+def test_a_stream_refused_by_http2_itself_is_counted_as_refused_without_retry_after() -> None:
+    loop = LoopThread()
+
+    async def up() -> asyncio.Server:
+        return await asyncio.get_running_loop().create_server(RefusingHttp2, "127.0.0.1", 0)
+
+    server = loop.call(up())
+    try:
+        port = server.sockets[0].getsockname()[1]
+        r = closed(ol.Target("grpc", "127.0.0.1", port, add_message()), concurrency=2, seconds=0.3)
+        assert r.sent > 0 and len(r.refused) == r.sent and not r.errors and not r.ok, r.summary()
+        assert r.refused_with_retry_after == 0 and set(r.codes) == {"grpc-refused-stream"}
+    finally:
+
+        async def down() -> None:
+            server.close()
+            for t in RefusingHttp2.open:
+                t.close()
+            await server.wait_closed()
+            await asyncio.sleep(0.01)
+
+        loop.call(down())
+        loop.close()
