@@ -6,8 +6,8 @@ This module is the one table every protocol adapter reads (:func:`status_of`); n
 |---|---|---|
 | :class:`InvalidInputError` (and any :class:`~octacloud.core.errors.InvalidSpecError`) | 400 | INVALID_ARGUMENT |
 | :class:`ModelNotFoundError` (and any :class:`~octacloud.core.errors.NotFoundError`) | 404 | NOT_FOUND |
-| :class:`ModelNotReadyError` | 503 + ``Retry-After: 1`` | UNAVAILABLE + ``retry-after: 1`` (trailing metadata) |
-| :class:`QueueFullError`, :class:`QueueTimeoutError` (load shed) | 503 + ``Retry-After: 1`` | UNAVAILABLE + ``retry-after: 1`` |
+| :class:`ModelNotReadyError` | 503 + Retry-After 1 | UNAVAILABLE + retry-after 1 (trailing metadata) |
+| :class:`QueueFullError`, :class:`QueueTimeoutError` (load shed) | 503 + Retry-After 1 | UNAVAILABLE + retry-after 1 |
 | :class:`NotAllowedError` | 403 | FAILED_PRECONDITION |
 | :class:`ModelConfigError` (a broken model named by a load request) | 400 | INVALID_ARGUMENT |
 | :class:`ModelExecutionError` | 500 | INTERNAL |
