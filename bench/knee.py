@@ -300,6 +300,8 @@ def summary(args: argparse.Namespace, out: dict[str, Any]) -> None:
     for protocol in ("http", "grpc"):
         for where in ("direct", "gateway"):
             name = f"{protocol} {where}"
+            if name not in out["unloaded"]:
+                continue
             u = out["unloaded"][name]
             cells = []
             for p in out["points"]:
@@ -341,6 +343,10 @@ def main() -> None:
     parser.add_argument("--max-connections", type=int, default=2048, help="HTTP connections at most (all procs)")
     parser.add_argument("--lag-limit-ms", type=float, default=5.0, help="client lag p99 above which a point is void")
     parser.add_argument("--limit", action="append", default=[], help="gateway limit NAME=VALUE (octacloud up)")
+    parser.add_argument(
+        "--targets", nargs="+", default=["http-direct", "http-gateway", "grpc-direct", "grpc-gateway"],
+        choices=["http-direct", "http-gateway", "grpc-direct", "grpc-gateway"],
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args()
 
@@ -356,7 +362,8 @@ def main() -> None:
             f"{args.procs} generator processes; load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs",
             flush=True,
         )
-        out = sweep(args, cloud.targets(args.shape), Meter(cloud))
+        targets = {k: t for k, t in cloud.targets(args.shape).items() if f"{k[0]}-{k[1]}" in args.targets}
+        out = sweep(args, targets, Meter(cloud))
         summary(args, out)
         if args.json:
             args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **out}, indent=1))
