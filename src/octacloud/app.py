@@ -22,13 +22,16 @@ from octacloud.cluster.admin import build_admin_app
 from octacloud.cluster.auth import Guard, KeyStore, server_secret
 from octacloud.cluster.controller import Controller, ControllerSettings, NodeChange
 from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer, local_nvml_node
+from octacloud.cluster.deployments import ReplicaState
 from octacloud.cluster.fleet import discover_fleet
 from octacloud.cluster.gateway.grpc_proxy import GrpcGateway, server_options
 from octacloud.cluster.gateway.http_server import bounded_protocol
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import RouteTable
+from octacloud.cluster.gateway.upstream import UpstreamPool
 from octacloud.cluster.health import HttpProber, RepositoryFootprints
+from octacloud.cluster.internal_tls import RENEW_INTERVAL_S, InternalCa, InternalClientTls, InternalTlsMode
 from octacloud.cluster.launcher import LocalProcessLauncher, ReplicaLauncher
 from octacloud.cluster.mps import MpsDaemon, SharingCollector
 from octacloud.cluster.storage import FleetCacheStats, ModelCacheCollector
@@ -83,6 +86,9 @@ class CloudConfig:
     """Price sheet (YAML) for usage reports' cost column."""
     limits: GatewayLimits = field(default_factory=GatewayLimits)
     """The gateway's bounds: body and message size, header/body/idle time, connections, load shedding."""
+    internal_tls: InternalTlsMode = InternalTlsMode.AUTO
+    """TLS with the cloud's own CA on the gateway → replica hop: auto = on with the Ray launcher (replicas may be
+    on other machines), off for local replicas on loopback (see cluster/internal_tls.py)."""
 
 
 class Cloud:
@@ -115,6 +121,13 @@ class Cloud:
         self.internal_secret = internal_auth.ensure_secret(secret_file)
         """Proves to replicas that a request comes from this cloud (see ``cluster.internal_auth``)."""
         internal = {internal_auth.HEADER: self.internal_secret}
+        self.internal_ca: InternalCa | None = (
+            getattr(launcher, "internal_ca", None) if launcher is not None else internal_ca(config, remote=False)
+        )
+        """The cloud's internal CA when the gateway → replica hop runs over TLS (None: plain text on loopback)."""
+        client_tls = InternalClientTls.issue(self.internal_ca) if self.internal_ca else None
+        self.internal_tls = client_tls.context() if client_tls is not None else None
+        """What every client of replicas (gateway, prober, scrapers) connects with under internal TLS."""
         gpu_node = local_nvml_node(self.nodes)
         self.mps: dict[str, MpsDaemon] = (
             {gpu_node: MpsDaemon(config.state_dir, cards=tuple(g.index for g in _node(self.nodes, gpu_node).gpus))}
@@ -131,6 +144,7 @@ class Cloud:
             clock,
             interval_s=config.telemetry_interval_s,
             replica_headers=internal,
+            replica_tls=self.internal_tls,
             on_card_readings=self._card_readings,
         )
         """Telemetry (the scheduler's telemetry source), the cloud's ``/metrics`` and the dashboard."""
@@ -140,7 +154,9 @@ class Cloud:
         scheduler = Scheduler(ClusterState(self.nodes), profile)
         self.routes = RouteTable()
         self._prober = HttpProber(
-            headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())], on_ready=self.routes.readmit
+            headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())],
+            on_ready=self.routes.readmit,
+            tls=self.internal_tls,
         )
         self.controller = Controller(
             store=self.store,
@@ -165,7 +181,12 @@ class Cloud:
         self.admin_key = bootstrap_admin_key(self.keys, config.state_dir / "admin.key")
         """The admin key created by this start (None when one existed): the CLI shows it once."""
         self.ledger = Ledger(self.store.engine)
-        self.usage = ClusterUsage(self.controller, gpu_use=self.monitoring.sampler.gpu_use, replica_headers=internal)
+        self.usage = ClusterUsage(
+            self.controller,
+            gpu_use=self.monitoring.sampler.gpu_use,
+            replica_headers=internal,
+            replica_tls=self.internal_tls,
+        )
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
         self.grpc_gateway = GrpcGateway(
             self.routes,
@@ -173,6 +194,7 @@ class Cloud:
             guard=self.guard,
             limits=config.limits,
             internal_secret=self.internal_secret,
+            internal_tls=grpc.ssl_channel_credentials(*client_tls.grpc_credentials_args()) if client_tls else None,
         )
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
         cache_stats = getattr(self.controller.launcher, "cache_stats", None)  # the Ray launcher's node caches
@@ -193,13 +215,16 @@ class Cloud:
             metrics=metrics,
             limits=config.limits,
             internal_secret=self.internal_secret,
+            pool=UpstreamPool(tls=self.internal_tls) if self.internal_tls is not None else None,
         )
         self.http_port = config.http_port
         self.grpc_port = config.grpc_port
 
     def _local_launcher(self) -> LocalProcessLauncher:
         workdir = self.config.state_dir / "replicas"
-        return LocalProcessLauncher(workdir, environment=self._node_environment)  # replicas bind loopback
+        return LocalProcessLauncher(
+            workdir, environment=self._node_environment, internal_ca=self.internal_ca
+        )  # replicas bind loopback
 
     def _node_environment(self) -> dict[str, str]:
         """What every local replica gets from its node: the internal secret's file, and the MPS daemon's folders
@@ -277,6 +302,9 @@ class Cloud:
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self._watch_fleet(self.watcher)))
         self._tasks.append(asyncio.create_task(self.meter.run(self._stop)))
+        renew = getattr(self.controller.launcher, "renew_certificates", None)
+        if self.internal_ca is not None and renew is not None:
+            self._tasks.append(asyncio.create_task(self._renew_certificates(renew)))
         if self.mps:
             self._tasks.append(asyncio.create_task(self._watch_mps()))
         self._started = True
@@ -317,6 +345,22 @@ class Cloud:
             await self._stop.wait()
         finally:
             await self.stop()
+
+    async def _renew_certificates(self, renew: Callable[[], int]) -> None:
+        """Internal TLS: replicas' certificates past half their life are renewed while they run; those an earlier
+        run started, whose age is unknown, at the first pass (at start)."""
+        adopt: Callable[[str, str, str], None] = getattr(self.controller.launcher, "adopt_certificate", _no_op)
+        while not self._stop.is_set():
+            try:
+                ready = [r for r in self.store.replicas() if r.state is ReplicaState.READY and r.handle and r.host]
+                for r in ready:
+                    adopt(r.handle, r.id, r.host)  # a no-op for the replicas this run launched
+                if renewed := renew():
+                    log.info("internal TLS: renewed %d replica certificates", renewed)
+            except Exception:
+                log.exception("internal TLS: renewing replica certificates failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), RENEW_INTERVAL_S)
 
     def _ready(self) -> bool:
         """Ready: started, and the controller's loop runs and completes iterations."""
@@ -381,8 +425,17 @@ def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
     storage = config.model_storage or str(config.repository.resolve())
     cache = config.model_cache or config.state_dir.resolve() / "model-cache"
     secret = internal_auth.ensure_secret(config.state_dir / internal_auth.FILE_NAME)
-    launcher = RayLauncher(fleet, storage, cache, internal_secret=secret)
+    launcher = RayLauncher(fleet, storage, cache, internal_secret=secret, internal_ca=internal_ca(config, remote=True))
     return Cloud(config, nodes=nodes, launcher=launcher, clock=clock, watcher=fleet.poll)
+
+
+def _no_op(*_: object) -> None:
+    pass
+
+
+def internal_ca(config: CloudConfig, remote: bool) -> InternalCa | None:
+    """The cloud's internal CA when ``config.internal_tls`` turns TLS on for replicas that may be ``remote``."""
+    return InternalCa.ensure(config.state_dir) if config.internal_tls.enabled(remote) else None
 
 
 def slice_prior() -> TargetWorkload:

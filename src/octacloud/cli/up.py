@@ -232,6 +232,9 @@ def up(
     ),
     model_cache: Path | None = typer.Option(None, "--model-cache", help="On Ray: each node's model cache folder."),
     limit: list[str] = typer.Option([], "--limit", help="Gateway bound NAME=VALUE (docs/security.md); repeatable."),
+    internal_tls: str = typer.Option(
+        "auto", "--internal-tls", help="TLS from the gateway to replicas: auto (on Ray), on, off (docs/security.md)."
+    ),
 ) -> None:
     """Run the cloud: fleet, controller, replicas on slices, and the OIP gateway (on this machine, or on Ray)."""
     from octacloud.app import Cloud, CloudConfig, ray_cloud
@@ -254,9 +257,11 @@ def up(
         err.print("[red]error:[/] --tls-cert and --tls-key go together")
         raise typer.Exit(2)
     from octacloud.cluster.gateway.limits import GatewayLimits
+    from octacloud.cluster.internal_tls import InternalTlsMode
 
     try:
         limits = GatewayLimits.parse(limit)
+        internal_tls_mode = InternalTlsMode.parse(internal_tls)
     except OctacloudError as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
@@ -283,6 +288,7 @@ def up(
         model_storage=model_storage,
         model_cache=model_cache,
         limits=limits,
+        internal_tls=internal_tls_mode,
     )
     on_ray = backend == "ray" or ray_address is not None
     scheme = "https" if config.tls is not None else "http"

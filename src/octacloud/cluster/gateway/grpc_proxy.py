@@ -31,7 +31,7 @@ from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import MAX_ATTEMPTS, SERVER_EXTENSIONS
 from octacloud.cluster.gateway.routing import Endpoint, RouteTable, TenantTraffic
 from octacloud.cluster.gateway.stats import merge_model_statistics
-from octacloud.cluster.internal_auth import HEADER
+from octacloud.cluster.internal_auth import HEADER, TENANT_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ SERVICE = "inference.GRPCInferenceService"
 PER_MODEL = ("ModelReady", "ModelMetadata", "ModelInfer", "ModelConfig", "ModelStatistics")
 PUBLIC = ("ServerLive", "ServerReady")
 _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE,)
-_DROPPED_METADATA = {"authorization", HEADER}
+_DROPPED_METADATA = {"authorization", HEADER, TENANT_HEADER}
 
 
 def server_options(limits: GatewayLimits) -> list[tuple[str, int]]:
@@ -150,7 +150,10 @@ class GrpcGateway:
         guard: Guard | None = None,
         limits: GatewayLimits | None = None,
         internal_secret: str | None = None,
+        internal_tls: grpc.ChannelCredentials | None = None,
     ) -> None:
+        self.internal_tls = internal_tls
+        """Internal TLS: replica channels are secure, the replica's certificate checked against the cloud CA."""
         self.guard = guard
         self.routes = routes
         self.ready = ready
@@ -215,7 +218,12 @@ class GrpcGateway:
                 ("grpc.max_send_message_length", self.limits.max_message_bytes),
                 ("grpc.max_receive_message_length", -1),
             ]
-            channel = self._channels[key] = grpc.aio.insecure_channel(f"{key[0]}:{key[1]}", options=options)
+            target = f"{key[0]}:{key[1]}"
+            channel = self._channels[key] = (
+                grpc.aio.insecure_channel(target, options=options)
+                if self.internal_tls is None
+                else grpc.aio.secure_channel(target, self.internal_tls, options=options)
+            )
         return channel
 
     def _forget(self, endpoint: Endpoint) -> None:
@@ -231,6 +239,7 @@ class GrpcGateway:
     ) -> Callable[[bytes, grpc.aio.ServicerContext], Any]:
         path = f"/{SERVICE}/{method}"
         forwarded = tuple((k, v) for k, v in metadata if k not in _DROPPED_METADATA) + self._internal
+        forwarded += ((TENANT_HEADER, principal.tenant),)  # per-tenant batches (protocols/internal.py)
 
         async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             try:

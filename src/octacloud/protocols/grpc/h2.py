@@ -21,6 +21,7 @@ import logging
 import struct
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from ssl import SSLContext
 from typing import Any, cast
 from urllib.parse import quote
 
@@ -29,8 +30,8 @@ import hpack
 from tritonclient.grpc import service_pb2 as pb
 
 from octacloud.protocols.grpc.servicer import InferenceServicer, _lenient, code_of
+from octacloud.protocols.internal import HANDSHAKE_TIMEOUT_S, OPEN_GRPC_METHODS, REFUSED, matches
 from octacloud.protocols.internal import HEADER as SECRET_HEADER
-from octacloud.protocols.internal import OPEN_GRPC_METHODS, REFUSED, matches
 from octacloud.serving import DataPlane, ModelExecutionError
 
 log = logging.getLogger(__name__)
@@ -597,7 +598,7 @@ class GrpcServer:
         extra: Mapping[str, Method] | None = None,
         secret: bytes | None = None,
     ) -> None:
-        self.methods = {**methods(InferenceServicer(dataplane)), **(extra or {})}
+        self.methods = {**methods(InferenceServicer(dataplane, trust_tenant=secret is not None)), **(extra or {})}
         self.secret = secret
         """The cloud's internal secret: every call but ServerLive/ServerReady must carry it (protocols/internal.py)."""
         self.max_message_bytes = max_message_bytes
@@ -606,11 +607,15 @@ class GrpcServer:
         self.connections: set[Http2Connection] = set()
         self._server: asyncio.Server | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0: a free port); returns the port."""
+    async def start(self, host: str, port: int, ssl: SSLContext | None = None) -> int:
+        """Listen on ``host:port`` (0: a free port), over TLS with ``ssl`` (it should offer ALPN ``h2``);
+        returns the port."""
         loop = asyncio.get_running_loop()
+        tls: dict[str, Any] = {"ssl": ssl, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S} if ssl is not None else {}
         try:
-            self._server = await loop.create_server(lambda: Http2Connection(self), host, port, reuse_address=True)
+            self._server = await loop.create_server(
+                lambda: Http2Connection(self), host, port, reuse_address=True, **tls
+            )
         except OSError as e:
             raise OSError(f"cannot bind the gRPC port {host}:{port}: {e.strerror}") from None
         sock = self._server.sockets[0]
