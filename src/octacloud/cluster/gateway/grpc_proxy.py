@@ -292,7 +292,8 @@ class GrpcGateway:
                         response: bytes = await call(request, timeout=self.timeout, metadata=forwarded)
                     except grpc.aio.AioRpcError as exc:
                         code = exc.code()
-                        if code in _UNAVAILABLE:
+                        shed = _retry_after(exc)  # the replica answered: it sheds load or is loading the model
+                        if code in _UNAVAILABLE and shed is None:
                             self.routes.failed(endpoint)
                             log.warning("deployment %s: replica %s: %s", deployment, endpoint.replica_id, exc.details())
                             why = f"deployment '{deployment}': {len(tried)} replica(s) tried, none answered"
@@ -302,6 +303,8 @@ class GrpcGateway:
                             self.routes.failed(endpoint)
                             await context.abort(code, f"deployment '{deployment}': no answer within {self.timeout:g} s")
                         self.routes.succeeded(endpoint)
+                        if shed is not None:  # passed on as it came, not billed (as REST bills no 5xx)
+                            await context.abort(code, exc.details() or "", (("retry-after", shed),))
                         _bill(usage, len(request), 0)  # the replica answered (with an error of the request's)
                         await context.abort(code, exc.details() or "")
                     finally:
@@ -367,6 +370,15 @@ def _loop_running() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _retry_after(exc: grpc.aio.AioRpcError) -> str | None:
+    """The ``retry-after`` a replica put in its answer's trailing metadata (a refusal it chose to make, not a
+    failure to answer), or None."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "retry-after":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return None
 
 
 def _bill(usage: TenantTraffic, bytes_in: int, bytes_out: int) -> None:

@@ -99,7 +99,8 @@ def answers_errors(method: _Handler) -> _Handler:
             answer = status_of(e)
             if not answer.expected:
                 _errors.exception(method.__name__, e)
-            await context.abort(grpc.StatusCode[answer.grpc], str(e))
+            retry = (("retry-after", str(answer.retry_after_s)),) if answer.retry_after_s else ()
+            await context.abort(grpc.StatusCode[answer.grpc], str(e), trailing_metadata=retry)
 
     return handler  # type: ignore[return-value]
 

@@ -65,14 +65,17 @@ class RestApp:
         try:
             await self._route(scope, receive, send)
         except Exception as e:
+            extra: tuple[tuple[bytes, bytes], ...] = ()
             if isinstance(e, HttpError):
                 status = e.status
             else:
                 answer = status_of(e)
                 status = answer.http
+                if answer.retry_after_s:
+                    extra = ((b"retry-after", b"%d" % answer.retry_after_s),)
                 if not answer.expected:
                     _errors.exception(f"{scope['method']} {scope['path'][:200]}", e)
-            await _reply(send, status, codec.dumps({"error": str(e)}))
+            await _reply(send, status, codec.dumps({"error": str(e)}), _JSON, *extra)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         dp = self.dataplane
