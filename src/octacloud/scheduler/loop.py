@@ -10,8 +10,13 @@ One pass over a :class:`ClusterState` (through its :class:`Scheduler`) and the p
    one that has not come closer (no replica left its cards) for ``reservation_passes`` passes is chosen again;
 2. **preempt**: a request still unplaced that outranks running work may evict the cheapest lower-priority set
    on one node (:func:`octacloud.scheduler.actions.preempt.preempt`); the victims join the pending list;
-3. **defragment**: a request still unplaced may move running replicas elsewhere
-   (:func:`octacloud.scheduler.actions.defragment.defragment`), within a budget of moves per pass.
+3. **defragment**: within a budget of moves per pass, a reservation's holder first has its reserved node cleared
+   (every replica on its cards moved elsewhere, all or nothing, then the holder placed there); another request
+   still unplaced may move running replicas elsewhere (:func:`octacloud.scheduler.actions.defragment.
+   defragment`), never onto or off a reserved node.
+
+After the pass the queue is handed to the profile's :class:`~octacloud.scheduler.framework.api.DemandObserver`
+plugins (the policy may weigh what waits).
 
 Within a pass, a request shape that failed a step is not retried at that step (fit is monotone while the pass
 only fills the cluster and adds reservations), which keeps a long queue of few shapes cheap. The caller owns the
@@ -138,8 +143,9 @@ class ReevaluationLoop:
         self.passes = 0
         self.total_moves = 0
         self.reserved: dict[str, Reservation] = {}
-        self._observers = [p for p in scheduler.profile.plugins() if isinstance(p, DemandObserver)]
         """Pending request name → its reservation (kept across passes)."""
+        self._observers = [p for p in scheduler.profile.plugins() if isinstance(p, DemandObserver)]
+        """The profile's plugins that are told the queue after every pass."""
 
     def due(self, now: float) -> bool:
         """True when a pass should run at ``now`` (the first call is always due)."""
