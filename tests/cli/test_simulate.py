@@ -77,6 +77,7 @@ def test_churn_mode(tmp_path: Path, small_trace: tuple[Path, Path]) -> None:
     (run,) = json.loads((out / "churn.json").read_text())["runs"]
     assert run["queue"] is True and 0 < run["time_avg_allocated_gpu_pct"] < 100
     assert run["reevaluations"] == 720 and run["lifetime_spec"] == "exponential:100"
+    assert run["reservations"] == 1  # the loop's queue discipline, the default
     assert (out / "churn_small_pods.png").is_file()
     assert "time-averaged GPU allocation" in result.output
 
@@ -91,6 +92,7 @@ def test_churn_mode(tmp_path: Path, small_trace: tuple[Path, Path]) -> None:
         (["--tune", "0"], "--tune must be in (0, 10]"),
         (["--arrivals", "poisson"], "expected poisson:RATE"),
         (["--arrivals", "poisson:1", "--lifetime", "lognormal:1"], "expected 2 number(s)"),
+        (["--arrivals", "poisson:1", "--queue", "--reservations", "-1"], "--reservations must be >= 0"),
     ],
 )
 def test_bad_options_are_clear_errors(

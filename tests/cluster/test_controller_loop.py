@@ -8,7 +8,7 @@ from pathlib import Path
 from octacloud.scheduler.actions.defragment import Move
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
-from octacloud.scheduler.loop import Evict, PassOperation, ReevaluationLoop, Start
+from octacloud.scheduler.loop import Evict, LoopSettings, PassOperation, ReevaluationLoop, Start
 from octacloud.scheduler.policies import build_profile
 from octacloud.sim.churn import ChurnSimulation, Pending
 from octacloud.sim.reevaluate import LoopHook
@@ -56,3 +56,46 @@ async def test_controller_and_simulator_decide_the_same_on_one_snapshot(tmp_path
     assert decided == [_key(op) for op in hook.last.operations]
     kinds = {k[0] for k in decided}
     assert {"evict", "start"} <= kinds or {"move", "start"} <= kinds  # the snapshot makes the pass do real work
+    held = [(res.request.name, res.node, res.cards) for res in cloud.reservations]
+    assert held == [(res.request.name, res.node, res.cards) for res in hook.last.reservations]
+
+
+async def test_controller_and_simulator_hold_the_same_reservation_and_admit_the_same(tmp_path: Path) -> None:
+    """A replica that fits nowhere (defragmentation off) reserves the same node in both worlds, and a later
+    request of no higher priority is refused the reserved card by both (the simulator's arrival admission is the
+    loop's, the controller's next pass is the loop's)."""
+    h = Harness(tmp_path)
+    h.controller.loop.settings = LoopSettings(defragment=False, preempt=False)
+    await fragment(h)
+    state = h.controller.scheduler.state
+    running = [(a.request, a.placement) for a in state]
+    h.deploy("big", octants=8)
+    await h.reconcile()
+    cloud = h.controller.reconciler.last
+    assert cloud is not None and cloud.placed == {}
+    (big,) = h.replicas("big")
+    request = h.controller.w.request(big, h.store.get_deployment("big"))
+
+    sim_state = ClusterState(h.nodes)
+    scheduler = Scheduler(sim_state, build_profile("bestfit", seed=0))
+    hook = LoopHook(ReevaluationLoop(scheduler, LoopSettings(defragment=False, preempt=False)))
+    sim = ChurnSimulation(scheduler, [], until=100.0, queue=True, hooks=[hook], admission=hook.loop.admit)
+    for r, placement in running:
+        scheduler.commit(r, placement)
+        sim.start_placed(r, 1000.0, since=0.0)
+    sim.pending.append(Pending(request, 100.0, 0.0))
+    hook(sim)
+    assert hook.last is not None
+    held = [(res.request.name, res.node, res.cards) for res in cloud.reservations]
+    assert held and held == [(res.request.name, res.node, res.cards) for res in hook.last.reservations]
+    node, cards = held[0][1], held[0][2]
+    # the half card left free on the reserved node is the holder's: neither world gives it to a later share
+    h.deploy("late", octants=4)
+    await h.reconcile()
+    (late,) = h.replicas("late")
+    late_request = h.controller.w.request(late, h.store.get_deployment("late"))
+    sim_decision = hook.loop.admit(late_request)
+    cloud_node = late.node if late.placed else None
+    sim_node = sim_decision.placement.node if sim_decision.placement is not None else None
+    assert cloud_node == sim_node and cloud_node is not None and cloud_node != h.nodes[node].name
+    assert sim_node is None or (h.nodes[node].name, cards) != (sim_node, sim_decision.placement.gpus)  # type: ignore[union-attr]

@@ -122,3 +122,112 @@ def test_reserve_plugins_follow_every_allocate_evict_and_undo() -> None:
         tx.allocate(req("w", 500), Placement("w", "a", (1,), 500))
         assert counting.matches(state)
     assert counting.matches(state) and "u" in state.allocations and "w" not in state.allocations  # rolled back
+
+
+# ---- the queue discipline: reservations and backfill --------------------------------------------------------
+
+
+def _fragmented() -> ClusterState:
+    """Node a: one card busy with a share, one free; node b: both cards busy with a share each."""
+    state = ClusterState([node("a", cpu=8000), node("b", cpu=8000)])
+    place(state, req("s1", 300), "a", (0,))
+    place(state, req("s2", 300), "b", (0,))
+    place(state, req("s3", 300), "b", (1,))
+    return state
+
+
+def test_the_head_that_fits_nowhere_reserves_the_node_where_it_fits_soonest() -> None:
+    state = _fragmented()
+    loop = _loop(state, defragment=False)
+    report = loop.run_pass(0.0, [req("big", 1000, cards=2, cpu=4000), req("small", 1000)])
+    (res,) = report.reservations
+    assert res.request.name == "big" and state.nodes[res.node].name == "a" and res.cards == (0, 1)
+    assert res.blockers(state) == ["s1"] and res.blocking == 1
+    assert report.placed == {} and [r.name for r in report.pending] == ["big", "small"]  # a's free card is held
+    check_invariants(state)
+
+
+def test_without_reservations_the_small_request_takes_the_freed_card() -> None:
+    state = _fragmented()
+    report = _loop(state, defragment=False, reservations=0).run_pass(
+        0.0, [req("big", 1000, cards=2, cpu=4000), req("small", 1000)]
+    )
+    assert list(report.placed) == ["small"] and report.reservations == []
+
+
+def test_backfill_may_use_what_the_reservation_does_not_need() -> None:
+    state = ClusterState([node("a", 4, cpu=8000)])
+    place(state, req("s1", 300, cpu=1000), "a", (0,))
+    place(state, req("s2", 600, cpu=1000), "a", (1,))
+    loop = _loop(state, defragment=False)
+    report = loop.run_pass(0.0, [req("big", 1000, cards=3, cpu=4000)])
+    (res,) = report.reservations
+    assert res.cards == (0, 2, 3)  # the free cards, then the busy card with the fewest blockers, least used
+    # spare CPU for others: 6000 free + s1's 1000 (it leaves before the holder starts) - the holder's 4000
+    assert loop.admit(req("too-hungry", 300, cpu=3001)).placement is None
+    fits = loop.admit(req("fits", 300, cpu=3000)).placement
+    assert fits is not None and fits.gpus == (1,)  # beside s2, never on a reserved card
+    assert loop.admit(req("whole", 1000, cpu=0)).placement is None  # only reserved cards are whole
+    assert loop.admit(req("vip", 1000, cpu=0, priority=5)).placement is not None  # outranks the holder
+    check_invariants(state)
+
+
+def test_the_holder_is_placed_when_its_blockers_leave_and_admissions_never_took_its_cards() -> None:
+    state = _fragmented()
+    scheduler_loop = _loop(state, defragment=False)
+    scheduler_loop.run_pass(0.0, [req("big", 1000, cards=2, cpu=4000)])
+    assert scheduler_loop.admit(req("small", 1000)).placement is None  # b is full; a's free card is reserved
+    state.release("s1")
+    assert scheduler_loop.admit(req("small", 1000)).placement is None  # both of a's cards are the holder's now
+    report = scheduler_loop.run_pass(5.0, [req("big", 1000, cards=2, cpu=4000), req("small", 1000)])
+    assert report.placed["big"].node == "a" and "small" not in report.placed  # nothing left for it
+    assert [(r.request.name, state.nodes[r.node].name) for r in report.reservations] == [("small", "b")]
+    check_invariants(state)
+
+
+def test_a_reservation_without_progress_is_chosen_again_and_one_whose_holder_left_is_dropped() -> None:
+    state = _fragmented()
+    loop = _loop(state, defragment=False, reservation_passes=2)
+    big = req("big", 1000, cards=2, cpu=4000)
+    first = loop.run_pass(0.0, [big]).reservations[0]
+    assert loop.run_pass(5.0, [big]).reservations[0].made == first.made
+    assert loop.run_pass(10.0, [big]).reservations[0].made == 2  # expired after 2 passes, made again
+    assert loop.run_pass(15.0, []).reservations == [] and loop.reserved == {}
+
+
+def test_a_higher_priority_arrival_ignores_a_lower_priority_reservation() -> None:
+    state = _fragmented()
+    loop = _loop(state, defragment=False)
+    loop.run_pass(0.0, [req("big", 1000, cards=2, cpu=4000)])
+    assert loop.admit(req("peer", 1000)).placement is None
+    assert loop.admit(req("vip", 1000, priority=1)).placement is not None
+
+
+def test_defragmentation_clears_the_reserved_node_all_or_nothing() -> None:
+    state = _fragmented()
+    loop = _loop(state)
+    report = loop.run_pass(0.0, [req("big", 1000, cards=2, cpu=4000)])
+    assert report.placed["big"].node == "a"
+    assert [(m.request.name, m.destination.node) for m in report.moves] == [("s1", "b")]
+    assert report.operations[-1].after == ("s1",)  # type: ignore[union-attr]
+    check_invariants(state)
+
+
+def test_defragmentation_leaves_a_reservation_whose_blocker_is_pinned_to_departures() -> None:
+    state = ClusterState([node("a", cpu=8000), node("b", cpu=8000)])
+    place(state, req("s1", 300, pinned=True), "a", (0,))
+    place(state, req("s2", 300, pinned=True), "b", (0,))
+    place(state, req("s3", 300), "b", (1,))
+    loop = _loop(state)
+    report = loop.run_pass(0.0, [req("big", 1000, cards=2, cpu=4000)])
+    assert report.placed == {} and report.moves == []
+    before = {a.request.name: a.placement for a in state}
+    assert loop.run_pass(5.0, [req("big", 1000, cards=2, cpu=4000)]).moves == []
+    assert {a.request.name: a.placement for a in state} == before
+
+
+def test_invalid_reservation_settings() -> None:
+    with pytest.raises(InvalidSpecError, match="reservations"):
+        LoopSettings(reservations=-1)
+    with pytest.raises(InvalidSpecError, match="reservation_passes"):
+        LoopSettings(reservation_passes=0)

@@ -9,7 +9,7 @@ import pytest
 from octacloud.core.errors import InvalidSpecError
 from octacloud.scheduler.fragmentation import TargetWorkload, WorkloadShape, node_fragmentation
 from octacloud.scheduler.framework import ClusterState, Scheduler
-from octacloud.scheduler.framework.api import CycleContext
+from octacloud.scheduler.framework.api import CycleContext, DemandObserver
 from octacloud.scheduler.plugins.octacloud import ConsolidatingFragmentation, filler_sizes
 from octacloud.scheduler.policies import build_profile
 from tests.scheduler.helpers import check_invariants, node, place, req
@@ -306,3 +306,19 @@ def test_whole_card_totals_follow_the_state_incrementally() -> None:
     state.release("x")
     plugin.whole_card_costs(state)
     assert plugin._copies_total == [2] and plugin._free_total == 16_000
+
+
+def test_eight_card_requests_waiting_in_the_queue_raise_the_cost_of_breaking_a_whole_node() -> None:
+    # 60 idle 8-card nodes for ~35 expected copies: negligible from the workload alone; 60 eight-card requests
+    # waiting in the loop's queue make breaking one of them cost almost its 8 cards (the live demand).
+    plenty = ClusterState([node(f"n{k}", 8, cpu=96_000) for k in range(60)])
+    requests = [req(f"w{k}", 1000) for k in range(56)] + [req(f"e{k}", 1000, 8, cpu=16_000) for k in range(10)]
+    plugin = ConsolidatingFragmentation(TargetWorkload.from_requests(requests), whole_cards=True)
+    assert isinstance(plugin, DemandObserver)
+    assert plugin.whole_card_costs(plenty) == ()
+    waiting = [req(f"q{k}", 1000, 8, cpu=16_000) for k in range(60)] + [req("one", 1000), req("share", 500)]
+    plugin.observe_queue(waiting)
+    (cost,) = plugin.whole_card_costs(plenty)
+    assert 0.9 * 8000 < cost <= 8000
+    plugin.observe_queue([req("one", 1000), req("other-models", 1000, 8, cpu=16_000, models=["V100"])])
+    assert plugin.whole_card_costs(plenty) == ()  # nothing of the class waits any more

@@ -76,6 +76,11 @@ def simulate(
     defrag: int = typer.Option(
         0, "--defrag", help="Churn: re-evaluate with the scheduler's loop, defragmenting with up to N moves per pass."
     ),
+    reservations: int = typer.Option(
+        1,
+        "--reservations",
+        help="Churn: queued requests that may each reserve the node where they fit soonest (0: plain greedy retry).",
+    ),
     gpu_memory: Path | None = typer.Option(
         None, "--gpu-memory", help="Card memory per model for the fleet: a CSV with model,gpu_memory_mib."
     ),
@@ -114,6 +119,8 @@ def simulate(
         else:
             if defrag < 0:
                 raise InvalidSpecError(f"--defrag: moves per pass must be >= 0, got {defrag}")
+            if reservations < 0:
+                raise InvalidSpecError(f"--reservations must be >= 0, got {reservations}")
             if defrag and not queue:
                 raise InvalidSpecError("--defrag needs --queue: defragmentation makes room for requests that wait")
             if duration <= 0 or not 0 <= warmup < duration or period <= 0:
@@ -124,7 +131,19 @@ def simulate(
             arrival_spec, lifetime_spec = parse_arrivals(arrivals), parse_lifetime(lifetime)
             churn_specs = [
                 ChurnSpec(
-                    fleet, t, p, s, arrival_spec, lifetime_spec, duration, queue, period, warmup, defrag, memory_table
+                    fleet,
+                    t,
+                    p,
+                    s,
+                    arrival_spec,
+                    lifetime_spec,
+                    duration,
+                    queue,
+                    period,
+                    warmup,
+                    defrag,
+                    memory_table,
+                    reservations,
                 )
                 for t in traces
                 for p in policies

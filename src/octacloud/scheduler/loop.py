@@ -2,34 +2,50 @@
 
 One pass over a :class:`ClusterState` (through its :class:`Scheduler`) and the pending requests:
 
-1. **place**: pending requests in order of priority (highest first), then arrival (the caller's order);
+1. **place**: pending requests in order of priority (highest first), then arrival (the caller's order). The first
+   ``reservations`` requests that fit nowhere (whole cards only) each *reserve* the node where they will fit
+   soonest (:mod:`octacloud.scheduler.actions.reservation`): later requests of no higher priority — in this pass,
+   and arrivals admitted between passes through :meth:`ReevaluationLoop.admit` — may *backfill* that node only
+   where they do not delay the reservation. A reservation lasts until its holder is placed or leaves the queue;
+   one that has not come closer (no replica left its cards) for ``reservation_passes`` passes is chosen again;
 2. **preempt**: a request still unplaced that outranks running work may evict the cheapest lower-priority set
    on one node (:func:`octacloud.scheduler.actions.preempt.preempt`); the victims join the pending list;
-3. **defragment**: a request still unplaced may move running replicas elsewhere
-   (:func:`octacloud.scheduler.actions.defragment.defragment`), within a budget of moves per pass.
+3. **defragment**: within a budget of moves per pass, a reservation's holder first has its reserved node cleared
+   (every replica on its cards moved elsewhere, all or nothing, then the holder placed there); another request
+   still unplaced may move running replicas elsewhere (:func:`octacloud.scheduler.actions.defragment.
+   defragment`), never onto or off a reserved node.
+
+After the pass the queue is handed to the profile's :class:`~octacloud.scheduler.framework.api.DemandObserver`
+plugins (the policy may weigh what waits).
 
 Within a pass, a request shape that failed a step is not retried at that step (fit is monotone while the pass
-only fills the cluster), which keeps a long queue of few shapes cheap. The caller owns the queue and the clock:
-the cloud's controller and the simulator's churn mode call :meth:`ReevaluationLoop.due` and :meth:`run_pass`.
+only fills the cluster and adds reservations), which keeps a long queue of few shapes cheap. The caller owns the
+queue and the clock: the cloud's controller and the simulator's churn mode call :meth:`ReevaluationLoop.due` and
+:meth:`run_pass`, and place new work between passes only through :meth:`ReevaluationLoop.admit` (the controller
+places nothing between passes: a new replica waits for the pass its creation wakes).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Placement, Request
-from octacloud.scheduler.actions.defragment import DEFAULT_MAX_MOVES, Move, defragment
+from octacloud.scheduler.actions.defragment import DEFAULT_MAX_MOVES, Move, defragment, move_off
 from octacloud.scheduler.actions.preempt import preempt
-from octacloud.scheduler.framework.runner import Scheduler
+from octacloud.scheduler.actions.reservation import Reservation, choose, conflicts
+from octacloud.scheduler.framework.api import DemandObserver
+from octacloud.scheduler.framework.runner import Decision, Scheduler
 from octacloud.scheduler.framework.state import Allocation
 
 DEFAULT_PERIOD = 5.0
 """Seconds between passes (the design's loop)."""
 DEFAULT_MOVES_PER_PASS = 16
 DEFAULT_DEFRAG_ATTEMPTS = 4
+DEFAULT_RESERVATIONS = 1
+DEFAULT_RESERVATION_PASSES = 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +60,11 @@ class LoopSettings:
     """Pending requests (of distinct shapes) defragmentation may try per pass: bounds a pass's cost."""
     allow_pinned: bool = False
     """Whether preemption and defragmentation may touch pinned work."""
+    reservations: int = DEFAULT_RESERVATIONS
+    """Pending requests (oldest of the highest priority first) that may each hold a reservation (0: none, the
+    plain greedy discipline: whatever fits is placed, in queue order)."""
+    reservation_passes: int = DEFAULT_RESERVATION_PASSES
+    """Passes a reservation lasts without coming closer (no blocker left its cards) before it is chosen again."""
 
     def __post_init__(self) -> None:
         if not self.period > 0:
@@ -53,6 +74,11 @@ class LoopSettings:
         if self.moves_per_pass < 0 or self.moves_per_request < 0:
             raise InvalidSpecError(
                 f"loop: move budgets must be >= 0, got {self.moves_per_pass} per pass, {self.moves_per_request} each"
+            )
+        if self.reservations < 0 or self.reservation_passes < 1:
+            raise InvalidSpecError(
+                f"loop: need reservations >= 0 and reservation_passes >= 1, got {self.reservations} and "
+                f"{self.reservation_passes}"
             )
 
 
@@ -92,6 +118,8 @@ class PassReport:
     """Wall time the pass took (measured with the injected timer)."""
     operations: list[PassOperation] = field(default_factory=list)
     """What the caller carries out, in order (see the module's docstring)."""
+    reservations: list[Reservation] = field(default_factory=list)
+    """Reservations held after the pass, in the holders' queue order."""
 
 
 def _shape(r: Request) -> tuple[object, ...]:
@@ -114,6 +142,10 @@ class ReevaluationLoop:
         self._next: float | None = None
         self.passes = 0
         self.total_moves = 0
+        self.reserved: dict[str, Reservation] = {}
+        """Pending request name → its reservation (kept across passes)."""
+        self._observers = [p for p in scheduler.profile.plugins() if isinstance(p, DemandObserver)]
+        """The profile's plugins that are told the queue after every pass."""
 
     def due(self, now: float) -> bool:
         """True when a pass should run at ``now`` (the first call is always due)."""
@@ -125,29 +157,107 @@ class ReevaluationLoop:
         s = self.settings
         report = PassReport(now)
         queue = sorted(pending, key=lambda r: -r.priority)  # stable: arrival order within a priority
+        self._expire(queue)
         failed: set[tuple[object, ...]] = set()
         waiting: list[Request] = []
         for r in queue:
-            if _shape(r) in failed:
-                waiting.append(r)
-                continue
-            decision = self.scheduler.schedule(r)
-            if decision.placement is None:
-                failed.add(_shape(r))
+            own = self.reserved.get(r.name)
+            decision = None if own is None and _shape(r) in failed else self._place(r)
+            if decision is None or decision.placement is None:
+                if own is None:
+                    failed.add(_shape(r))
+                    if len(self.reserved) < s.reservations:
+                        self._reserve(r)
                 waiting.append(r)
             else:
+                self.reserved.pop(r.name, None)
                 report.placed[r.name] = decision.placement
                 report.operations.append(Start(decision.request, decision.placement))
         if s.preempt and waiting:
             waiting = self._preempt(waiting, report)
         if s.defragment and waiting and s.moves_per_pass > 0:
             waiting = self._defragment(waiting, report)
+        for name in report.placed:
+            self.reserved.pop(name, None)
         report.pending = waiting
+        for plugin in self._observers:
+            plugin.observe_queue(waiting)
+        report.reservations = [self.reserved[r.name] for r in waiting if r.name in self.reserved]
         report.seconds = self._timer() - started
         self.passes += 1
         self.total_moves += len(report.moves)
         self._next = now + s.period
         return report
+
+    def admit(self, request: Request) -> Decision:
+        """Place ``request`` now if it fits without delaying a reservation of equal or higher priority (an
+        arrival between passes); committed to the state when placed. Unplaced, it waits for the next pass."""
+        return self._place(request)
+
+    # ---- reservations ----------------------------------------------------------------------------------
+
+    def _expire(self, queue: Sequence[Request]) -> None:
+        """Drop reservations whose holder left the queue or changed, whose node is unusable, or that made no
+        progress for ``reservation_passes`` passes; note progress (fewer blockers) on the others."""
+        by_name = {r.name: r for r in queue}
+        state, limit = self.scheduler.state, self.settings.reservation_passes
+        for name, res in list(self.reserved.items()):
+            r = by_name.get(name)
+            if r is None or _shape(r) != _shape(res.request) or not state.node_usable[res.node]:
+                del self.reserved[name]
+                continue
+            blocking = len(res.blockers(state))
+            if blocking < res.blocking:
+                self.reserved[name] = replace(res, made=self.passes, blocking=blocking)
+            elif self.passes - res.made >= limit:
+                del self.reserved[name]
+
+    def _reserve(self, request: Request) -> None:
+        taken = {res.node for res in self.reserved.values()}
+        allow_pinned = self.settings.allow_pinned
+
+        def movable(a: Allocation) -> bool:
+            return (allow_pinned or not a.request.pinned) and a.request.priority <= request.priority
+
+        s = self.settings
+        res = choose(
+            self.scheduler.state,
+            request,
+            made=self.passes,
+            taken=taken,
+            movable=movable,
+            rank=self.scheduler.tie_rank,
+            moves=s.defragment and s.moves_per_pass > 0,
+        )
+        if res is not None:
+            self.reserved[request.name] = res
+
+    def _place(self, request: Request) -> Decision:
+        """Decide and commit ``request``: on its own reserved node first, elsewhere only where it delays no
+        reservation of equal or higher priority held by another request."""
+        scheduler, state = self.scheduler, self.scheduler.state
+        own = self.reserved.get(request.name)
+        if own is not None:
+            decision = scheduler.decide(request, [own.node])
+            if decision.placement is not None:
+                scheduler.commit(decision.request, decision.placement)
+                return decision
+        guarded = {
+            res.node: res
+            for name, res in self.reserved.items()
+            if name != request.name and res.request.priority >= request.priority
+        }
+        exclude: set[int] = set()
+        while True:
+            decision = scheduler.decide(request, exclude=exclude)
+            if decision.placement is None:
+                return decision
+            i = state.node_index(decision.placement.node)
+            res = guarded.get(i)
+            if res is None or not conflicts(state, res, decision.request, decision.placement):
+                scheduler.commit(decision.request, decision.placement)
+                return decision
+            exclude.add(i)
 
     def _preempt(self, waiting: list[Request], report: PassReport) -> list[Request]:
         lowest = min((a.request.priority for a in self.scheduler.state), default=None)
@@ -172,17 +282,35 @@ class ReevaluationLoop:
         return sorted([*still, *victims], key=lambda r: -r.priority)
 
     def _defragment(self, waiting: list[Request], report: PassReport) -> list[Request]:
+        """Serve the queue by moves: first clear each reserved node for its holder (queue order), then plan a
+        room for other pending requests (:func:`defragment`), all within the pass's move budget."""
         s = self.settings
         budget, attempts = s.moves_per_pass, s.defrag_attempts
+        cleared: list[Request] = []
+        for r in waiting:
+            res = self.reserved.get(r.name)
+            if res is None or budget <= 0 or attempts <= 0:
+                cleared.append(r)
+                continue
+            attempts -= 1
+            used = self._clear(r, res, min(budget, s.moves_per_request), report)
+            budget -= used
+            if r.name not in report.placed:
+                cleared.append(r)
         still: list[Request] = []
         failed: set[tuple[object, ...]] = set()
-        for r in waiting:
-            if budget <= 0 or attempts <= 0 or _shape(r) in failed:
+        avoid = {res.node for res in self.reserved.values()}
+        for r in cleared:
+            if budget <= 0 or attempts <= 0 or _shape(r) in failed or r.name in self.reserved:
                 still.append(r)
                 continue
             attempts -= 1
             outcome = defragment(
-                self.scheduler, r, max_moves=min(budget, s.moves_per_request), allow_pinned=s.allow_pinned
+                self.scheduler,
+                r,
+                max_moves=min(budget, s.moves_per_request),
+                allow_pinned=s.allow_pinned,
+                avoid=avoid,
             )
             if outcome is None:
                 failed.add(_shape(r))
@@ -195,3 +323,35 @@ class ReevaluationLoop:
             report.operations.append(Start(outcome.request, outcome.placement, after))
             budget -= len(outcome.moves)
         return still
+
+    def _clear(self, holder: Request, res: Reservation, budget: int, report: PassReport) -> int:
+        """Move every blocker off ``res``'s cards (smallest first, each to where the profile would place it off
+        every reserved node) and place ``holder`` there, all or nothing within ``budget`` moves. Only when every
+        blocker may be moved (pinning, priority): a reservation some blocker keeps is left to departures, and
+        one with more blockers than the budget waits until departures leave few enough. Returns the moves made."""
+        scheduler, state = self.scheduler, self.scheduler.state
+        allow_pinned = self.settings.allow_pinned
+        blockers = [state.allocations[name] for name in res.blockers(state)]
+        if not blockers or len(blockers) > budget:
+            return 0
+        if any((a.request.pinned and not allow_pinned) or a.request.priority > holder.priority for a in blockers):
+            return 0
+        avoid = {r.node for r in self.reserved.values()}
+        moved: list[Move] = []
+        with scheduler.transaction() as tx:
+            for a in sorted(blockers, key=lambda a: (a.request.total_gpu_milli, a.request.cpu_milli, a.request.name)):
+                move = move_off(scheduler, tx, a, avoid)
+                if move is None:
+                    return 0  # the context manager rolls every move back
+                moved.append(move)
+            decision = scheduler.decide(holder, [res.node])
+            if decision.placement is None:
+                return 0
+            tx.allocate(decision.request, decision.placement)
+            tx.commit()
+        report.moves.extend(moved)
+        report.operations.extend(moved)
+        report.placed[holder.name] = decision.placement
+        report.operations.append(Start(decision.request, decision.placement, tuple(m.request.name for m in moved)))
+        del self.reserved[holder.name]
+        return len(moved)

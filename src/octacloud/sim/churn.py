@@ -4,8 +4,10 @@ An event queue (a heap ordered by time, then kind, then sequence) drives a :clas
 injected :class:`~octacloud.core.clock.ManualClock`. At equal times departures go first (they free capacity),
 then re-evaluation ticks, then arrivals. Nothing reads the wall clock except the decision timer.
 
-* An arrival is placed at once when it fits. Otherwise it fails for good, or, with ``queue=True``, waits in
-  :attr:`ChurnSimulation.pending` (FIFO) for a re-evaluation to place it.
+* An arrival is placed at once when it fits (through ``admission`` when given: the re-evaluation loop's
+  :meth:`~octacloud.scheduler.loop.ReevaluationLoop.admit`, which keeps the queue's reservations). Otherwise it
+  fails for good, or, with ``queue=True``, waits in :attr:`ChurnSimulation.pending` (FIFO) for a re-evaluation
+  to place it.
 * A placed request departs ``lifetime`` seconds after it started. Departures are keyed by request name (not by
   node), so a re-evaluation may *move* running work (defragmentation) through a
   :class:`~octacloud.scheduler.framework.Transaction` without telling the loop; :meth:`ChurnSimulation.evict`
@@ -23,13 +25,13 @@ import enum
 import heapq
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from octacloud.core.clock import ManualClock
 from octacloud.core.model import Request
-from octacloud.scheduler.framework import Scheduler
+from octacloud.scheduler.framework import Decision, Scheduler
 from octacloud.sim.synthetic import Arrival
 
 
@@ -220,6 +222,7 @@ class ChurnSimulation:
         period: float = 5.0,
         hooks: Sequence[ReevaluationHook] | None = None,
         warmup: float = 0.0,
+        admission: Callable[[Request], Decision] | None = None,
     ) -> None:
         if until <= 0:
             raise ValueError(f"until must be > 0 simulated seconds, got {until}")
@@ -229,6 +232,8 @@ class ChurnSimulation:
             raise ValueError(f"the re-evaluation period must be > 0 seconds, got {period}")
         self.scheduler = scheduler
         self.state = scheduler.state
+        self.admission: Callable[[Request], Decision] = admission if admission is not None else scheduler.schedule
+        """Places (and commits) an arrival or a retried request, or says it fits nowhere now."""
         self.clock = clock if clock is not None else ManualClock()
         self.queue = queue
         self.period = period
@@ -260,9 +265,9 @@ class ChurnSimulation:
         return self.clock.monotonic()
 
     def try_place(self, request: Request, lifetime: float, *, since: float | None = None) -> bool:
-        """Ask the scheduler to place ``request`` now; on success it runs for ``lifetime`` seconds."""
+        """Ask :attr:`admission` to place ``request`` now; on success it runs for ``lifetime`` seconds."""
         started = time.perf_counter()
-        decision = self.scheduler.schedule(request)
+        decision = self.admission(request)
         self._decision_seconds += time.perf_counter() - started
         self._decisions += 1
         if decision.placement is None:

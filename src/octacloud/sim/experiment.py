@@ -24,7 +24,7 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node, Request
 from octacloud.scheduler.fragmentation import FragmentationTracker, TargetWorkload
 from octacloud.scheduler.framework import ClusterState, Decision, Scheduler
-from octacloud.scheduler.loop import LoopSettings, ReevaluationLoop
+from octacloud.scheduler.loop import DEFAULT_RESERVATIONS, LoopSettings, ReevaluationLoop
 from octacloud.scheduler.policies import POLICY_IDS, build_profile, policy_names
 from octacloud.sim.bound import arrived_prefix, packing_bound
 from octacloud.sim.churn import ChurnReport, ChurnSimulation, ReevaluationHook
@@ -312,8 +312,10 @@ class ChurnSpec:
     period: float = 5.0
     warmup: float = 0.0
     defrag_moves: int = 0
-    """Re-evaluate with the scheduler's loop, defragmenting with up to this many moves per pass (0: plain retry)."""
+    """Defragment with up to this many moves per pass (0: none)."""
     gpu_memory: Path | None = None
+    reservations: int = DEFAULT_RESERVATIONS
+    """Queued requests that may hold a reservation (the loop's queue discipline; 0: plain greedy retry)."""
 
     @property
     def workload(self) -> str:
@@ -342,6 +344,7 @@ class ChurnResult:
             "queue": self.spec.queue,
             "period": self.spec.period,
             "defrag_moves_per_pass": self.spec.defrag_moves,
+            "reservations": self.spec.reservations,
             "offered_load_pct": round(self.offered_load_pct, 2),
             **self.report.as_dict(),
             "moves": self.moves,
@@ -362,8 +365,13 @@ def run_churn(spec: ChurnSpec, hooks: Sequence[ReevaluationHook] | None = None) 
     scheduler = Scheduler(state, build_profile(spec.policy, seed=spec.seed, workload=workload))
     arrivals = synthetic_arrivals(shapes, spec.arrivals, spec.lifetime, seed=spec.seed, until=spec.duration)
     loop_hook: LoopHook | None = None
-    if spec.defrag_moves > 0 and hooks is None:
-        settings = LoopSettings(period=spec.period, moves_per_pass=spec.defrag_moves)
+    if spec.queue and hooks is None:  # the queue is the loop's: the same discipline as the cloud's controller
+        settings = LoopSettings(
+            period=spec.period,
+            defragment=spec.defrag_moves > 0,
+            moves_per_pass=spec.defrag_moves,
+            reservations=spec.reservations,
+        )
         loop_hook = LoopHook(ReevaluationLoop(scheduler, settings))
         hooks = [loop_hook]
     simulation = ChurnSimulation(
@@ -375,6 +383,7 @@ def run_churn(spec: ChurnSpec, hooks: Sequence[ReevaluationHook] | None = None) 
         period=spec.period,
         hooks=hooks,
         warmup=spec.warmup,
+        admission=loop_hook.loop.admit if loop_hook is not None else None,
     )
     report = simulation.run()
     load = offered_load(shapes, spec.arrivals, spec.lifetime, state.total_gpu_milli)

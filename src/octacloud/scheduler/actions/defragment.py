@@ -16,7 +16,7 @@ if the request is then placed, otherwise the state is rolled back exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import combinations, islice
 
@@ -64,11 +64,14 @@ def defragment(
     allow_higher_priority: bool = False,
     max_targets: int = DEFAULT_MAX_TARGETS,
     max_sets_per_target: int = DEFAULT_MAX_SETS_PER_TARGET,
+    avoid: Collection[int] = (),
 ) -> Defragmentation | None:
     """Place ``request`` by moving at most ``max_moves`` replicas; ``None`` (state unchanged) when no plan works.
 
-    A request that fits without moving anything is placed directly (no moves).
+    A request that fits without moving anything is placed directly (no moves). Nodes in ``avoid`` (indices: the
+    loop's reserved nodes) are neither targets nor destinations.
     """
+    avoid = frozenset(avoid)
     if max_moves < 0:
         raise InvalidSpecError(f"defragment: max_moves must be >= 0, got {max_moves}")
     state = scheduler.state
@@ -86,7 +89,7 @@ def defragment(
         return (allow_pinned or not r.pinned) and (allow_higher_priority or r.priority <= request.priority)
 
     best: tuple[tuple[int, int, int], int, tuple[Allocation, ...]] | None = None
-    for target in _targets(state, request, movable, max_targets, scheduler.node_classes):
+    for target in _targets(state, request, movable, max_targets, scheduler.node_classes, avoid):
         movers = sorted(
             (a for a in state.on_node[target].values() if movable(a)),
             key=lambda a: (a.request.total_gpu_milli, a.request.cpu_milli, a.request.name),
@@ -94,7 +97,7 @@ def defragment(
         for k in range(1, min(max_moves, len(movers)) + 1):
             if best is not None and k > best[0][0]:
                 break
-            found = _first_working_set(scheduler, request, target, movers, k, max_sets_per_target)
+            found = _first_working_set(scheduler, request, target, movers, k, max_sets_per_target, avoid)
             if found is not None:
                 cost = (k, sum(a.request.total_gpu_milli for a in found), scheduler.tie_rank[target])
                 if best is None or cost < best[0]:
@@ -104,7 +107,7 @@ def defragment(
         return None
     _cost, target, movers_found = best
     with scheduler.transaction() as tx:
-        moves = _apply_moves(scheduler, tx, movers_found, target)
+        moves = _apply_moves(scheduler, tx, movers_found, target, avoid)
         decision = scheduler.decide(request, [target]) if moves is not None else None
         if moves is None or decision is None or decision.placement is None:
             return None  # the context manager rolls back
@@ -114,7 +117,12 @@ def defragment(
 
 
 def _targets(
-    state: ClusterState, request: Request, movable: object, limit: int, classes: NodeClasses | None = None
+    state: ClusterState,
+    request: Request,
+    movable: object,
+    limit: int,
+    classes: NodeClasses | None = None,
+    avoid: Collection[int] = (),
 ) -> list[int]:
     """Usable nodes whose capacity could host ``request`` once their movable replicas left, least missing first."""
     assert callable(movable)
@@ -126,7 +134,7 @@ def _targets(
         if len(out) >= limit:
             break
         node = state.nodes[i]
-        if not state.node_usable[i] or node.gpu_count < request.num_gpu:
+        if not state.node_usable[i] or node.gpu_count < request.num_gpu or i in avoid:
             continue
         if request.num_gpu and not any(request.allows_model(g.model) for g in node.gpus):
             continue
@@ -161,12 +169,18 @@ def _by_missing_per_class(state: ClusterState, request: Request, classes: NodeCl
 
 
 def _first_working_set(
-    scheduler: Scheduler, request: Request, target: int, movers: Sequence[Allocation], k: int, limit: int
+    scheduler: Scheduler,
+    request: Request,
+    target: int,
+    movers: Sequence[Allocation],
+    k: int,
+    limit: int,
+    avoid: Collection[int] = (),
 ) -> tuple[Allocation, ...] | None:
     """The first set of ``k`` movers (in order) whose moves all succeed and after which ``request`` fits."""
     for chosen in islice(combinations(movers, k), limit):
         with scheduler.transaction() as tx:
-            if _apply_moves(scheduler, tx, chosen, target) is None:
+            if _apply_moves(scheduler, tx, chosen, target, avoid) is None:
                 continue
             if scheduler.decide(request, [target]).placement is not None:
                 return chosen
@@ -174,19 +188,31 @@ def _first_working_set(
     return None
 
 
-def _apply_moves(scheduler: Scheduler, tx: Transaction, movers: Sequence[Allocation], target: int) -> list[Move] | None:
+def _apply_moves(
+    scheduler: Scheduler, tx: Transaction, movers: Sequence[Allocation], target: int, avoid: Collection[int] = ()
+) -> list[Move] | None:
     """Move each of ``movers`` off ``target``, make-before-break, inside ``tx``; ``None`` if one has no home."""
     moves: list[Move] = []
+    exclude = {target, *avoid}
     for allocation in movers:
-        replica = allocation.request
-        shadow = replace(replica, name=replica.name + SHADOW_SUFFIX)
-        decision = scheduler.decide(shadow, exclude=(target,))
-        if decision.placement is None:
+        move = move_off(scheduler, tx, allocation, exclude)
+        if move is None:
             return None
-        tx.allocate(decision.request, decision.placement)  # reserve the destination: make ...
-        source = tx.evict(replica.name).placement  # ... before break
-        tx.evict(shadow.name)
-        placement = replace(decision.placement, request=replica.name)
-        tx.allocate(replica, placement)
-        moves.append(Move(replica, source, placement))
+        moves.append(move)
     return moves
+
+
+def move_off(scheduler: Scheduler, tx: Transaction, allocation: Allocation, exclude: Collection[int]) -> Move | None:
+    """Move one replica, make-before-break inside ``tx``, to where the scheduler's profile would place it outside
+    the nodes ``exclude`` (indices; its own node must be among them); ``None`` (nothing done) if it has no home."""
+    replica = allocation.request
+    shadow = replace(replica, name=replica.name + SHADOW_SUFFIX)
+    decision = scheduler.decide(shadow, exclude=exclude)
+    if decision.placement is None:
+        return None
+    tx.allocate(decision.request, decision.placement)  # reserve the destination: make ...
+    source = tx.evict(replica.name).placement  # ... before break
+    tx.evict(shadow.name)
+    placement = replace(decision.placement, request=replica.name)
+    tx.allocate(replica, placement)
+    return Move(replica, source, placement)

@@ -131,6 +131,14 @@ class ReservePlugin(Plugin, Protocol):
     def unreserve(self, ctx: CycleContext, node: int, cards: tuple[int, ...]) -> None: ...
 
 
+@runtime_checkable
+class DemandObserver(Plugin, Protocol):
+    """Told the live demand: the requests waiting in the re-evaluation loop's queue, after every pass (a policy
+    may weigh what waits, not only the workload it was built with)."""
+
+    def observe_queue(self, pending: Sequence[Request]) -> None: ...
+
+
 def min_max_normalize(scores: list[float]) -> list[float]:
     """Map scores linearly onto 0..100 (all equal → all 100). The usual normaliser for raw quantities."""
     if not scores:

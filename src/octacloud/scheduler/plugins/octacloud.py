@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from octacloud.core.errors import InvalidSpecError
+from octacloud.core.model import Request
 from octacloud.core.units import MILLI_PER_GPU
 from octacloud.scheduler.fragmentation import FragmentationModel, TargetWorkload, compile_workload
 from octacloud.scheduler.framework.api import MAX_NODE_SCORE, CycleContext
@@ -90,6 +91,8 @@ class ConsolidatingFragmentation:
     _copies_seen: list[int] = field(default_factory=list, init=False)
     _copies_node: list[tuple[int, ...]] = field(default_factory=list, init=False)
     _copies_total: list[int] = field(default_factory=list, init=False)
+    _waiting: list[int] = field(default_factory=list, init=False)
+    """Milli-GPU of each multi-card class waiting in the loop's queue (:meth:`observe_queue`)."""
     _free_node: list[int] = field(default_factory=list, init=False)
     _free_total: int = field(default=0, init=False)
     _dead: dict[int, int] = field(default_factory=dict, init=False)
@@ -111,6 +114,7 @@ class ConsolidatingFragmentation:
         self._share_sizes = filler_sizes(self.workload)
         self._restricted = self.workload.restricted_demand if self.scarcity else ()
         self._multi = self.workload.multi_demand if self.whole_cards else ()
+        self._waiting = [0] * len(self._multi)
 
     # ---- score -----------------------------------------------------------------------------------------
 
@@ -244,6 +248,23 @@ class ConsolidatingFragmentation:
             self._copies_cache[sig] = value
         return value
 
+    def observe_queue(self, pending: Sequence[Request]) -> None:
+        """Record the multi-card demand that waits: each queued request of two or more whole cards counts toward
+        its class (the class of the same cards and models with the nearest CPU request) in ``M``'s mean."""
+        waiting = [0] * len(self._multi)
+        for r in pending:
+            if r.num_gpu < 2 or r.gpu_milli < MILLI_PER_GPU:
+                continue
+            best: tuple[int, int] | None = None
+            for k, (cards, cpu_milli, models, _mib, _share) in enumerate(self._multi):
+                if cards == r.num_gpu and models == r.gpu_models:
+                    d = abs(cpu_milli - r.cpu_milli)
+                    if best is None or d < best[0]:
+                        best = (d, k)
+            if best is not None:
+                waiting[best[1]] += r.num_gpu * MILLI_PER_GPU
+        self._waiting = waiting
+
     def _lost(self, before: NodeSignature, after: NodeSignature) -> tuple[int, ...]:
         if not self._multi:
             return ()
@@ -254,8 +275,9 @@ class ConsolidatingFragmentation:
         ``()`` while every chance is negligible.
 
         As for ``R``, the requests to come are taken to ask for what is free now, drawn from the workload: class
-        ``k`` (``cards`` whole cards on one node, its CPU and memory) asks for ``μ_k = q_k · free`` milli-GPU
-        (``q_k``: its share of the GPU demand), with ``σ²_k = μ_k · cards · 1000``; the cluster can host ``C_k``
+        ``k`` (``cards`` whole cards on one node, its CPU and memory) asks for ``μ_k = q_k · free + w_k`` milli-GPU
+        (``q_k``: its share of the GPU demand; ``w_k``: what of the class waits in the loop's queue, the live
+        demand, :meth:`observe_queue`), with ``σ²_k = μ_k · cards · 1000``; the cluster can host ``C_k``
         milli-GPU of it (the copies that nodes' whole free cards, CPU and memory still take, × cards × 1000). A
         placement that removes a copy risks one request of the class with chance ``Φ((μ_k − C_k) / σ_k)``; that
         request fails and leaves its cards' worth idle. Totals are kept per node and updated only on the nodes
@@ -264,9 +286,10 @@ class ConsolidatingFragmentation:
         self._track(state)
         costs: list[float] = []
         total = float(self._free_total)
-        for (cards, _cpu, _models, _mib, share), hosted in zip(self._multi, self._copies_total, strict=True):
+        multi = zip(self._multi, self._copies_total, self._waiting, strict=True)
+        for (cards, _cpu, _models, _mib, share), hosted, waiting in multi:
             size = cards * MILLI_PER_GPU
-            mean = share * total
+            mean = share * total + waiting
             chance = 0.0
             if mean > 0:
                 chance = 0.5 * math.erfc((hosted * size - mean) / (math.sqrt(2.0 * mean * size)))

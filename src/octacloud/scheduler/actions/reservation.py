@@ -1,0 +1,135 @@
+"""Reservations: the head of the queue holds the node where it will fit soonest (backfilling with a reservation).
+
+Without them a queue served oldest-first once per pass loses to whatever is placed in between: every card a
+departure frees is taken by the next small request before the pass reaches the multi-card request at the head,
+which then waits for ever. A :class:`Reservation` names, for one pending request that fits nowhere, a node and
+the cards it will take there once the replicas on those cards (its *blockers*) have left. Other requests of no
+higher priority may still use that node — *backfill* — but only where they do not delay the reservation:
+
+* never one of the reserved cards;
+* only the CPU and memory that stay spare for the holder: after the backfill, what is free plus what the blockers
+  hold must still cover the holder's request (:func:`conflicts`).
+
+The node chosen (:func:`choose`) is the one where the holder will fit soonest without knowing lifetimes: the
+fewest blockers that the loop may not move (pinned, higher priority), then (when the loop defragments) the least
+GPU held by whole-card blockers, then the fewest blockers, then the least GPU they hold, then the scheduler's
+node order. With memoryless departures the expected wait grows with the
+number of blockers; with defragmentation the blockers are exactly the replicas to move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from octacloud.core.model import Placement, Request
+from octacloud.core.units import MILLI_PER_GPU
+from octacloud.scheduler.framework.state import ClusterState
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """``request`` (pending) holds ``cards`` of node ``node`` (an index); ``blocking`` replicas were still on
+    them at pass ``made`` (when it was made, or last came closer: a blocker left)."""
+
+    request: Request
+    node: int
+    cards: tuple[int, ...]
+    made: int
+    blocking: int
+
+    def blockers(self, state: ClusterState) -> list[str]:
+        """Names of the replicas on the reserved cards (they must leave before the holder fits)."""
+        cards = set(self.cards)
+        return [name for name, a in state.on_node[self.node].items() if cards.intersection(a.placement.gpus)]
+
+    def fits_now(self, state: ClusterState) -> bool:
+        """True when every reserved card is whole and free and the node's CPU and memory cover the holder."""
+        r = self.request
+        free = state.free_gpu[self.node]
+        mem = state.free_gpu_memory[self.node]
+        return (
+            state.node_usable[self.node]
+            and all(free[g] == MILLI_PER_GPU and mem[g] >= r.gpu_memory_mib for g in self.cards)
+            and state.free_cpu[self.node] >= r.cpu_milli
+            and state.free_memory[self.node] >= r.memory_mib
+        )
+
+
+def _spare(state: ClusterState, reservation: Reservation) -> tuple[int, int]:
+    """(CPU milli, memory MiB) that the node can give away and still host the holder once its blockers left."""
+    cards = set(reservation.cards)
+    cpu, mem = state.free_cpu[reservation.node], state.free_memory[reservation.node]
+    for a in state.on_node[reservation.node].values():
+        if cards.intersection(a.placement.gpus):
+            cpu += a.request.cpu_milli
+            mem += a.request.memory_mib
+    return cpu - reservation.request.cpu_milli, mem - reservation.request.memory_mib
+
+
+def conflicts(state: ClusterState, reservation: Reservation, request: Request, placement: Placement) -> bool:
+    """True when placing ``request`` at ``placement`` (on the reserved node) would delay the reservation."""
+    if set(placement.gpus).intersection(reservation.cards):
+        return True
+    cpu, mem = _spare(state, reservation)
+    return request.cpu_milli > cpu or request.memory_mib > mem
+
+
+def choose(
+    state: ClusterState,
+    request: Request,
+    *,
+    made: int,
+    taken: Collection[int],
+    movable: object,
+    rank: list[int],
+    moves: bool = False,
+) -> Reservation | None:
+    """The reservation for pending ``request`` on the node, not in ``taken``, where it will fit soonest.
+
+    ``movable(allocation)`` tells whether the loop may move a replica (it is then a cheaper blocker: it leaves by
+    defragmentation as well as by departure). With ``moves`` (the loop defragments) the blockers that hold whole
+    cards count first: a share moves into a fragment elsewhere, while a whole-card blocker needs whole free cards
+    that the queue is short of. Only nodes where the holder fits once the replicas on its cards
+    left are candidates (the CPU and memory of other replicas are not counted on). ``None`` when there is none,
+    or for a request that takes no whole card (a share or a CPU-only request fits in what any departure frees).
+    """
+    assert callable(movable)
+    n = request.num_gpu
+    if n == 0 or (n == 1 and request.gpu_milli < MILLI_PER_GPU):
+        return None
+    best: tuple[tuple[int, int, int, int, int], int, tuple[int, ...]] | None = None
+    for i, node in enumerate(state.nodes):
+        if i in taken or not state.node_usable[i] or node.gpu_count < n:
+            continue
+        if node.cpu_milli < request.cpu_milli or node.memory_mib < request.memory_mib:
+            continue
+        per_card: dict[int, list[str]] = {}
+        allocations = state.on_node[i]
+        for name, a in allocations.items():
+            for g in a.placement.gpus:
+                per_card.setdefault(g, []).append(name)
+        cards = [
+            g
+            for g, gpu in enumerate(node.gpus)
+            if state.card_usable(i, g) and request.allows_model(gpu.model) and gpu.memory_mib >= request.gpu_memory_mib
+        ]
+        if len(cards) < n:
+            continue
+        free = state.free_gpu[i]
+        cards.sort(key=lambda g: (len(per_card.get(g, ())), MILLI_PER_GPU - free[g], g))
+        chosen = tuple(sorted(cards[:n]))
+        blockers = {name for g in chosen for name in per_card.get(g, ())}
+        cpu = state.free_cpu[i] + sum(allocations[b].request.cpu_milli for b in blockers)
+        mem = state.free_memory[i] + sum(allocations[b].request.memory_mib for b in blockers)
+        if cpu < request.cpu_milli or mem < request.memory_mib:
+            continue
+        fixed = sum(1 for b in blockers if not movable(allocations[b]))
+        held = sum(allocations[b].request.total_gpu_milli for b in blockers)
+        whole = sum(allocations[b].request.total_gpu_milli for b in blockers if not allocations[b].request.is_sharing)
+        cost = (fixed, whole if moves else 0, len(blockers), held, rank[i])
+        if best is None or cost < best[0]:
+            best = (cost, i, chosen)
+    if best is None:
+        return None
+    return Reservation(request, best[1], best[2], made, best[0][2])
