@@ -239,9 +239,8 @@ def measure(
         profile.parent.mkdir(parents=True, exist_ok=True)
         spy = subprocess.Popen(
             [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
-             str(pids["gateway"]), "--rate", "200", "--format", "raw", "--nonblocking", "--native", "--output",
-             str(profile)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+             str(pids["gateway"]), "--rate", "200", "--format", "raw", "--native", "--output", str(profile)],
+            stdout=subprocess.DEVNULL, stderr=profile.with_suffix(".log").open("w"),
         )  # fmt: skip
     load = os.getloadavg()[0]
     cpu0 = {k: cpu_s(p) for k, p in pids.items()}

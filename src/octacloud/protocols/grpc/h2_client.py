@@ -26,6 +26,8 @@ from urllib.parse import unquote
 import grpc
 import hpack
 
+from octacloud.protocols.grpc.h2 import _OK_TRAILERS as _OK_TRAILERS
+from octacloud.protocols.grpc.h2 import _RESPONSE_HEADERS as _RESPONSE_HEADERS
 from octacloud.protocols.grpc.h2 import (
     ACK,
     CANCEL,
@@ -65,6 +67,7 @@ _HTTP_CODES = {
 }  # gRPC's HTTP-to-status mapping, for an answer that is not gRPC
 _OMITTED = frozenset({"grpc-status", "grpc-message", "content-type", "grpc-encoding", "grpc-accept-encoding"})
 # :method POST (static 3); content-type: application/grpc (literal, static name 31); te: trailers (literal)
+_OK = [("grpc-status", "0")]
 _FIXED = b"\x83\x0f\x10\x10application/grpc\x00\x02te\x08trailers"
 
 
@@ -241,6 +244,12 @@ class _Connection(asyncio.Protocol):
                 self._send(c)
 
     def _headers(self, c: _Call | None, block: bytes, ends: bool) -> None:
+        if c is not None and not ends and block == _RESPONSE_HEADERS and not c.status:
+            c.status = 200  # octacloud's server: these literals leave the HPACK table as it is, no need to decode
+            return
+        if c is not None and ends and block == _OK_TRAILERS and c.status == 200:
+            self._complete(c, _OK)
+            return
         headers = cast(list[tuple[str, str]], self._decoder.decode(block))  # always: keeps the HPACK table in step
         if c is None:
             return
