@@ -306,3 +306,36 @@ def test_a_client_that_breaks_the_protocol_gets_goaway() -> None:
             channel.close()
 
     run(go)
+
+
+def test_a_server_that_dies_mid_call_or_answers_garbage() -> None:
+    """A server killed after taking the call (the connection drops): Unreachable; one that answers bytes that
+    are not HTTP/2: INTERNAL, and the next call opens a new connection."""
+
+    async def go() -> None:
+        async def dies(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readexactly(100)  # past the preface and settings: the call's frames
+            writer.transport.abort()  # as a kill -9 would: no GOAWAY, no answer
+
+        async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readexactly(100)
+            writer.write(b"HTTP/1.1 400 Bad Request\r\n\r\n" + b"\xff" * 64)
+            writer.close()
+
+        for handler, expect in ((dies, Unreachable), (garbage, None)):
+            server = await asyncio.start_server(handler, "127.0.0.1", 0)
+            port = server.sockets[0].getsockname()[1]
+            channel = Channel("127.0.0.1", port)
+            if expect is not None:
+                with pytest.raises(expect):
+                    await channel.call(PATH, GOOD, b"x", 5)
+            else:
+                answer = await channel.call(PATH, GOOD, b"x", 5)
+                assert answer.code is grpc.StatusCode.INTERNAL and "broke HTTP/2" in answer.details
+            await asyncio.sleep(0.1)
+            assert channel.open_connections == 0
+            channel.close()
+            server.close()
+            await server.wait_closed()
+
+    run(go)

@@ -138,9 +138,9 @@ class _Connection(asyncio.Protocol):
         try:
             while end - pos >= 9:
                 length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
+                if length > DEFAULT_FRAME:  # we never allow larger frames (no SETTINGS_MAX_FRAME_SIZE sent)
+                    raise ValueError(f"a frame of {length} bytes")
                 if end - pos < 9 + length:
-                    if length > 2**24:
-                        raise ValueError(f"frame of {length} bytes")
                     break
                 kind, flags = buf[pos + 3], buf[pos + 4]
                 sid = _U32.unpack_from(buf, pos + 5)[0] & MAX_WINDOW
@@ -300,6 +300,8 @@ class _Connection(asyncio.Protocol):
         return not self.closed and not self.going_away and len(self.calls) < self.max_streams
 
     def start(self, head: bytes, message: bytes, future: asyncio.Future[Answer]) -> _Call:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise Unreachable(f"the connection to {self._channel.label} closed before the call was sent")
         sid = self._next
         self._next += 2
         if self._next > MAX_WINDOW:
