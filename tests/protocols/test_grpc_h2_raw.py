@@ -339,3 +339,23 @@ def test_a_server_that_dies_mid_call_or_answers_garbage() -> None:
             await server.wait_closed()
 
     run(go)
+
+
+def test_kept_header_blocks_decode_as_a_fresh_decoder_would() -> None:
+    """Blocks from an indexing encoder (as grpc clients send them): repeated sets, new values, evictions from
+    a small table, a table size update; every block decodes exactly as a decoder without the cache does."""
+    import random
+
+    rng = random.Random(7)
+    encoder, reference = hpack.Encoder(), hpack.Decoder()
+    conn = h2.Http2Connection(h2.Http2Server({}))
+    keys = [f"Bearer {'k' * 40}{i}" for i in range(4)]
+    for step in range(600):
+        if step == 300:
+            assert conn._decoded  # with every set indexed, blocks repeat and are kept
+            encoder.header_table_size = 256  # evictions from here on, and a size update in the next block
+        headers = [(":method", "POST"), (":path", rng.choice(["/a/B", "/a/C"])), ("te", "trailers"),
+                   ("authorization", rng.choice(keys)), ("x-n", str(rng.randrange(3)))]  # fmt: skip
+        block = encoder.encode(headers)
+        want = reference.decode(block)
+        assert conn._decode(block) == want == headers, step

@@ -194,6 +194,7 @@ class Http2Connection(asyncio.Protocol):
         self._buffer = bytearray()
         self._preface = False
         self._decoder = hpack.Decoder()
+        self._decoded: dict[bytes, list[tuple[str, str]]] = {}  # see _decode
         self._streams: dict[int, _Stream] = {}
         self._send_window = 65535
         self._initial_window = 65535
@@ -338,7 +339,7 @@ class Http2Connection(asyncio.Protocol):
     def _header_block(self, s: _Stream, block: bytes, closed: bool) -> None:
         s.block = None
         try:
-            headers = cast(list[tuple[str, str]], self._decoder.decode(block))
+            headers = self._decode(block)
         except hpack.HPACKError as e:
             raise _ConnectionError(COMPRESSION_ERROR, str(e)) from None
         if s.headers_done:  # the client's trailers: only the end of the stream matters
@@ -383,6 +384,24 @@ class Http2Connection(asyncio.Protocol):
             s.task = asyncio.get_running_loop().create_task(self._streaming(s))
         if closed:
             self._end_of_input(s)
+
+    def _decode(self, block: bytes) -> list[tuple[str, str]]:
+        """HPACK-decode a header block. A client repeats its blocks (after the first calls, references into the
+        dynamic table): a block whose decoding left the table as it was is kept, and the same bytes decode to
+        the same headers as long as the table does not change (any change forgets every kept block)."""
+        kept = self._decoded.get(block)
+        if kept is not None:
+            return kept
+        table = self._decoder.header_table
+        entries = table.dynamic_entries
+        first, count, size = entries[0] if entries else None, len(entries), table.maxsize
+        headers = cast(list[tuple[str, str]], self._decoder.decode(block))
+        if (entries[0] if entries else None) is first and len(entries) == count and table.maxsize == size:
+            if len(self._decoded) < 64:
+                self._decoded[block] = headers
+        else:
+            self._decoded.clear()
+        return headers
 
     def _data(self, flags: int, sid: int, payload: bytes) -> None:
         self._received += len(payload)
