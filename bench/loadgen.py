@@ -9,6 +9,10 @@ error) and, open loop, ``client_lag_p99_ms``: how late this client itself sent i
 measured from the scheduled time, so a client that falls behind inflates them; a large lag voids the point).
 Requests are serialised once; with ``--key`` every call carries ``authorization: Bearer KEY`` metadata (what
 perf_analyzer 2.51 cannot send over gRPC). The first second is a warm-up, not counted.
+
+As an open-loop generator this one falls behind above a few thousand calls a second (its ``client_lag_p99_ms``
+shows it); ``bench/openloop.py`` (several processes, raw sockets, its own HTTP/2 client) keeps up, over HTTP
+and gRPC, and is what ``bench/knee.py`` sweeps the load with.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The one place where everything is wired: fleet → scheduler → controller → gateway (REST, gRPC, admin).
 
 ``Cloud`` runs in one asyncio loop: the controller's reconcile loop, the REST gateway (uvicorn) with the admin
-API under ``/admin``, and the gRPC gateway. Replicas run as their own processes (local) or actors (Ray).
+API under ``/admin``, and the gRPC gateway. With ``gateway_workers`` ≥ 2 the public ports are served by that
+many worker processes instead (``cluster.gateway.workers``), and this process keeps the rest. Replicas run as
+their own processes (local) or actors (Ray).
 """
 
 from __future__ import annotations
@@ -14,20 +16,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import uvicorn
-
 from octacloud.cluster import internal_auth
 from octacloud.cluster.admin import build_admin_app
 from octacloud.cluster.auth import Guard, KeyStore, server_secret
 from octacloud.cluster.controller import Controller, ControllerSettings, NodeChange
 from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer, local_nvml_node
+from octacloud.cluster.deployments import ReplicaState
 from octacloud.cluster.fleet import discover_fleet
-from octacloud.cluster.gateway.grpc_proxy import GrpcFront, GrpcGateway, grpc_ssl_context
-from octacloud.cluster.gateway.http_server import bounded_protocol
+from octacloud.cluster.gateway.fronts import Fronts, gateway_fronts
+from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import RouteTable
+from octacloud.cluster.gateway.sharing import Unlimited
+from octacloud.cluster.gateway.upstream import UpstreamPool
+from octacloud.cluster.gateway.workers import GatewayWorkers
 from octacloud.cluster.health import HttpProber, RepositoryFootprints
+from octacloud.cluster.internal_tls import RENEW_INTERVAL_S, InternalCa, InternalClientTls, InternalTlsMode
 from octacloud.cluster.launcher import LocalProcessLauncher, ReplicaLauncher
 from octacloud.cluster.mps import MpsDaemon, SharingCollector
 from octacloud.cluster.storage import FleetCacheStats, ModelCacheCollector
@@ -82,6 +87,12 @@ class CloudConfig:
     """Price sheet (YAML) for usage reports' cost column."""
     limits: GatewayLimits = field(default_factory=GatewayLimits)
     """The gateway's bounds: body and message size, header/body/idle time, connections, load shedding."""
+    gateway_workers: int = 1
+    """Processes serving the public REST and gRPC ports. 1: this process does (the controller's too); N ≥ 2: N
+    worker processes share the ports (SO_REUSEPORT) and this process keeps the controller, store and meter."""
+    internal_tls: InternalTlsMode = InternalTlsMode.AUTO
+    """TLS with the cloud's own CA on the gateway → replica hop: auto = on with the Ray launcher (replicas may be
+    on other machines), off for local replicas on loopback (see cluster/internal_tls.py)."""
 
 
 class Cloud:
@@ -99,6 +110,8 @@ class Cloud:
         self.config = config
         self.watcher = watcher
         check_exposure(config.host, config.tls, config.allow_insecure)
+        if config.gateway_workers < 1:
+            raise InvalidSpecError(f"gateway workers must be at least 1, got {config.gateway_workers}")
         if config.tls is not None:
             config.tls.check()
         prices = PriceSheet.load(config.prices) if config.prices is not None else None
@@ -114,6 +127,13 @@ class Cloud:
         self.internal_secret = internal_auth.ensure_secret(secret_file)
         """Proves to replicas that a request comes from this cloud (see ``cluster.internal_auth``)."""
         internal = {internal_auth.HEADER: self.internal_secret}
+        self.internal_ca: InternalCa | None = (
+            getattr(launcher, "internal_ca", None) if launcher is not None else internal_ca(config, remote=False)
+        )
+        """The cloud's internal CA when the gateway → replica hop runs over TLS (None: plain text on loopback)."""
+        client_tls = InternalClientTls.issue(self.internal_ca) if self.internal_ca else None
+        self.internal_tls = client_tls.context() if client_tls is not None else None
+        """What every client of replicas (gateway, prober, scrapers) connects with under internal TLS."""
         gpu_node = local_nvml_node(self.nodes)
         self.mps: dict[str, MpsDaemon] = (
             {gpu_node: MpsDaemon(config.state_dir, cards=tuple(g.index for g in _node(self.nodes, gpu_node).gpus))}
@@ -130,6 +150,7 @@ class Cloud:
             clock,
             interval_s=config.telemetry_interval_s,
             replica_headers=internal,
+            replica_tls=self.internal_tls,
             on_card_readings=self._card_readings,
         )
         """Telemetry (the scheduler's telemetry source), the cloud's ``/metrics`` and the dashboard."""
@@ -139,7 +160,9 @@ class Cloud:
         scheduler = Scheduler(ClusterState(self.nodes), profile)
         self.routes = RouteTable()
         self._prober = HttpProber(
-            headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())], on_ready=self.routes.readmit
+            headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())],
+            on_ready=self._readmit,
+            tls=self.internal_tls,
         )
         self.controller = Controller(
             store=self.store,
@@ -156,23 +179,32 @@ class Cloud:
         self._started = False
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._grpc: GrpcFront | None = None
-        self._http: uvicorn.Server | None = None
+        self._fronts: Fronts | None = None
+        self.gateway_workers: GatewayWorkers | None = None
+        """With ``gateway_workers`` ≥ 2: the worker processes (made at start)."""
         self.keys = KeyStore(self.store.engine, server_secret(config.state_dir / "server.secret"), clock)
         self.guard = Guard(self.keys)
         """``guard.authorize(headers)`` → the caller's Principal, or AuthError: for every front end."""
         self.admin_key = bootstrap_admin_key(self.keys, config.state_dir / "admin.key")
         """The admin key created by this start (None when one existed): the CLI shows it once."""
         self.ledger = Ledger(self.store.engine)
-        self.usage = ClusterUsage(self.controller, gpu_use=self.monitoring.sampler.gpu_use, replica_headers=internal)
+        self.usage = ClusterUsage(
+            self.controller,
+            gpu_use=self.monitoring.sampler.gpu_use,
+            replica_headers=internal,
+            replica_tls=self.internal_tls,
+        )
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
+        # behind workers, this process's gateways only serve the admin paths: the workers took the rate budget
+        front_guard = self.guard if config.gateway_workers == 1 else Guard(self.keys, Unlimited(clock))
         self.grpc_gateway = GrpcGateway(
             self.routes,
             ready=self._ready,
-            guard=self.guard,
+            guard=front_guard,
             limits=config.limits,
             internal_secret=self.internal_secret,
-        )
+            replica_ssl=InternalClientTls.issue(self.internal_ca).context() if self.internal_ca else None,
+        )  # a context of its own: the gRPC hop offers ALPN h2 on it
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
         cache_stats = getattr(self.controller.launcher, "cache_stats", None)  # the Ray launcher's node caches
         dashboard, metrics = self.monitoring.apps(
@@ -187,18 +219,21 @@ class Cloud:
             self.routes,
             admin=admin,
             ready=self._ready,
-            guard=self.guard,
+            guard=front_guard,
             dashboard=dashboard,
             metrics=metrics,
             limits=config.limits,
             internal_secret=self.internal_secret,
+            pool=UpstreamPool(tls=self.internal_tls) if self.internal_tls is not None else None,
         )
         self.http_port = config.http_port
         self.grpc_port = config.grpc_port
 
     def _local_launcher(self) -> LocalProcessLauncher:
         workdir = self.config.state_dir / "replicas"
-        return LocalProcessLauncher(workdir, environment=self._node_environment)  # replicas bind loopback
+        return LocalProcessLauncher(
+            workdir, environment=self._node_environment, internal_ca=self.internal_ca
+        )  # replicas bind loopback
 
     def _node_environment(self) -> dict[str, str]:
         """What every local replica gets from its node: the internal secret's file, and the MPS daemon's folders
@@ -237,43 +272,52 @@ class Cloud:
             self.store.add_event("node", node, f"GPU sharing: {mode.value} ({daemon.reason})")
             log.info("node %s shares its GPUs by %s (%s)", node, mode.value, daemon.reason)
 
+    def _readmit(self, replica_id: str) -> None:
+        """The controller's probe found a replica ready: its ejection ends here and at every gateway worker."""
+        self.routes.readmit(replica_id)
+        if self.gateway_workers is not None:
+            self.gateway_workers.readmit(replica_id)
+
+    async def _start_gateway(self) -> None:
+        config = self.config
+        if config.gateway_workers == 1:
+            self._fronts = gateway_fronts(self.rest_gateway, self.grpc_gateway, config.limits, config.tls)
+            await self._fronts.start(config.host, config.http_port, config.grpc_port)
+            self.http_port, self.grpc_port = self._fronts.http_port, self._fronts.grpc_port
+            return
+        self.gateway_workers = GatewayWorkers(
+            config.gateway_workers,
+            routes=self.routes,
+            keys=self.keys,
+            admin_app=self.rest_gateway,
+            secret=self.internal_secret,
+            state_dir=config.state_dir,
+            store_url=self.store.url,
+            host=config.host,
+            limits=config.limits,
+            tls=config.tls,
+            ready=self._ready,
+            on_event=lambda message: self.store.add_event("gateway", "workers", message),
+            internal_ca=self.internal_ca,
+        )
+        self.http_port, self.grpc_port = await self.gateway_workers.start(config.http_port, config.grpc_port)
+
     async def start(self) -> None:
         await self._start_mps()
-        limits = self.config.limits
-        tls = self.config.tls
-        self._grpc = GrpcFront(self.grpc_gateway)
-        self.grpc_port = await self._grpc.start(self.config.host, self.config.grpc_port, grpc_ssl_context(tls))
-        uv = uvicorn.Config(
-            self.rest_gateway,
-            host=self.config.host,
-            port=self.config.http_port,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-            http=bounded_protocol(limits),
-            proxy_headers=False,  # clients reach the gateway directly; its per-request middleware costs 2 % CPU
-            server_header=False,
-            timeout_keep_alive=max(1, round(limits.keep_alive_s)),
-            **(tls.uvicorn_options() if tls is not None else {}),
-        )
-        self._http = uvicorn.Server(uv)
-        self._http.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the CLI owns signals
-        self._tasks.append(asyncio.create_task(self._http.serve()))
-        while not self._http.started:
-            if self._tasks[0].done():
-                self._tasks[0].result()  # raises why the gateway could not start (e.g. port in use)
-            await asyncio.sleep(0.02)
-        self.http_port = self._http.servers[0].sockets[0].getsockname()[1]
+        await self._start_gateway()
         self._tasks.append(asyncio.create_task(self.controller.run(self._stop)))
         await asyncio.sleep(0)  # the controller's loop starts (readiness reports it from now on)
         self._tasks.append(asyncio.create_task(self.monitoring.run(self._stop)))
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self._watch_fleet(self.watcher)))
         self._tasks.append(asyncio.create_task(self.meter.run(self._stop)))
+        renew = getattr(self.controller.launcher, "renew_certificates", None)
+        if self.internal_ca is not None and renew is not None:
+            self._tasks.append(asyncio.create_task(self._renew_certificates(renew)))
         if self.mps:
             self._tasks.append(asyncio.create_task(self._watch_mps()))
         self._started = True
-        scheme = "https" if tls is not None else "http"
+        scheme = "https" if self.config.tls is not None else "http"
         log.info("octacloud gateway on %s://%s:%d (gRPC %d)", scheme, self.config.host, self.http_port, self.grpc_port)
 
     async def stop(self, stop_replicas: bool = False) -> None:
@@ -286,10 +330,10 @@ class Cloud:
             grace = self.config.controller.stop_grace_s
             stop = self.controller.launcher.stop
             await asyncio.gather(*(asyncio.to_thread(stop, r.handle, grace) for r in self.store.replicas() if r.handle))
-        if self._http is not None:
-            self._http.should_exit = True
-        if self._grpc is not None:
-            await self._grpc.stop(grace=1.0)
+        if self._fronts is not None:
+            await self._fronts.stop(grace=1.0)
+        if self.gateway_workers is not None:
+            await self.gateway_workers.stop(grace=1.0)
         await self.grpc_gateway.close()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
@@ -310,6 +354,22 @@ class Cloud:
             await self._stop.wait()
         finally:
             await self.stop()
+
+    async def _renew_certificates(self, renew: Callable[[], int]) -> None:
+        """Internal TLS: replicas' certificates past half their life are renewed while they run; those an earlier
+        run started, whose age is unknown, at the first pass (at start)."""
+        adopt: Callable[[str, str, str], None] = getattr(self.controller.launcher, "adopt_certificate", _no_op)
+        while not self._stop.is_set():
+            try:
+                ready = [r for r in self.store.replicas() if r.state is ReplicaState.READY and r.handle and r.host]
+                for r in ready:
+                    adopt(r.handle, r.id, r.host)  # a no-op for the replicas this run launched
+                if renewed := renew():
+                    log.info("internal TLS: renewed %d replica certificates", renewed)
+            except Exception:
+                log.exception("internal TLS: renewing replica certificates failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), RENEW_INTERVAL_S)
 
     def _ready(self) -> bool:
         """Ready: started, and the controller's loop runs and completes iterations."""
@@ -374,8 +434,17 @@ def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
     storage = config.model_storage or str(config.repository.resolve())
     cache = config.model_cache or config.state_dir.resolve() / "model-cache"
     secret = internal_auth.ensure_secret(config.state_dir / internal_auth.FILE_NAME)
-    launcher = RayLauncher(fleet, storage, cache, internal_secret=secret)
+    launcher = RayLauncher(fleet, storage, cache, internal_secret=secret, internal_ca=internal_ca(config, remote=True))
     return Cloud(config, nodes=nodes, launcher=launcher, clock=clock, watcher=fleet.poll)
+
+
+def _no_op(*_: object) -> None:
+    pass
+
+
+def internal_ca(config: CloudConfig, remote: bool) -> InternalCa | None:
+    """The cloud's internal CA when ``config.internal_tls`` turns TLS on for replicas that may be ``remote``."""
+    return InternalCa.ensure(config.state_dir) if config.internal_tls.enabled(remote) else None
 
 
 def slice_prior() -> TargetWorkload:

@@ -87,3 +87,13 @@ def test_no_request_is_printed_for_a_model_without_declared_inputs(tmp_path: Pat
     assert sample_inputs(tmp_path / "bare") is None
     (tmp_path / "bare" / "config.pbtxt").write_text('name: "bare"\n')
     assert sample_inputs(tmp_path / "bare") is None
+
+
+def test_gateway_workers_must_be_at_least_one(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from octacloud.cli.main import app
+
+    result = CliRunner().invoke(app, ["up", "--repository", str(tmp_path), "--gateway-workers", "0"])
+    assert result.exit_code == 2
+    assert "--gateway-workers must be at least 1, got 0" in result.output

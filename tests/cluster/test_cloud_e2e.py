@@ -177,12 +177,15 @@ def test_deploy_infer_scale_fail_restart_undeploy(tmp_path: Path, linear_repo: P
     assert g.is_model_ready("linear", headers=meta)
 
     # statistics through the gateway are the deployment's: the sum over its replicas, REST and gRPC (asked of the
-    # replicas themselves with the cloud's internal secret: without it they answer 401)
+    # replicas themselves with the cloud's internal secret: without it they answer 401; on Ray over internal TLS)
     internal = {HEADER: cloud.cloud.internal_secret}
+    tls = cloud.cloud.internal_tls
+    scheme, verify = ("https", tls) if tls is not None else ("http", True)
+    assert (tls is not None) == (cloud.backend == "ray")  # internal TLS is on by default on Ray only
     per_replica = [
-        httpx.get(f"http://127.0.0.1:{r['http_port']}/v2/models/linear/stats", headers=internal).json()["model_stats"][
-            0
-        ]
+        httpx.get(
+            f"{scheme}://127.0.0.1:{r['http_port']}/v2/models/linear/stats", headers=internal, verify=verify
+        ).json()["model_stats"][0]
         for r in cloud.deployment("linear")["instances"]
     ]
     total = sum(int(s["inference_count"]) for s in per_replica)

@@ -12,7 +12,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 
-from octacloud.cluster.gateway.grpc_proxy import GrpcFront, GrpcGateway
+from octacloud.cluster.gateway.fronts import GrpcFront
+from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.routing import Endpoint, RouteTable
 from octacloud.protocols.grpc import h2
@@ -80,8 +81,8 @@ async def setup(timeout: float = 60.0) -> tuple[GrpcFront, int, list[Replica], R
     routes = RouteTable()
     routes.update("lin", [Endpoint(r.name, "127.0.0.1", 1, r.port) for r in replicas])
     limits = GatewayLimits(max_inflight_per_replica=0)
-    front = GrpcFront(GrpcGateway(routes, timeout=timeout, limits=limits, internal_secret="s" * 32))
-    port = await front.start("127.0.0.1", 0, None)
+    front = GrpcFront(GrpcGateway(routes, timeout=timeout, limits=limits, internal_secret="s" * 32), limits)
+    port = await front.start("127.0.0.1", 0, reuse_port=False)
     return front, port, replicas, routes
 
 

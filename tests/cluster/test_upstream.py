@@ -50,9 +50,9 @@ def _count_connects(pool: UpstreamPool) -> list[int]:
     count = [0]
     original = pool._connect
 
-    async def counting(host: str, port: int):  # type: ignore[no-untyped-def]
+    async def counting(host: str, port: int, server_name: str | None = None):  # type: ignore[no-untyped-def]
         count[0] += 1
-        return await original(host, port)
+        return await original(host, port, server_name)
 
     pool._connect = counting  # type: ignore[method-assign]
     return count

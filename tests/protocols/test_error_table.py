@@ -60,13 +60,23 @@ class Aborted(Exception):
 class Context:
     code: grpc.StatusCode | None = None
     details = ""
+    trailing: tuple[tuple[str, str], ...] = ()
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.code, self.details = code, details
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: Any = ()) -> None:
+        self.code, self.details, self.trailing = code, details, tuple(trailing_metadata)
         raise Aborted
 
 
+SHEDDING = (ModelNotReadyError, QueueFullError, QueueTimeoutError)
+"""The replica answers these with when to retry: load shed, or a model still loading."""
+
+
 async def rest_answer(app: RestApp, method: str, path: str) -> tuple[int, dict[str, Any]]:
+    status, body, _ = await rest_reply(app, method, path)
+    return status, body
+
+
+async def rest_reply(app: RestApp, method: str, path: str) -> tuple[int, dict[str, Any], dict[bytes, bytes]]:
     sent: list[dict[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
@@ -77,16 +87,19 @@ async def rest_answer(app: RestApp, method: str, path: str) -> tuple[int, dict[s
 
     scope = {"type": "http", "method": method, "path": path, "headers": []}
     await app(scope, receive, send)
-    return sent[0]["status"], json.loads(sent[1]["body"])
+    return sent[0]["status"], json.loads(sent[1]["body"]), dict(sent[0]["headers"])
 
 
 @pytest.mark.parametrize(("error", "http", "code"), TABLE, ids=lambda x: type(x).__name__ if x else "")
 def test_rest_and_grpc_answer_each_error_from_the_one_table(error: Exception, http: int, code: str) -> None:
     assert (status_of(error).http, status_of(error).grpc) == (http, code)
     dataplane: Any = Raising(error)
+    retry = isinstance(error, SHEDDING)
+    assert status_of(error).retry_after_s == (1 if retry else 0)
     for method, path in (("GET", "/v2/models/m"), ("POST", "/v2/repository/models/m/load")):
-        status, body = asyncio.run(rest_answer(RestApp(dataplane), method, path))
+        status, body, headers = asyncio.run(rest_reply(RestApp(dataplane), method, path))
         assert (status, body["error"]) == (http, str(error))
+        assert headers.get(b"retry-after") == (b"1" if retry else None)
     servicer = InferenceServicer(dataplane)
     for call, request in (
         (servicer.ModelMetadata, pb.ModelMetadataRequest(name="m")),
@@ -96,6 +109,7 @@ def test_rest_and_grpc_answer_each_error_from_the_one_table(error: Exception, ht
         with pytest.raises(Aborted):
             asyncio.run(call(request, context))
         assert (context.code, context.details) == (grpc.StatusCode[code], str(error))
+        assert context.trailing == ((("retry-after", "1"),) if retry else ())
 
 
 def test_only_unexpected_errors_are_logged_with_a_traceback(caplog: pytest.LogCaptureFixture) -> None:

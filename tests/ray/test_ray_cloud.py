@@ -70,9 +70,11 @@ def cloud(ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory
 def replica_stats(cloud: CloudThread, replica_id: str) -> int:
     """Inferences this replica served, asked of the replica itself (not through the gateway)."""
     r = next(r for r in cloud.cloud.store.replicas() if r.id == replica_id)
-    url = f"http://{r.host}:{r.http_port}/v2/models/linear/stats"
+    url = f"https://{r.host}:{r.http_port}/v2/models/linear/stats"  # internal TLS: on by default on Ray
     internal = {HEADER: cloud.cloud.internal_secret}  # replicas answer their own cloud only
-    stats = httpx.get(url, headers=internal, timeout=10).json()["model_stats"]
+    verify = cloud.cloud.internal_tls  # the cloud's CA, and the cloud's client certificate
+    assert verify is not None
+    stats = httpx.get(url, headers=internal, timeout=10, verify=verify).json()["model_stats"]
     return sum(int(s["inference_count"]) for s in stats)
 
 
@@ -134,6 +136,47 @@ def test_gateway_reaches_replicas_on_every_node(cloud: CloudThread) -> None:
     served = {r["node"]: replica_stats(cloud, r["id"]) - before[r["id"]] for r in instances}
     assert set(served) == {"ray-a", "ray-b", "ray-c"} and all(n > 0 for n in served.values()), served
     assert sum(served.values()) == 40 * len(x)  # inference_count counts samples
+
+
+def test_replicas_on_ray_serve_internal_tls_only(cloud: CloudThread) -> None:
+    """Internal TLS is on by default on Ray: each replica has its own certificate (key mode 0600, handed over in
+    the actor's start arguments), answers the cloud's client certificate and refuses plain text."""
+    from cryptography import x509
+
+    from octacloud.cluster.internal_tls import replica_server_name
+
+    cache_root = cloud.cloud.controller.launcher.cache_root  # type: ignore[attr-defined]
+    internal = {HEADER: cloud.cloud.internal_secret}
+    for r in cloud.cloud.store.replicas("linear"):
+        folder = cache_root / r.node / ".replicas" / r.id
+        assert (folder / "replica.key").stat().st_mode & 0o777 == 0o600
+        cert = x509.load_pem_x509_certificate((folder / "replica.pem").read_bytes())
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert replica_server_name(r.id) in names.get_values_for_type(x509.DNSName)
+        assert r.host == "127.0.0.1"  # every node of this cluster is this machine: the gateway's node, loopback
+        for port, path in ((r.http_port, "/v2/health/ready"), (r.metrics_port, "/metrics")):
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"http://{r.host}:{port}{path}", headers=internal, timeout=5)
+            answer = httpx.get(
+                f"https://{r.host}:{port}{path}", headers=internal, timeout=5, verify=cloud.cloud.internal_tls
+            )
+            assert answer.status_code == 200
+
+    # past half its life, each replica's certificate is renewed in place (the actor rewrites its files; the
+    # replica loads them for its next handshakes: tests/security/test_internal_tls.py)
+    launcher = cloud.cloud.controller.launcher
+    serials = {}
+    for r in cloud.cloud.store.replicas("linear"):
+        pem = cache_root / r.node / ".replicas" / r.id / "replica.pem"
+        serials[r.id] = (pem, x509.load_pem_x509_certificate(pem.read_bytes()).serial_number)
+    for issued in launcher._renewals._issued.values():  # type: ignore[attr-defined]
+        issued.renew_at = 0.0
+    assert cloud.call(launcher.renew_certificates) == REPLICAS  # type: ignore[attr-defined]
+    wait_until(
+        "renewed certificates on every node",
+        lambda: all(x509.load_pem_x509_certificate(p.read_bytes()).serial_number != s for p, s in serials.values()),
+        timeout=30,
+    )
 
 
 def test_a_lost_node_is_replaced_within_15_s(cloud: CloudThread, ray_cluster: LocalRayCluster) -> None:

@@ -164,3 +164,23 @@ def test_expire_while_busy_rejects_only_timed_out_reject_requests() -> None:
     ]
     assert BatchPolicy.expire(q, 2.0) == ((0,), 3.0)
     assert BatchPolicy.expire(q, 0.5) == ((), 1.0)
+
+
+def test_requests_of_different_groups_never_share_a_batch() -> None:
+    # groups: the shapes after the batch axis (batcher.batch_group); the oldest request's group goes first
+    policy = BatchPolicy(BatchingSettings(max_batch_size=8, max_queue_delay_us=2000))
+    q = [Pending(0.0, group="a"), Pending(0.0, group="b"), Pending(0.0, group="a"), Pending(0.0, group="b")]
+    assert policy.decide(q, 0.0, 8).batch == ()  # two of each group: each waits for company or the delay
+    assert policy.decide(q, 2 * MS, 8).batch == (0, 2)
+    assert policy.decide(q[1:2] + q[3:], 2 * MS, 8).batch == (0, 1)
+    q += [Pending(0.0, group="a"), Pending(0.0, group="a")]
+    assert policy.decide(q, 0.0, 8).batch == (0, 2, 4, 5)  # four of group a: merge now
+    assert policy.decide(q, 0.0, 3).batch == (0, 2, 4)  # a full batch of group a goes at once
+
+
+def test_a_request_that_shares_with_no_one_goes_at_once_even_behind_a_waiting_group() -> None:
+    policy = BatchPolicy(BatchingSettings(max_batch_size=8, max_queue_delay_us=2000))
+    assert policy.decide([Pending(0.0, group=object(), alone=True)], 0.0, 8).batch == (0,)
+    q = [Pending(0.0, group="alice"), Pending(0.0, group=object(), alone=True), Pending(0.0, group="alice")]
+    assert policy.decide(q, 0.0, 8).batch == (1,)  # alice's two wait for company or the delay; it does not
+    assert policy.decide([q[0], q[2]], 2 * MS, 8).batch == (0, 1)

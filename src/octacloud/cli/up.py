@@ -232,6 +232,15 @@ def up(
     ),
     model_cache: Path | None = typer.Option(None, "--model-cache", help="On Ray: each node's model cache folder."),
     limit: list[str] = typer.Option([], "--limit", help="Gateway bound NAME=VALUE (docs/security.md); repeatable."),
+    gateway_workers: int = typer.Option(
+        1,
+        "--gateway-workers",
+        help="Processes serving the REST and gRPC ports (SO_REUSEPORT); 1: the cloud's own process "
+        "(docs/serving.md, Gateway workers).",
+    ),
+    internal_tls: str = typer.Option(
+        "auto", "--internal-tls", help="TLS from the gateway to replicas: auto (on Ray), on, off (docs/security.md)."
+    ),
 ) -> None:
     """Run the cloud: fleet, controller, replicas on slices, and the OIP gateway (on this machine, or on Ray)."""
     from octacloud.app import Cloud, CloudConfig, ray_cloud
@@ -254,12 +263,17 @@ def up(
         err.print("[red]error:[/] --tls-cert and --tls-key go together")
         raise typer.Exit(2)
     from octacloud.cluster.gateway.limits import GatewayLimits
+    from octacloud.cluster.internal_tls import InternalTlsMode
 
     try:
         limits = GatewayLimits.parse(limit)
+        internal_tls_mode = InternalTlsMode.parse(internal_tls)
     except OctacloudError as exc:
         err.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
+    if gateway_workers < 1:
+        err.print(f"[red]error:[/] --gateway-workers must be at least 1, got {gateway_workers}")
+        raise typer.Exit(2)
     if deploy_max_replicas < 1:
         err.print(f"[red]error:[/] --deploy-max-replicas must be at least 1, got {deploy_max_replicas}")
         raise typer.Exit(2)
@@ -283,6 +297,8 @@ def up(
         model_storage=model_storage,
         model_cache=model_cache,
         limits=limits,
+        gateway_workers=gateway_workers,
+        internal_tls=internal_tls_mode,
     )
     on_ray = backend == "ray" or ray_address is not None
     scheme = "https" if config.tls is not None else "http"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from tritonclient.grpc import model_config_pb2
 from octacloud.cluster.controller.world import Probe
 from octacloud.cluster.deployments import Replica
 from octacloud.cluster.gateway.upstream import UpstreamError, UpstreamPool
+from octacloud.cluster.internal_tls import replica_server_name
 from octacloud.cluster.sizing import ModelFootprint
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 
@@ -26,8 +28,10 @@ class HttpProber:
         pool: UpstreamPool | None = None,
         headers: list[tuple[bytes, bytes]] | None = None,
         on_ready: Callable[[str], None] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        self.pool = pool or UpstreamPool(max_idle_per_host=2, connect_timeout=1.0)
+        self.pool = pool or UpstreamPool(max_idle_per_host=2, connect_timeout=1.0, tls=tls)
+        """With internal TLS the probe checks the replica's certificate names the replica it expects."""
         self.headers = headers or []
         """Sent with every probe (the cloud's internal secret)."""
         self.on_ready = on_ready
@@ -37,16 +41,19 @@ class HttpProber:
         if not replica.http_port:
             return Probe(False)
         host = replica.host or "127.0.0.1"
+        name = replica_server_name(replica.id) if self.pool.tls is not None else None
         try:
             path = f"/v2/models/{model}/ready".encode()
-            response = await self.pool.request(host, replica.http_port, b"GET", path, self.headers, b"", timeout)
+            response = await self.pool.request(
+                host, replica.http_port, b"GET", path, self.headers, b"", timeout, server_name=name
+            )
             if response.status == 200:
                 if self.on_ready is not None:
                     self.on_ready(replica.id)
                 return Probe(True)
             headers = [(b"content-type", b"application/json"), *self.headers]
             index = await self.pool.request(
-                host, replica.http_port, b"POST", b"/v2/repository/index", headers, b"{}", timeout
+                host, replica.http_port, b"POST", b"/v2/repository/index", headers, b"{}", timeout, server_name=name
             )
         except (UpstreamError, TimeoutError, OSError):
             return Probe(False)

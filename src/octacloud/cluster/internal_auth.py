@@ -17,8 +17,10 @@ from pathlib import Path
 from octacloud.protocols import internal
 from octacloud.protocols.internal import ENV_VAR as ENV_VAR
 from octacloud.protocols.internal import HEADER as HEADER
+from octacloud.protocols.internal import TENANT_HEADER as TENANT_HEADER
 
 HEADER_BYTES = HEADER.encode()
+TENANT_HEADER_BYTES = TENANT_HEADER.encode()
 FILE_NAME = "internal.secret"
 """The secret's file in the cloud's state directory."""
 

@@ -24,6 +24,7 @@ from typing import Protocol
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from octacloud.cluster.internal_tls import InternalCa, Renewals
 from octacloud.cluster.slices import Slice
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 
@@ -153,7 +154,11 @@ class LocalProcessLauncher:
         host: str = "127.0.0.1",
         python: str = sys.executable,
         environment: Callable[[], Mapping[str, str]] | None = None,
+        internal_ca: InternalCa | None = None,
     ) -> None:
+        self.internal_ca = internal_ca
+        """Internal TLS: each replica gets a fresh certificate of this CA (files in its folder, key mode 0600)."""
+        self._renewals = Renewals(internal_ca) if internal_ca is not None else None
         self.workdir = workdir
         self.host = host
         """Where replicas listen: loopback, since the gateway runs on this machine."""
@@ -183,6 +188,8 @@ class LocalProcessLauncher:
         ]  # fmt: skip
         node_env = self.environment() if self.environment is not None else {}
         env = {**os.environ, **node_env, **spec.env, "OCTACLOUD_REPLICA_ID": spec.replica_id, "PYTHONUNBUFFERED": "1"}
+        if self._renewals is not None:
+            env.update(self._renewals.issue(spec.replica_id, [self.host]).write(root, "replica").env())
         log = root / "replica.log"
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
@@ -202,6 +209,8 @@ class LocalProcessLauncher:
         finally:
             os.close(fd)
         self._addresses[str(pid)] = ReplicaAddress(self.host, ports[0], ports[1], ports[2], pid)
+        if self._renewals is not None:
+            self._renewals.track(str(pid), spec.replica_id, [self.host])
         return Launched(str(pid), self._addresses[str(pid)], log)
 
     def address(self, handle: str) -> ReplicaAddress | None:
@@ -216,8 +225,27 @@ class LocalProcessLauncher:
             return _pid_alive(pid)  # not our child (adopted after a controller restart)
         return done == 0
 
+    def adopt_certificate(self, handle: str, replica_id: str, host: str) -> None:
+        """A replica an earlier controller started: renew its certificate from now on (the next renewal first)."""
+        if self._renewals is not None:
+            self._renewals.adopt(handle, replica_id, [host])
+
+    def renew_certificates(self) -> int:
+        """Hand a new certificate to each running replica whose certificate is past half its life (it loads it
+        for its next handshakes); returns how many were renewed."""
+        if self._renewals is None:
+            return 0
+        renewed = 0
+        for handle, replica_id, credentials in self._renewals.due():
+            if self.alive(handle):
+                credentials.write(self.workdir / replica_id, "replica")
+                renewed += 1
+        return renewed
+
     def stop(self, handle: str, grace: float = 5.0) -> None:
         self._addresses.pop(handle, None)
+        if self._renewals is not None:
+            self._renewals.forget(handle)
         if not self.alive(handle):
             return
         pid = _pid(handle)

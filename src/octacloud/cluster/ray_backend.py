@@ -10,7 +10,14 @@ Every server runs a Ray node that advertises its cards as octant resources (``oc
 * runs each replica as a detached, named Ray actor (:class:`RayLauncher`) pinned with hard node affinity to
   the node the scheduler chose, holding exactly its card's octant resources (so Ray double-checks the
   accounting), with the slice environment in its ``runtime_env``. The actor serves OIP itself; the gateway
-  calls it directly.
+  calls it directly: over TLS with the cloud's internal CA when ``internal_ca`` is given (``octacloud up``'s
+  default on Ray), each replica's certificate and key handed over in the actor's start arguments. A replica on
+  the gateway's own node binds loopback; one on another node binds that node's address in the Ray cluster.
+
+What this protects is the gateway → replica hop (inference data, the internal secret). Ray's own channels
+(the actor's start arguments — a replica's key among them —, object transfers, the GCS) are Ray's: in a
+cluster of several machines run Ray with its TLS (``RAY_USE_TLS=1``, ``RAY_TLS_SERVER_CERT``,
+``RAY_TLS_SERVER_KEY``, ``RAY_TLS_CA_CERT`` on every node) and keep its ports on a private network.
 
 Only modules named ``cluster/ray*`` import Ray (an import-linter contract keeps it so).
 """
@@ -29,6 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import ray
 from octacloud.cluster.controller import NodeChange
+from octacloud.cluster.internal_tls import InternalCa, Renewals
 from octacloud.cluster.launcher import Launched, LaunchFailedError, LaunchSpec, ReplicaAddress
 from octacloud.cluster.ray_inventory import FAST_FAILURE_DETECTION, node_from_ray, node_name, slice_resources
 from octacloud.cluster.ray_replica import ActorLaunch, ActorStarted, ReplicaActor
@@ -133,7 +141,15 @@ class RayLauncher:
         *,
         actor_concurrency: int = 4,
         internal_secret: str | None = None,
+        internal_ca: InternalCa | None = None,
+        gateway_host: str | None = None,
     ) -> None:
+        self.internal_ca = internal_ca
+        """Internal TLS: each replica gets a fresh server certificate of this CA with its start arguments."""
+        self._renewals = Renewals(internal_ca) if internal_ca is not None else None
+        self.gateway_host = gateway_host
+        """The address of the node the gateway runs on (default: this process's node, asked of Ray): replicas
+        placed there bind loopback, since nothing else needs to reach them."""
         self.internal_secret = internal_secret
         """Handed to every replica actor (see ``ActorLaunch.internal_secret``)."""
         self.fleet = fleet
@@ -167,11 +183,22 @@ class RayLauncher:
             max_concurrency=self._concurrency,
             max_restarts=0,  # a lost replica is re-placed by our scheduler, never restarted in place by Ray
         ).remote()
-        launch = ActorLaunch(spec, s.node, self.storage, self.cache_root, host, self.internal_secret)
+        host = self.bind_address(host)
+        tls = self._renewals.issue(spec.replica_id, [host]) if self._renewals is not None else None
+        launch = ActorLaunch(spec, s.node, self.storage, self.cache_root, host, self.internal_secret, tls)
         self._actors[handle] = actor
         self._starts[handle] = (s.node, actor.start.remote(launch))
         self._watches[handle] = actor.watch.remote()
+        if self._renewals is not None:
+            self._renewals.track(handle, spec.replica_id, [host])
         return Launched(handle, None, None)
+
+    def bind_address(self, node_address: str) -> str:
+        """Where a replica on the node at ``node_address`` listens: loopback on the gateway's node, else that
+        node's address (the only one the gateway can reach it at)."""
+        if self.gateway_host is None:
+            self.gateway_host = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+        return "127.0.0.1" if node_address == self.gateway_host else node_address
 
     def address(self, handle: str) -> ReplicaAddress | None:
         known = self._addresses.get(handle)
@@ -213,7 +240,27 @@ class RayLauncher:
         ready, _ = ray.wait([watch], timeout=0)
         return not ready
 
+    def adopt_certificate(self, handle: str, replica_id: str, host: str) -> None:
+        """A replica an earlier controller started: renew its certificate from now on (the next renewal first)."""
+        if self._renewals is not None:
+            self._renewals.adopt(handle, replica_id, [host])
+
+    def renew_certificates(self) -> int:
+        """Send a new certificate to each replica actor whose certificate is past half its life (the replica
+        loads it for its next handshakes); returns how many were sent. Never waits for an actor."""
+        if self._renewals is None:
+            return 0
+        renewed = 0
+        for handle, _, credentials in self._renewals.due():
+            actor = self._actor(handle)
+            if actor is not None:
+                actor.renew_tls.remote(credentials)
+                renewed += 1
+        return renewed
+
     def stop(self, handle: str, grace: float = 5.0) -> None:
+        if self._renewals is not None:
+            self._renewals.forget(handle)
         actor = self._actor(handle)
         self._starts.pop(handle, None)
         self._watches.pop(handle, None)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from octacloud.cluster import internal_auth
+from octacloud.cluster.internal_tls import Credentials
 from octacloud.cluster.launcher import LaunchSpec, model_view
 from octacloud.cluster.storage import FetchResult, ModelCache
 
@@ -46,6 +47,9 @@ class ActorLaunch:
     internal_secret: str | None = None
     """The cloud's internal secret: written (mode 0600) to the replica's scratch folder, whose path the replica
     reads from ``OCTACLOUD_INTERNAL_SECRET_FILE`` as a local replica does (see ``cluster.internal_auth``)."""
+    tls: Credentials | None = None
+    """Internal TLS: this replica's certificate, key and the cloud CA, written (key mode 0600) to the replica's
+    scratch folder; the replica then serves TLS only (see ``cluster.internal_tls``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,7 @@ class ReplicaActor:
         self._stop_serving: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._started: ActorStarted | None = None
+        self._scratch: Path | None = None
 
     def start(self, launch: ActorLaunch) -> ActorStarted:
         """Fetch the model, start the server, return once it serves (model loaded and warmed up)."""
@@ -77,6 +82,7 @@ class ReplicaActor:
         cache = ModelCache(launch.cache_root / launch.node).fetch(launch.storage, spec.model_dir.name)
         scratch = launch.cache_root / launch.node / ".replicas" / spec.replica_id
         scratch.mkdir(parents=True, exist_ok=True)
+        self._scratch = scratch
         if launch.internal_secret is not None:
             secret_file = scratch / internal_auth.FILE_NAME
             fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -86,6 +92,7 @@ class ReplicaActor:
             os.environ[internal_auth.ENV_VAR] = str(secret_file)  # this actor's own process only
         local = LaunchSpec(spec.replica_id, spec.serve_as, cache.path, spec.version, spec.env, spec.threads)
         repository = model_view(local, scratch)
+        tls = launch.tls.write(scratch, "replica") if launch.tls is not None else None
         settings = ServerSettings(
             repository=repository,
             host=launch.host,
@@ -95,6 +102,7 @@ class ReplicaActor:
             control_mode=ControlMode.EXPLICIT,
             load_models=(spec.serve_as,),
             threads=spec.threads,
+            tls=tls,
         )
         server = ReplicaServer(settings)
         started = threading.Event()
@@ -130,6 +138,11 @@ class ReplicaActor:
         ports = (server.http_port, server.grpc_port, server.metrics_port)
         self._started = ActorStarted(launch.host, *ports, os.getpid(), cache)
         return self._started
+
+    def renew_tls(self, credentials: Credentials) -> None:
+        """Replace this replica's certificate files; the server loads them for its next handshakes."""
+        if self._scratch is not None:
+            credentials.write(self._scratch, "replica")
 
     def started(self) -> ActorStarted | None:
         """What :meth:`start` returned, or None while it runs (for a controller that adopts this replica)."""

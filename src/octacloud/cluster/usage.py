@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import re
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -83,7 +84,10 @@ class ClusterUsage:
         now: Callable[[], float] = time.monotonic,
         gpu_use: Callable[[], Mapping[str, int]] | None = None,
         replica_headers: dict[str, str] | None = None,
+        replica_tls: ssl.SSLContext | None = None,
     ) -> None:
+        self.replica_tls = replica_tls
+        """Internal TLS: scrapes are HTTPS, the replica's certificate checked against the cloud CA."""
         self.controller = controller
         self._gpu_use = gpu_use
         self.replica_headers = replica_headers
@@ -110,7 +114,11 @@ class ClusterUsage:
 
     async def work(self) -> Mapping[str, Work]:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.scrape_timeout_s, headers=self.replica_headers)
+            verify = self.replica_tls if self.replica_tls is not None else True
+            self._client = httpx.AsyncClient(
+                timeout=self.scrape_timeout_s, headers=self.replica_headers, trust_env=False, verify=verify
+            )
+        scheme = "https" if self.replica_tls is not None else "http"
         owners = {a.replica: a for a in self.allocations()}
         live = [
             r
@@ -119,7 +127,7 @@ class ClusterUsage:
         ]
         texts = await asyncio.gather(
             *(
-                self._client.get(f"http://{getattr(r, 'host', '') or '127.0.0.1'}:{r.metrics_port}/metrics")
+                self._client.get(f"{scheme}://{getattr(r, 'host', '') or '127.0.0.1'}:{r.metrics_port}/metrics")
                 for r in live
             ),
             return_exceptions=True,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,10 +125,18 @@ class ReplicaScraper:
     """Scrapes ready replicas concurrently. Call :meth:`close` when done (it owns an HTTP client)."""
 
     def __init__(
-        self, timeout_s: float = 0.5, client: httpx.AsyncClient | None = None, headers: dict[str, str] | None = None
+        self,
+        timeout_s: float = 0.5,
+        client: httpx.AsyncClient | None = None,
+        headers: dict[str, str] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.timeout_s = timeout_s
-        self._client = client or httpx.AsyncClient(timeout=timeout_s, trust_env=False, headers=headers)
+        self._scheme = "https" if tls is not None else "http"
+        """Internal TLS: ``tls`` trusts the cloud CA only and presents the cloud's client certificate."""
+        self._client = client or httpx.AsyncClient(
+            timeout=timeout_s, trust_env=False, headers=headers, verify=tls if tls is not None else True
+        )
 
     async def scrape(self, replicas: Sequence[ReplicaInfo]) -> dict[str, ReplicaServing]:
         ready = [r for r in replicas if r.ready and r.http_port]
@@ -136,11 +145,11 @@ class ReplicaScraper:
 
     async def _one(self, r: ReplicaInfo) -> ReplicaServing | None:
         try:
-            stats = await self._client.get(f"http://{r.host}:{r.http_port}/v2/models/{r.deployment}/stats")
+            stats = await self._client.get(f"{self._scheme}://{r.host}:{r.http_port}/v2/models/{r.deployment}/stats")
             stats.raise_for_status()
             out = parse_statistics(stats.json())
             if r.metrics_port:
-                text = await self._client.get(f"http://{r.host}:{r.metrics_port}/metrics")
+                text = await self._client.get(f"{self._scheme}://{r.host}:{r.metrics_port}/metrics")
                 text.raise_for_status()
                 out.families = list(text_string_to_metric_families(text.text))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:

@@ -8,13 +8,20 @@ metrics answer 401, gRPC UNAUTHENTICATED. The health endpoints (``/v2/health/liv
 
 ``octacloud serve`` started by hand (no secret configured) is open, as Triton is: bind it to loopback, or put
 it behind something that authenticates.
+
+Internal TLS (:class:`ReplicaTls`): a replica given a certificate, its key and its cloud's CA
+(``OCTACLOUD_INTERNAL_TLS_CERT``, ``..._KEY``, ``..._CA``, or explicitly) serves REST, gRPC and metrics over
+TLS only and requires a client certificate signed by that CA (mutual TLS): a handshake from anything but its
+own cloud fails before a byte of HTTP is read. The secret is still checked inside.
 """
 
 from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +31,77 @@ from octacloud.core.errors import InvalidSpecError
 
 ENV_VAR = "OCTACLOUD_INTERNAL_SECRET_FILE"
 HEADER = "x-octacloud-internal"
+TENANT_HEADER = "x-octacloud-tenant"
+"""The calling tenant, as the gateway verified it: believed only by a replica that requires the secret (a client
+reaching an open replica could claim any tenant); requests of a model whose rows are coupled share batches only
+with the same tenant's (serving/model.py)."""
+_TENANT_HEADER = TENANT_HEADER.encode()
 _HEADER = HEADER.encode()
 REFUSED = f"this replica serves its cloud's gateway only: {HEADER} is missing or wrong"
 OPEN_HTTP_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 OPEN_GRPC_METHODS = frozenset(
     {"/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady"}
 )
+
+
+TLS_CERT_ENV = "OCTACLOUD_INTERNAL_TLS_CERT"
+TLS_KEY_ENV = "OCTACLOUD_INTERNAL_TLS_KEY"
+TLS_CA_ENV = "OCTACLOUD_INTERNAL_TLS_CA"
+HANDSHAKE_TIMEOUT_S = 10.0
+"""A client that opens a connection and does not finish the TLS handshake in this long is dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaTls:
+    """A replica's internal TLS files: its certificate, its key (mode 0600) and the CA its clients must hold."""
+
+    certfile: Path
+    keyfile: Path
+    client_ca: Path
+
+    def env(self) -> dict[str, str]:
+        """The environment that hands these files to a replica process."""
+        return {TLS_CERT_ENV: str(self.certfile), TLS_KEY_ENV: str(self.keyfile), TLS_CA_ENV: str(self.client_ca)}
+
+    def server_context(self, alpn: Sequence[str] = ()) -> ssl.SSLContext:
+        """A server context: our certificate, client certificates required and checked against the CA."""
+        try:
+            mode = self.keyfile.stat().st_mode
+            if mode & 0o077:
+                raise InvalidSpecError(
+                    f"internal TLS key {self.keyfile} is readable by others (mode {mode & 0o777:o}); chmod 600 it"
+                )
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.client_ca)
+            context.load_cert_chain(self.certfile, self.keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise InvalidSpecError(f"internal TLS files {self.certfile}, {self.keyfile}: {exc}") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if alpn:
+            context.set_alpn_protocols(list(alpn))
+        return context
+
+    def version(self) -> tuple[int, int]:
+        """What changes when the certificate file is replaced (inode, modification time)."""
+        stat = self.certfile.stat()
+        return stat.st_ino, stat.st_mtime_ns
+
+    def reload(self, contexts: Sequence[ssl.SSLContext]) -> None:
+        """Load the files' certificate and key into running ``contexts`` (their next handshakes use them).
+        A pair that does not load together is refused first, and the contexts keep what they had."""
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.certfile, self.keyfile)
+        for context in contexts:
+            context.load_cert_chain(self.certfile, self.keyfile)
+
+
+def tls_from_env() -> ReplicaTls | None:
+    """The internal TLS files a launcher gave this process (None: plain text)."""
+    values = [os.environ.get(name) for name in (TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV)]
+    if not any(values):
+        return None
+    if not all(values):
+        raise InvalidSpecError(f"internal TLS needs all of {TLS_CERT_ENV}, {TLS_KEY_ENV} and {TLS_CA_ENV}")
+    return ReplicaTls(*(Path(v) for v in values if v))
 
 
 def read_secret(path: Path | str) -> bytes:
@@ -130,3 +202,11 @@ def wsgi_requiring_secret(app: WSGIApp, secret: bytes) -> WSGIApp:
         return app(environ, start_response)
 
     return guarded
+
+
+def tenant_of(pairs: Iterable[tuple[Any, Any]]) -> str:
+    """The gateway's ``x-octacloud-tenant`` among HTTP headers (bytes) or gRPC metadata (str); "" if absent."""
+    for k, v in pairs:
+        if k in (TENANT_HEADER, _TENANT_HEADER):
+            return v.decode("latin-1") if isinstance(v, bytes) else str(v)
+    return ""

@@ -15,6 +15,10 @@ Launched by a cloud, a replica has the cloud's internal secret (``OCTACLOUD_INTE
 wildcard host (``0.0.0.0``, ``::``) binds loopback instead (its ports carry plain text; a replica that must be
 reached from another node is given that node-internal address explicitly). Without a secret (``octacloud
 serve`` by hand) the endpoints are open, as Triton's are, on the host given.
+
+Given internal TLS files (``OCTACLOUD_INTERNAL_TLS_*``, see :class:`~octacloud.protocols.internal.ReplicaTls`),
+every endpoint — REST (ALPN ``http/1.1``), gRPC (ALPN ``h2``) and metrics — serves TLS only and requires a
+client certificate of the cloud's CA.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import gc
 import logging
 import signal
 import socket
+import ssl
 import threading
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,10 +46,13 @@ from octacloud.observability.serving import serving_registry
 from octacloud.protocols.grpc import add_to_server
 from octacloud.protocols.grpc.h2 import GrpcServer
 from octacloud.protocols.internal import (
+    HANDSHAKE_TIMEOUT_S,
+    ReplicaTls,
     RequireSecret,
     SecretInterceptor,
     read_secret,
     secret_file_from_env,
+    tls_from_env,
     wsgi_requiring_secret,
 )
 from octacloud.protocols.rest.app import DEFAULT_MAX_BODY_BYTES, RestApp
@@ -75,9 +83,14 @@ class ServerSettings:
     runtimes: Mapping[str, RuntimeFactory] | None = field(default=None)
     internal_secret_file: Path | None = field(default_factory=secret_file_from_env)
     """The cloud's internal secret (default: ``$OCTACLOUD_INTERNAL_SECRET_FILE``); None: open endpoints."""
+    tls: ReplicaTls | None = field(default_factory=tls_from_env)
+    """Internal TLS (default: ``$OCTACLOUD_INTERNAL_TLS_CERT|KEY|CA``); None: plain text."""
+    tls_reload_s: float = 30.0
+    """How often the certificate file is checked; a renewed one serves the next handshakes (no restart; REST,
+    metrics and the ``h2`` gRPC server — ``grpc.aio`` keeps the certificate it started with)."""
 
     def __post_init__(self) -> None:
-        if self.internal_secret_file is not None and self.host in WILDCARD_HOSTS:
+        if self.internal_secret_file is not None and self.tls is None and self.host in WILDCARD_HOSTS:
             log.warning(
                 "a replica of a cloud serves plain text: binding 127.0.0.1, not %s (name a node-internal address "
                 "to be reached from other nodes)",
@@ -94,9 +107,24 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def _metrics_server(host: str, port: int, app: Any) -> tuple[Any, threading.Thread]:
+def _metrics_server(host: str, port: int, app: Any, tls: ssl.SSLContext | None = None) -> tuple[Any, threading.Thread]:
     class Server(ThreadingWSGIServer):  # type: ignore[misc]
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        def finish_request(self, request: Any, client_address: Any) -> None:
+            if tls is None:
+                super().finish_request(request, client_address)
+                return
+            request.settimeout(HANDSHAKE_TIMEOUT_S)  # the handshake runs in the request's own thread: a silent
+            try:  # client blocks no one
+                wrapped = tls.wrap_socket(request, server_side=True)
+            except (OSError, ssl.SSLError):
+                request.close()
+                return
+            try:
+                super().finish_request(wrapped, client_address)
+            finally:
+                wrapped.close()  # the server closes the plain socket, which the wrapper took over
 
     httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
     thread = threading.Thread(target=httpd.serve_forever, name="replica-metrics", daemon=True)
@@ -139,6 +167,10 @@ class ReplicaServer:
         )
         self.dataplane = DataPlane(self.repository)
         self.secret = read_secret(settings.internal_secret_file) if settings.internal_secret_file else None
+        tls = settings.tls
+        self._tls_http = tls.server_context(("http/1.1",)) if tls is not None else None
+        self._tls_grpc = tls.server_context(("h2",)) if tls is not None else None
+        self._tls_metrics = tls.server_context() if tls is not None else None
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self.metrics_port: int | None = None
@@ -148,6 +180,7 @@ class ReplicaServer:
         self._grpc_h2: GrpcServer | None = None
         self._metrics: Any = None
         self._metrics_thread: threading.Thread | None = None
+        self._tls_watch: asyncio.Task[None] | None = None
 
     @property
     def address(self) -> str:
@@ -165,7 +198,7 @@ class ReplicaServer:
             if s.http_port is not None:
                 sock = _bind(s.host, s.http_port)
                 self.http_port = sock.getsockname()[1]
-                rest: Any = RestApp(self.dataplane, s.max_body_bytes)
+                rest: Any = RestApp(self.dataplane, s.max_body_bytes, trust_tenant=self.secret is not None)
                 config = uvicorn.Config(
                     rest if self.secret is None else RequireSecret(rest, self.secret),
                     http=OneWriteHttpToolsProtocol,
@@ -178,6 +211,9 @@ class ReplicaServer:
                     timeout_graceful_shutdown=5,
                     h11_max_incomplete_event_size=2**20,
                 )
+                if self._tls_http is not None:
+                    config.load()
+                    config.ssl = self._tls_http  # ours: ALPN, TLS 1.2+, client certificates of the cloud CA
                 self._uvicorn = _Uvicorn(config)
                 self._uvicorn_task = asyncio.get_running_loop().create_task(self._uvicorn.serve(sockets=[sock]))
                 while not self._uvicorn.started:
@@ -192,13 +228,17 @@ class ReplicaServer:
                 if self.secret is not None:
                     metrics = wsgi_requiring_secret(metrics, self.secret)
                 try:
-                    self._metrics, self._metrics_thread = _metrics_server(s.host, s.metrics_port, metrics)
+                    self._metrics, self._metrics_thread = _metrics_server(
+                        s.host, s.metrics_port, metrics, self._tls_metrics
+                    )
                 except OSError as e:
                     raise OSError(f"cannot bind the metrics port {s.host}:{s.metrics_port}: {e.strerror}") from None
                 self.metrics_port = self._metrics.server_port
         except BaseException:
             await self.stop()
             raise
+        if s.tls is not None:
+            self._tls_watch = asyncio.get_running_loop().create_task(self._watch_tls(s.tls))
         self.dataplane.ready = True
         log.info(
             "octacloud serving %s: http %s, grpc %s, metrics %s",
@@ -218,19 +258,41 @@ class ReplicaServer:
         ]
         if s.grpc_server == "h2":
             self._grpc_h2 = GrpcServer(self.dataplane, max_message_bytes=s.max_body_bytes, secret=self.secret)
-            self.grpc_port = await self._grpc_h2.start(s.host, s.grpc_port)
+            self.grpc_port = await self._grpc_h2.start(s.host, s.grpc_port, ssl=self._tls_grpc)
             return
         if s.grpc_server != "aio":
             raise ValueError(f"grpc_server must be h2 or aio, got {s.grpc_server!r}")
         server = self._grpc = grpc.aio.server(
             interceptors=[SecretInterceptor(self.secret)] if self.secret is not None else [], options=options
         )
-        add_to_server(self.dataplane, server)
+        add_to_server(self.dataplane, server, trust_tenant=self.secret is not None)
         try:
-            self.grpc_port = server.add_insecure_port(f"{s.host}:{s.grpc_port}")
+            address = f"{s.host}:{s.grpc_port}"
+            if s.tls is not None:
+                root = s.tls.client_ca.read_bytes()
+                pair = [(s.tls.keyfile.read_bytes(), s.tls.certfile.read_bytes())]
+                credentials = grpc.ssl_server_credentials(pair, root, require_client_auth=True)
+                self.grpc_port = server.add_secure_port(address, credentials)
+            else:
+                self.grpc_port = server.add_insecure_port(address)
         except RuntimeError:  # grpc says only that it failed
             raise OSError(f"cannot bind the gRPC port {s.host}:{s.grpc_port} (in use?)") from None
         await server.start()
+
+    async def _watch_tls(self, tls: ReplicaTls) -> None:
+        """Load a renewed certificate (the launcher replaces the files) for the next handshakes."""
+        contexts = [c for c in (self._tls_http, self._tls_grpc, self._tls_metrics) if c is not None]
+        version = tls.version()
+        while True:
+            await asyncio.sleep(self.settings.tls_reload_s)
+            try:
+                now = tls.version()
+                if now != version:
+                    tls.reload(contexts)
+                    version = now
+                    log.info("internal TLS: loaded the renewed certificate %s", tls.certfile)
+            except (OSError, ssl.SSLError) as exc:  # half-written or gone: the old one serves until next time
+                log.warning("internal TLS: cannot load %s yet: %s", tls.certfile, exc)
 
     def _stats(self) -> Iterable[VersionStats]:
         for _ in range(3):  # the metrics thread reads while the loop may change the set of models
@@ -243,6 +305,11 @@ class ReplicaServer:
     async def stop(self) -> None:
         """Stop taking requests, finish those in flight, unload every model."""
         self.dataplane.ready = False
+        if self._tls_watch is not None:
+            self._tls_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tls_watch
+            self._tls_watch = None
         if self._grpc is not None:
             await self._grpc.stop(self.settings.grpc_grace_s)
             self._grpc = None

@@ -117,7 +117,7 @@ class DataPlane:
                         f"model {model.name!r} has no output {o!r}; its outputs are: {', '.join(model.output_names)}"
                     )
             classes = {o.name: k for o in request.outputs if (k := class_count(o.name, o.parameters)) is not None}
-            results = await model.infer(inputs, rows, request.priority, request.timeout_us)
+            results = await model.infer(inputs, rows, request.priority, request.timeout_us, request.tenant)
             names = wanted or model.output_names
             batched = model.max_batch_size > 0
             outputs = [

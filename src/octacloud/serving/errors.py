@@ -6,14 +6,16 @@ This module is the one table every protocol adapter reads (:func:`status_of`); n
 |---|---|---|
 | :class:`InvalidInputError` (and any :class:`~octacloud.core.errors.InvalidSpecError`) | 400 | INVALID_ARGUMENT |
 | :class:`ModelNotFoundError` (and any :class:`~octacloud.core.errors.NotFoundError`) | 404 | NOT_FOUND |
-| :class:`ModelNotReadyError` | 503 | UNAVAILABLE |
-| :class:`QueueFullError`, :class:`QueueTimeoutError` | 503 | UNAVAILABLE |
+| :class:`ModelNotReadyError` | 503 + Retry-After 1 | UNAVAILABLE + retry-after 1 (trailing metadata) |
+| :class:`QueueFullError`, :class:`QueueTimeoutError` (load shed) | 503 + Retry-After 1 | UNAVAILABLE + retry-after 1 |
 | :class:`NotAllowedError` | 403 | FAILED_PRECONDITION |
 | :class:`ModelConfigError` (a broken model named by a load request) | 400 | INVALID_ARGUMENT |
 | :class:`ModelExecutionError` | 500 | INTERNAL |
 | anything else (a bug: logged) | 500 | INTERNAL |
 
-gRPC codes are given by name (``grpc.StatusCode[name]``) so that this layer imports no gRPC.
+gRPC codes are given by name (``grpc.StatusCode[name]``) so that this layer imports no gRPC. A refusal that
+says when to retry is the replica *answering* (it sheds load, or the model is loading): a gateway passes it on
+and keeps routing to the replica, where a transport failure (no answer) counts towards ejecting it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class ErrorStatus:
     http: int
     grpc: str
     expected: bool = True
+    retry_after_s: int = 0
+    """Seconds a client should wait before retrying (``Retry-After`` / ``retry-after`` metadata); 0: none."""
 
 
 INTERNAL = ErrorStatus(500, "INTERNAL", expected=False)
@@ -58,19 +62,19 @@ class ModelNotFoundError(ServingError, NotFoundError):
 class ModelNotReadyError(ServingError):
     """The model (version) exists but is loading, unloading or failed to load."""
 
-    status = ErrorStatus(503, "UNAVAILABLE")
+    status = ErrorStatus(503, "UNAVAILABLE", retry_after_s=1)
 
 
 class QueueFullError(ServingError):
     """The model's queue is at ``max_queue_size``: retry later."""
 
-    status = ErrorStatus(503, "UNAVAILABLE")
+    status = ErrorStatus(503, "UNAVAILABLE", retry_after_s=1)
 
 
 class QueueTimeoutError(ServingError):
     """The request waited in the queue longer than its timeout and the policy rejects on timeout."""
 
-    status = ErrorStatus(503, "UNAVAILABLE")
+    status = ErrorStatus(503, "UNAVAILABLE", retry_after_s=1)
 
 
 class NotAllowedError(ServingError):

@@ -43,8 +43,11 @@ from octacloud.serving.text import TextInput
 from octacloud.serving.types import numpy_dtype
 
 PARAM_BATCH_ISOLATION = "batch_isolation"
-"""Config parameter: "none" lets requests of a row-coupled (dynamically quantized) model share batches again,
-trading isolation between requests (and tenants) for throughput; by default they never do."""
+"""Config parameter: "auto" (the default) batches a model whose graph couples rows (per-batch dynamic
+quantization, serving/onnxops.py) only within one tenant (requests of unknown tenant alone) and every other
+model freely; "tenants" does that for any model; "requests" never batches two requests of this model; "none"
+lets a row-coupled model's requests share batches across tenants, trading isolation for throughput."""
+BATCH_ISOLATION_VALUES = ("auto", "tenants", "requests", "none")
 CAP_REFRESH_S = 1.0
 WARMUP_MEASURE_ROWS = 8
 
@@ -94,6 +97,19 @@ class ModelVersion:
         }
         self.output_names = tuple(t.name for t in self.outputs)
         self.max_batch_size = int(config.max_batch_size)
+        settings = BatchingSettings.from_config(config)
+        param = config.parameters.get(PARAM_BATCH_ISOLATION)
+        isolation = param.string_value if param is not None and param.string_value else "auto"
+        if isolation not in BATCH_ISOLATION_VALUES:
+            raise ModelConfigError(
+                f"parameter {PARAM_BATCH_ISOLATION!r} is {isolation!r}; choose one of {list(BATCH_ISOLATION_VALUES)}"
+            )
+        if isolation == "requests":
+            settings = dataclasses.replace(settings, isolate_requests=True)
+        elif isolation == "tenants" or (isolation == "auto" and getattr(runtime, "couples_rows", False)):
+            settings = dataclasses.replace(settings, isolate_tenants=True)
+        self.isolates_requests = settings.isolate_requests
+        self.isolates_tenants = settings.isolate_tenants
         instances = sum(g.count for g in config.instance_group) or 1
         self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix=f"model-{name}")
         self._handoff = BatchHandoff(self._executor, instances)
@@ -102,12 +118,6 @@ class ModelVersion:
         self._cap_value = max(1, self.max_batch_size)
         self._cap_at = -math.inf
         self._clock = clock
-        settings = BatchingSettings.from_config(config)
-        param = config.parameters.get(PARAM_BATCH_ISOLATION)
-        isolation = param.string_value if param is not None else ""
-        if getattr(runtime, "couples_rows", False) and isolation != "none":
-            settings = dataclasses.replace(settings, isolate_requests=True)
-        self.isolates_requests = settings.isolate_requests
         self.batcher = DynamicBatcher(
             settings,
             self._run,
@@ -179,9 +189,9 @@ class ModelVersion:
             self._drained.set()
 
     async def infer(
-        self, inputs: Arrays, rows: int, priority: int = 0, timeout_us: int = 0
+        self, inputs: Arrays, rows: int, priority: int = 0, timeout_us: int = 0, tenant: str = ""
     ) -> dict[str, npt.NDArray[Any]]:
-        return await self.batcher.submit(inputs, rows, priority=priority, timeout_us=timeout_us)
+        return await self.batcher.submit(inputs, rows, priority=priority, timeout_us=timeout_us, tenant=tenant)
 
     async def _run(self, inputs: Arrays) -> dict[str, npt.NDArray[Any]]:
         return await self._handoff.run(lambda: self.runtime.run(inputs, self.output_names))

@@ -33,7 +33,7 @@ class ModelRuntime(Protocol):
     the model's memory; no call follows it.
 
     A runtime may also have ``couples_rows: bool``: True when a row's result depends on the other rows of its
-    batch (dynamic quantization), so that requests must not share batches (absent means False).
+    batch (per-batch dynamic quantization), so that only one tenant's requests share a batch (absent: False).
     """
 
     @property

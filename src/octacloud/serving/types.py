@@ -112,6 +112,10 @@ class InferenceRequest:
     parameters: Parameters = field(default_factory=dict)
     priority: int = 0
     timeout_us: int = 0
+    tenant: str = ""
+    """Who sent it, as the cloud's gateway verified it ("" when not known): a model whose rows are coupled within
+    a batch batches a tenant's requests only with that tenant's (serving/model.py). Set by the protocol adapters
+    from the gateway's header, never from the request's own fields."""
 
 
 def scheduling_parameters(parameters: Parameters) -> tuple[int, int]:

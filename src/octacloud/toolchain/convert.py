@@ -160,7 +160,8 @@ def _preprocessing(source: SourceModel, options: ConvertOptions) -> Preprocessin
 
 def _make_variant(
     precision: Precision, fp32: Path, dst: Path, calibration: CalibrationSet | None, workdir: Path
-) -> None:
+) -> list[str]:
+    """Write the variant; returns notes for the user (activations left with per-batch scales)."""
     if precision == "fp32":
         dst.write_bytes(fp32.read_bytes())
     elif precision == "fp16":
@@ -168,7 +169,13 @@ def _make_variant(
     elif calibration is not None:
         to_int8_static(fp32, dst, calibration, workdir)
     else:
-        to_int8_dynamic(fp32, dst)
+        kept = to_int8_dynamic(fp32, dst).kept
+        if kept:
+            return [
+                f"{len(kept)} activation(s) keep a per-batch scale, so serving never batches two requests "
+                f"of this variant together: {'; '.join(kept)}"
+            ]
+    return []
 
 
 def convert(
@@ -220,7 +227,8 @@ def convert(
             directory = stage / name
             directory.mkdir()
             path = directory / MODEL_FILENAME
-            _make_variant(precision, fp32, path, calibration, work)
+            for note in _make_variant(precision, fp32, path, calibration, work):
+                say(f"{name}: {note}")
             if preprocessing is not None and preprocessing.tokenizer is not None:
                 write_tokenizer(preprocessing.tokenizer, directory, preprocessing.max_text_length)
             got = run(open_session(path, options.profile.threads), samples)

@@ -48,7 +48,7 @@ from octacloud.toolchain.profiling import ProfileSettings
 from octacloud.toolchain.repository import MODEL_FILENAME, ModelRepository, variant_name
 from octacloud.toolchain.sources import SourceModel, SourceOptions
 
-BUILDER_VERSION: Final = 2
+BUILDER_VERSION: Final = 3
 """Bump when a recipe or the conversion pipeline changes in a way that should rebuild the examples."""
 STATE_FILENAME: Final = ".octacloud-examples.json"
 SEED: Final = 20240601

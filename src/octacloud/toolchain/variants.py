@@ -3,7 +3,9 @@
 - **fp16**: weights and activations in half precision, inputs and outputs kept in their original types (the
   wire format does not change), numerically sensitive ops left in fp32 by onnxruntime's converter's block list.
 - **int8, dynamic**: weights quantized per channel ahead of time, activations quantized on the fly
-  (``quantize_dynamic``): no calibration needed; the right default for transformers and MLPs.
+  (``quantize_dynamic``): no calibration needed; the right default for transformers and MLPs. Its per-tensor
+  activation scales are then made per row (:mod:`.rowscales`), so that a request's result does not depend on
+  the other requests of its batch.
 - **int8, static**: weights and activations quantized ahead of time in QDQ form, with activation ranges
   calibrated on a user's sample set (``quantize_static``); the right choice for CNNs, whose convolutions
   onnxruntime only accelerates in this form.
@@ -39,6 +41,7 @@ from onnxruntime.transformers.float16 import convert_float_to_float16
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.toolchain.errors import CalibrationError, ConversionError
+from octacloud.toolchain.rowscales import RowScaleRewrite, per_row_activation_scales
 from octacloud.toolchain.spec import TensorSpec, check_batch
 
 REDUCE_RANGE = True
@@ -70,7 +73,9 @@ def without_initializer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def to_int8_dynamic(src: Path, dst: Path) -> None:
+def to_int8_dynamic(src: Path, dst: Path) -> RowScaleRewrite:
+    """Quantize dynamically, then give every activation per-row scales where the graph allows it (returned:
+    what was rewritten and what kept its per-tensor scale, which serving then never batches with others)."""
     with _quiet_quantizer():
         try:
             quantize_dynamic(
@@ -82,6 +87,14 @@ def to_int8_dynamic(src: Path, dst: Path) -> None:
             )
         except Exception as e:
             raise ConversionError(f"int8 dynamic quantization of {src.name} failed: {e}") from None
+    model = onnx.load(str(dst))
+    rewrite = per_row_activation_scales(model)
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as e:
+        raise ConversionError(f"per-row activation scales for {src.name} gave an invalid graph: {e}") from None
+    onnx.save(model, str(dst))
+    return rewrite
 
 
 class CalibrationSet(CalibrationDataReader):  # type: ignore[misc]  # onnxruntime is untyped

@@ -21,7 +21,7 @@ import hmac
 import os
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +160,21 @@ class KeyStore:
         _Base.metadata.create_all(engine)
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._cache: dict[str, _Cached] = {}
+        self.listeners: list[Callable[[str | None, str | None], None]] = []
+        """Called with (key id, None) after a key is revoked, (None, tenant) after a tenant is disabled, enabled or
+        its quota changed: e.g. to make other processes that cache verifications :meth:`forget` them."""
+
+    def forget(self, key_id: str | None = None, tenant: str | None = None) -> None:
+        """Drop cached verifications of ``key_id`` and of every key of ``tenant`` (the next use reads the store)."""
+        if key_id is not None:
+            self._cache.pop(key_id, None)
+        if tenant is not None:
+            self._cache = {k: c for k, c in self._cache.items() if c.principal.tenant != tenant}
+
+    def _changed(self, key_id: str | None, tenant: str | None) -> None:
+        self.forget(key_id, tenant)
+        for listener in self.listeners:
+            listener(key_id, tenant)
 
     @contextmanager
     def _tx(self) -> Iterator[Session]:
@@ -213,7 +228,7 @@ class KeyStore:
                 raise NotFoundError(f"no tenant named {name!r}")
             row.disabled = disabled
             tenant = _tenant(row)
-        self._cache = {k: c for k, c in self._cache.items() if c.principal.tenant != name}
+        self._changed(None, name)
         return tenant
 
     def set_quota(self, name: str, quota: Quota) -> Tenant:
@@ -227,7 +242,7 @@ class KeyStore:
             row.quota_octants, row.quota_deployments = quota.octants, quota.deployments
             row.requests_per_s, row.burst = quota.requests_per_s, quota.burst
             tenant = _tenant(row)
-        self._cache = {k: c for k, c in self._cache.items() if c.principal.tenant != name}
+        self._changed(None, name)
         return tenant
 
     # ---- keys --------------------------------------------------------------------------------------------
@@ -263,7 +278,7 @@ class KeyStore:
                 raise NotFoundError(f"no key with id {key_id!r}")
             row.revoked = True
             info = _key(row)
-        self._cache.pop(key_id, None)
+        self._changed(key_id, None)
         return info
 
     def keys(self, tenant: str | None = None) -> list[KeyInfo]:

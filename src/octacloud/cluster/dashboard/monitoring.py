@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import Callable, Mapping, Sequence
 
 from starlette.applications import Starlette
@@ -94,6 +95,7 @@ class CloudMonitoring:
         interval_s: float = 1.0,
         history_points: int = 900,
         replica_headers: dict[str, str] | None = None,
+        replica_tls: ssl.SSLContext | None = None,
         on_card_readings: Callable[[list[CardReading]], None] | None = None,
     ) -> None:
         self._controller = controller
@@ -106,7 +108,7 @@ class CloudMonitoring:
             nvml=NvmlCards(nvml) if nvml is not None else None,
             nvml_node=nvml_node,
             cpu_card_model=CPU_CARD_MODEL,
-            scraper=ReplicaScraper(timeout_s=1.0, headers=replica_headers),
+            scraper=ReplicaScraper(timeout_s=1.0, headers=replica_headers, tls=replica_tls),
             interval_s=interval_s,
             on_readings=on_card_readings,
         )

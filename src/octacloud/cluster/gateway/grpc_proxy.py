@@ -12,7 +12,7 @@ admission hook), and a message over ``GatewayLimits.max_message_bytes`` is refus
 
 Both hops run on the event loop without ``grpc.aio`` (whose poller thread wakes the loop several times per
 call, measured in docs/serving.md): the front is :class:`~octacloud.protocols.grpc.h2.Http2Server` with raw
-methods (:class:`GrpcFront`), and each replica is reached over HTTP/2 by
+methods (``gateway.fronts.GrpcFront``), and each replica is reached over HTTP/2 by
 :class:`~octacloud.protocols.grpc.h2_client.Channel`, so the replica serves the call exactly as a direct
 one. A replica's own status, details and trailing metadata are passed on as they are.
 """
@@ -33,22 +33,12 @@ from tritonclient.grpc import service_pb2
 
 from octacloud import __version__
 from octacloud.cluster.auth import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
-from octacloud.cluster.gateway.http_server import connection_cap
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import MAX_ATTEMPTS, SERVER_EXTENSIONS
 from octacloud.cluster.gateway.routing import Endpoint, RouteTable, TenantTraffic
 from octacloud.cluster.gateway.stats import merge_model_statistics
-from octacloud.cluster.internal_auth import HEADER
-from octacloud.cluster.tls import TlsConfig
-from octacloud.protocols.grpc.h2 import (
-    CallContext,
-    Http2Server,
-    Metadata,
-    Method,
-    Refusal,
-    metadata_block,
-    server_ssl_context,
-)
+from octacloud.cluster.internal_auth import HEADER, TENANT_HEADER
+from octacloud.protocols.grpc.h2 import CallContext, Metadata, Method, Refusal, metadata_block
 from octacloud.protocols.grpc.h2_client import Answer, Channel, Unreachable
 
 log = logging.getLogger(__name__)
@@ -57,7 +47,7 @@ SERVICE = "inference.GRPCInferenceService"
 PER_MODEL = ("ModelReady", "ModelMetadata", "ModelInfer", "ModelConfig", "ModelStatistics")
 PUBLIC = ("ServerLive", "ServerReady")
 _OPEN = frozenset(f"/{SERVICE}/{name}" for name in PUBLIC)
-_DROPPED = frozenset({"authorization", HEADER})
+_DROPPED = frozenset({"authorization", HEADER, TENANT_HEADER})
 MAX_STREAMS = 256
 """Concurrent calls per client connection."""
 
@@ -123,13 +113,16 @@ class GrpcGateway:
         internal_secret: str | None = None,
         replica_ssl: ssl.SSLContext | None = None,
     ) -> None:
+        if replica_ssl is not None:  # gRPC needs HTTP/2 agreed by ALPN; HTTP/1.1 stays on offer for REST's pool
+            replica_ssl.set_alpn_protocols(["h2", "http/1.1"])
         self.guard = guard
         self.routes = routes
         self.ready = ready
         self.timeout = timeout
         self.limits = limits or GatewayLimits()
         self.replica_ssl = replica_ssl
-        """TLS to the replicas' gRPC ports (ALPN h2); None: plain text (loopback, or a trusted node network)."""
+        """Internal TLS to the replicas' gRPC ports (a client context of the cloud CA's, for this hop alone: ALPN
+        ``h2``, ``http/1.1`` is set on it); None: plain text (replicas on loopback)."""
         self._internal = ((HEADER, internal_secret),) if internal_secret else ()
         self._channels: dict[tuple[str, int], Channel] = {}
         routes.on_drop.append(self._forget)
@@ -228,9 +221,9 @@ class GrpcGateway:
                     (("retry-after", "1"),),
                 )
             usage = routes.tenant_traffic(principal.tenant, deployment)
-            metadata = (
-                metadata_block([(k, v) for k, v in context.invocation_metadata() if k not in _DROPPED]) + internal
-            )
+            forwarded = [(k, v) for k, v in context.invocation_metadata() if k not in _DROPPED]
+            forwarded.append((TENANT_HEADER, principal.tenant))  # per-tenant batches (protocols/internal.py)
+            metadata = metadata_block(forwarded) + internal
             started = time.perf_counter()
             counters.requests += 1
             counters.bytes_in += len(request)
@@ -263,7 +256,8 @@ class GrpcGateway:
                         )
                     finally:
                         endpoint.outstanding -= 1
-                    if answer is None or answer.code is grpc.StatusCode.UNAVAILABLE:
+                    shed = None if answer is None else _retry_after(answer)  # the replica sheds load or is loading
+                    if answer is None or (answer.code is grpc.StatusCode.UNAVAILABLE and shed is None):
                         routes.failed(endpoint)
                         log.warning(
                             "deployment %s: replica %s: %s",
@@ -274,6 +268,9 @@ class GrpcGateway:
                         why = f"deployment '{deployment}': {len(tried)} replica(s) tried, none answered"
                         continue
                     routes.succeeded(endpoint)
+                    if shed is not None and answer.code is not grpc.StatusCode.OK:
+                        counters.failures += 1  # passed on as it came, not billed (as REST bills no 5xx)
+                        await context.abort(answer.code, answer.details, answer.trailing)
                     if answer.code is not grpc.StatusCode.OK:
                         counters.failures += 1
                         _bill(usage, len(request), 0)  # the replica answered (with an error of the request's)
@@ -327,42 +324,13 @@ class GrpcGateway:
         self._channels.clear()
 
 
-def grpc_ssl_context(tls: TlsConfig | None) -> ssl.SSLContext | None:
-    """The gRPC front's TLS context for the cloud's certificate (ALPN h2; client certificates when the cloud
-    requires them), or None for plain text."""
-    if tls is None:
-        return None
-    client_ca = str(tls.client_ca) if tls.client_ca is not None else None
-    return server_ssl_context(str(tls.certfile), str(tls.keyfile), client_ca)
-
-
-class GrpcFront:
-    """The gateway's gRPC listener: :class:`GrpcGateway`'s methods on an :class:`Http2Server` with the
-    gateway's bounds (message size on the length prefix, key on the metadata, calls, streams, connections,
-    handshake and idle time)."""
-
-    def __init__(self, gateway: GrpcGateway) -> None:
-        limits = gateway.limits
-        self.gateway = gateway
-        self.server = Http2Server(
-            gateway.methods(),
-            admit=gateway.admit,
-            max_message_bytes=limits.max_message_bytes,
-            max_streams=MAX_STREAMS,
-            max_calls=limits.max_concurrent_rpcs,
-            max_connections=connection_cap(limits),
-            header_timeout_s=limits.header_timeout_s,
-            idle_timeout_s=limits.keep_alive_s * 60,
-        )
-
-    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None, reuse_port: bool = False) -> int:
-        """Listen on ``host:port`` (0: a free one), over TLS when ``ssl_context`` is given (ALPN h2, see
-        :func:`octacloud.protocols.grpc.h2.server_ssl_context`); returns the bound port."""
-        return await self.server.start(host, port, ssl_context, reuse_port)
-
-    async def stop(self, grace: float) -> None:
-        await self.server.stop(grace)
-        await self.gateway.close()
+def _retry_after(answer: Answer) -> str | None:
+    """The ``retry-after`` a replica put in its answer's trailing metadata (a refusal it chose to make, not a
+    failure to answer), or None."""
+    for key, value in answer.trailing:
+        if key == "retry-after":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return None
 
 
 def _bill(usage: TenantTraffic, bytes_in: int, bytes_out: int) -> None:

@@ -31,7 +31,7 @@ from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, RouteTable, TenantTraffic
 from octacloud.cluster.gateway.stats import merge_model_statistics
 from octacloud.cluster.gateway.upstream import HOP_BY_HOP, Response, UpstreamError, UpstreamPool
-from octacloud.cluster.internal_auth import HEADER_BYTES
+from octacloud.cluster.internal_auth import HEADER_BYTES, TENANT_HEADER_BYTES
 from octacloud.protocols.asgi import (
     ASGIApp,
     HttpError,
@@ -50,9 +50,10 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
 SERVER_EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "classification"]
-_DROPPED_REQUEST = frozenset({b"authorization", HEADER_BYTES, *HOP_BY_HOP})
-"""Never forwarded: the caller's key stays at the gateway; a client's copy of the internal secret is not ours;
-nor what describes the client's connection (``upstream.HOP_BY_HOP``)."""
+_DROPPED_REQUEST = frozenset({b"authorization", HEADER_BYTES, TENANT_HEADER_BYTES, *HOP_BY_HOP})
+"""Never forwarded: the caller's key stays at the gateway; a client's copy of the internal secret (or of the
+tenant header, which the gateway sets) is not ours; nor what describes the client's connection
+(``upstream.HOP_BY_HOP``)."""
 _DROPPED_ANSWER = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server", HEADER_BYTES}
 )
@@ -252,6 +253,7 @@ class RestGateway:
             target += b"?" + scope["query_string"]
         headers_out = [(k, v) for k, v in scope["headers"] if k not in _DROPPED_REQUEST]  # ASGI names are lowercase
         headers_out += self._internal
+        headers_out.append((TENANT_HEADER_BYTES, principal.tenant.encode()))  # per-tenant batches (protocols/internal)
         counters.requests += 1
         counters.bytes_in += len(body)
         method = scope["method"]

@@ -19,6 +19,7 @@ gateway answers by retrying on another replica: OIP inference is idempotent.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from dataclasses import dataclass
 from typing import cast
@@ -231,7 +232,16 @@ def encode_request(
 class UpstreamPool:
     """Pooled keep-alive connections to many replicas."""
 
-    def __init__(self, max_idle_per_host: int = 64, connect_timeout: float = 2.0, sweep_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        max_idle_per_host: int = 64,
+        connect_timeout: float = 2.0,
+        sweep_s: float = 5.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.tls = tls
+        """Internal TLS: connections are TLS, the replica's certificate checked against this context's CA and
+        the address dialled (or the ``server_name`` a request names)."""
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self.max_idle = max_idle_per_host
         self.connect_timeout = connect_timeout
@@ -249,6 +259,7 @@ class UpstreamPool:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         timeout: float | None = None,
+        server_name: str | None = None,
         filtered: bool = False,
     ) -> Response:
         """``filtered``: ``headers`` hold no ``HOP_BY_HOP`` header (lowercase names, checked by the caller)."""
@@ -265,7 +276,7 @@ class UpstreamPool:
                 return await self._exchange(key, conn, wire, head_only, timeout)
             except UpstreamError:
                 pass  # a pooled connection the replica closed while idle: try once on a fresh one
-        conn = await self._connect(host, port)
+        conn = await self._connect(host, port, server_name)
         return await self._exchange(key, conn, wire, head_only, timeout)
 
     def _take(self, key: tuple[str, int]) -> _Connection | None:
@@ -277,12 +288,14 @@ class UpstreamPool:
             conn.close()
         return None
 
-    async def _connect(self, host: str, port: int) -> _Connection:
+    async def _connect(self, host: str, port: int, server_name: str | None = None) -> _Connection:
         loop = asyncio.get_running_loop()
         label = f"{host}:{port}"
+        name = (server_name or host) if self.tls is not None else None
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(label), host, port), self.connect_timeout
+                loop.create_connection(lambda: _Connection(label), host, port, ssl=self.tls, server_hostname=name),
+                self.connect_timeout,
             )
         except (OSError, TimeoutError) as exc:
             raise UpstreamError(f"cannot connect to replica at {label}: {exc or type(exc).__name__}") from None

@@ -26,6 +26,7 @@ import base64
 import contextlib
 import logging
 import ssl
+import ssl as _ssl  # ``start``'s parameter is named ssl, as asyncio's
 import struct
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,8 +38,8 @@ import hpack
 from tritonclient.grpc import service_pb2 as pb
 
 from octacloud.protocols.grpc.servicer import InferenceServicer, _lenient, code_of
+from octacloud.protocols.internal import HANDSHAKE_TIMEOUT_S, OPEN_GRPC_METHODS, REFUSED, matches
 from octacloud.protocols.internal import HEADER as SECRET_HEADER
-from octacloud.protocols.internal import OPEN_GRPC_METHODS, REFUSED, matches
 from octacloud.serving import DataPlane, ModelExecutionError
 
 log = logging.getLogger(__name__)
@@ -709,23 +710,17 @@ class Http2Server:
         self._sweeper: asyncio.Task[None] | None = None
         self.now: Callable[[], float] = lambda: 0.0
 
-    async def start(
-        self, host: str, port: int, ssl_context: ssl.SSLContext | None = None, reuse_port: bool = False
-    ) -> int:
-        """Listen on ``host:port`` (0: a free port), over TLS when ``ssl_context`` is given (it must offer ALPN
-        ``h2``: :func:`server_ssl_context`); ``reuse_port``: share the port with other processes
-        (``SO_REUSEPORT``). Returns the port."""
+    async def start(self, host: str, port: int, ssl: _ssl.SSLContext | None = None, reuse_port: bool = False) -> int:
+        """Listen on ``host:port`` (0: a free port), over TLS when ``ssl`` is given (it must offer ALPN ``h2``:
+        :func:`server_ssl_context`); ``reuse_port``: share the port with other processes (``SO_REUSEPORT``).
+        Returns the port."""
         loop = asyncio.get_running_loop()
         self.now = loop.time
+        handshake = min(self.header_timeout_s, HANDSHAKE_TIMEOUT_S)
+        tls: dict[str, Any] = {"ssl": ssl, "ssl_handshake_timeout": handshake} if ssl is not None else {}
         try:
             self._server = await loop.create_server(
-                lambda: Http2Connection(self),
-                host,
-                port,
-                reuse_address=True,
-                reuse_port=reuse_port or None,
-                ssl=ssl_context,
-                ssl_handshake_timeout=self.header_timeout_s if ssl_context is not None else None,
+                lambda: Http2Connection(self), host, port, reuse_address=True, reuse_port=reuse_port or None, **tls
             )
         except OSError as e:
             raise OSError(f"cannot bind the gRPC port {host}:{port}: {e.strerror}") from None
@@ -775,7 +770,7 @@ class GrpcServer(Http2Server):
         secret: bytes | None = None,
     ) -> None:
         super().__init__(
-            {**methods(InferenceServicer(dataplane)), **(extra or {})},
+            {**methods(InferenceServicer(dataplane, trust_tenant=secret is not None)), **(extra or {})},
             admit=None if secret is None else _require(secret),
             max_message_bytes=max_message_bytes,
             max_streams=max_streams,

@@ -8,6 +8,7 @@ Errors abort the call with the code :mod:`octacloud.serving.errors` gives them (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -19,6 +20,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from octacloud.protocols.errorlog import BoundedErrorLog
+from octacloud.protocols.internal import tenant_of
 from octacloud.protocols.tensors import from_list, from_raw, to_raw
 from octacloud.serving import (
     DataPlane,
@@ -97,7 +99,8 @@ def answers_errors(method: _Handler) -> _Handler:
             answer = status_of(e)
             if not answer.expected:
                 _errors.exception(method.__name__, e)
-            await context.abort(grpc.StatusCode[answer.grpc], str(e))
+            retry = (("retry-after", str(answer.retry_after_s)),) if answer.retry_after_s else ()
+            await context.abort(grpc.StatusCode[answer.grpc], str(e), trailing_metadata=retry)
 
     return handler  # type: ignore[return-value]
 
@@ -156,8 +159,16 @@ def _duration(d: Duration) -> pb.StatisticDuration:
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     """Triton's gRPC service over one :class:`DataPlane`."""
 
-    def __init__(self, dataplane: DataPlane) -> None:
+    def __init__(self, dataplane: DataPlane, *, trust_tenant: bool = False) -> None:
         self.dataplane = dataplane
+        self.trust_tenant = trust_tenant
+        """Read the gateway's tenant metadata (only behind the internal secret, protocols/internal.py)."""
+
+    def _decode(self, request: pb.ModelInferRequest, context: Context) -> InferenceRequest:
+        decoded = decode_infer(request)
+        if self.trust_tenant:
+            decoded = dataclasses.replace(decoded, tenant=tenant_of(context.invocation_metadata() or ()))
+        return decoded
 
     @answers_errors
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
@@ -220,7 +231,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
     @answers_errors
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
-        response = await self.dataplane.infer(decode_infer(request))
+        response = await self.dataplane.infer(self._decode(request, context))
         return encode_infer(response)
 
     async def ModelStreamInfer(
@@ -233,7 +244,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
         async def one(request: pb.ModelInferRequest) -> None:
             try:
-                response = await self.dataplane.infer(decode_infer(request))
+                response = await self.dataplane.infer(self._decode(request, context))
                 done.put_nowait(pb.ModelStreamInferResponse(infer_response=encode_infer(response)))
             except Exception as e:
                 if not status_of(e).expected:
@@ -284,9 +295,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         return pb.RepositoryModelUnloadResponse()
 
 
-def add_to_server(dataplane: DataPlane, server: grpc.aio.Server) -> None:
+def add_to_server(dataplane: DataPlane, server: grpc.aio.Server, *, trust_tenant: bool = False) -> None:
     """Register Triton's service, every method parsing its request leniently (see :class:`Malformed`)."""
-    servicer = InferenceServicer(dataplane)
+    servicer = InferenceServicer(dataplane, trust_tenant=trust_tenant)
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
         kind = grpc.stream_stream_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler

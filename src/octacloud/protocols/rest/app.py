@@ -20,6 +20,7 @@ error (400 bad request, 403 not allowed, 404 unknown model or version, 503 not r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from octacloud.protocols.asgi import DEFAULT_MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
 from octacloud.protocols.asgi import HttpError, content_length, read_body
 from octacloud.protocols.errorlog import BoundedErrorLog
+from octacloud.protocols.internal import tenant_of
 from octacloud.protocols.rest import codec
 from octacloud.serving import DataPlane, InvalidInputError, status_of
 
@@ -46,9 +48,13 @@ _OCTET = (b"content-type", b"application/octet-stream")
 class RestApp:
     """ASGI application over one :class:`DataPlane`."""
 
-    def __init__(self, dataplane: DataPlane, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, dataplane: DataPlane, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, *, trust_tenant: bool = False
+    ) -> None:
         self.dataplane = dataplane
         self.max_body_bytes = max_body_bytes
+        self.trust_tenant = trust_tenant
+        """Read the gateway's tenant header (only behind the internal secret, protocols/internal.py)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -59,14 +65,17 @@ class RestApp:
         try:
             await self._route(scope, receive, send)
         except Exception as e:
+            extra: tuple[tuple[bytes, bytes], ...] = ()
             if isinstance(e, HttpError):
                 status = e.status
             else:
                 answer = status_of(e)
                 status = answer.http
+                if answer.retry_after_s:
+                    extra = ((b"retry-after", b"%d" % answer.retry_after_s),)
                 if not answer.expected:
                     _errors.exception(f"{scope['method']} {scope['path'][:200]}", e)
-            await _reply(send, status, codec.dumps({"error": str(e)}))
+            await _reply(send, status, codec.dumps({"error": str(e)}), _JSON, *extra)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         dp = self.dataplane
@@ -138,6 +147,8 @@ class RestApp:
                     ) from None
         body = await self._body(scope, receive)
         request = codec.decode_infer(body, header_length, name, version)
+        if self.trust_tenant:
+            request = dataclasses.replace(request, tenant=tenant_of(scope["headers"]))
         response = await self.dataplane.infer(request)
         out, json_length = codec.encode_infer(response, request)
         if json_length is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +39,12 @@ class _Item(Pending):
     inputs: Arrays | None = None
     future: asyncio.Future[dict[str, npt.NDArray[Any]]] | None = None
     enqueued_ns: int = 0
+
+
+def batch_group(inputs: Arrays) -> Hashable:
+    """What requests must share to be concatenated into one batch: each input's dtype and shape after the batch
+    axis (text of different lengths, say, runs in separate batches instead of failing together)."""
+    return tuple((k, v.dtype.str, v.shape[1:]) for k, v in sorted(inputs.items()))
 
 
 class DynamicBatcher:
@@ -86,25 +92,28 @@ class DynamicBatcher:
             self._loop_task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher:{self.name}")
 
     async def submit(
-        self, inputs: Arrays, rows: int = 1, *, priority: int = 0, timeout_us: int = 0
+        self, inputs: Arrays, rows: int = 1, *, priority: int = 0, timeout_us: int = 0, tenant: str = ""
     ) -> dict[str, npt.NDArray[Any]]:
-        """Queue one request of ``rows`` rows (1 for a model without batching) and wait for its outputs."""
+        """Queue one request of ``rows`` rows (1 for a model without batching) and wait for its outputs.
+        ``tenant`` ("" unknown) matters only with ``isolate_tenants``."""
         if self._closed:
             raise ModelNotReadyError(f"model {self.name!r} is unloading; retry")
         cap = self.cap if self.settings.max_batch_size else rows
         if rows <= cap:
-            return await self._enqueue(inputs, rows, priority, timeout_us)
+            return await self._enqueue(inputs, rows, priority, timeout_us, tenant)
         starts = range(0, rows, cap)
         parts = await asyncio.gather(
             *(
-                self._enqueue({k: v[s : s + cap] for k, v in inputs.items()}, min(cap, rows - s), priority, timeout_us)
+                self._enqueue(
+                    {k: v[s : s + cap] for k, v in inputs.items()}, min(cap, rows - s), priority, timeout_us, tenant
+                )
                 for s in starts
             )
         )
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     def _enqueue(
-        self, inputs: Arrays, rows: int, priority: int, timeout_us: int
+        self, inputs: Arrays, rows: int, priority: int, timeout_us: int, tenant: str = ""
     ) -> asyncio.Future[dict[str, npt.NDArray[Any]]]:
         s = self.settings
         level = s.level_of(priority)
@@ -130,7 +139,12 @@ class DynamicBatcher:
                 )
         deadline, reject = s.deadline_of(now, level, timeout_us)
         future: asyncio.Future[dict[str, npt.NDArray[Any]]] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Item(now, rows, level, deadline, reject, inputs, future, time.perf_counter_ns()))
+        group: Hashable = batch_group(inputs)
+        alone = s.isolate_tenants and not tenant  # one tenant per batch; a request of unknown tenant alone
+        if s.isolate_tenants:
+            group = (group, tenant or object())
+        item = _Item(now, rows, level, deadline, reject, group, alone, inputs, future, time.perf_counter_ns())
+        self._queue.append(item)
         self._timed = self._timed or deadline is not None
         self._counts[level] = self._counts.get(level, 0) + 1
         self._wake()

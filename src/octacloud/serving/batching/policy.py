@@ -9,11 +9,14 @@ Triton's options are honoured: ``max_batch_size``, ``preferred_batch_size``, ``m
 ``allow_timeout_override``, ``max_queue_size``). The design's default is added: a batch is dispatched as soon as
 more than 3 requests wait (``merge_after`` = 4), or when the oldest has waited the delay (2 ms by default).
 With ``isolate_requests`` every batch is one request (or one chunk of it), run as soon as an instance is free.
+Requests of different ``group`` (input shapes after the batch axis; with ``isolate_tenants`` also the tenant)
+never share a batch: the first request's group is batched, the others wait their turn; a request marked
+``alone`` is run as soon as an instance is free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -69,8 +72,11 @@ class BatchingSettings:
     default_queue: QueuePolicy = QueuePolicy()
     queues: Mapping[int, QueuePolicy] = field(default_factory=dict)
     isolate_requests: bool = False
-    """Never put two requests in one batch: for models whose rows are coupled within a batch (dynamic
-    quantization's per-batch activation scale), so one request's results never depend on another's."""
+    """Never put two requests in one batch (``batch_isolation: "requests"``)."""
+    isolate_tenants: bool = False
+    """Put only one tenant's requests in a batch, and a request of unknown tenant alone: for models whose rows
+    are coupled within a batch (dynamic quantization's per-batch activation scale), so that one tenant's
+    results never depend on another's. The mechanism makes it part of each request's ``group``."""
     max_pending: int = 0
     """The most requests (chunks) waiting at once, over all levels; 0: unbounded."""
     max_queue_wait_us: int | None = None
@@ -140,6 +146,12 @@ class Pending:
     priority: int = 0
     deadline: float | None = None
     reject_on_timeout: bool = True
+    group: Hashable = None
+    """Requests of different groups never share a batch (the mechanism groups by the shapes and types of the
+    inputs after the batch axis: a batch is one array per input, and one odd request must not fail the others)."""
+    alone: bool = False
+    """Shares a batch with no one (a request of unknown tenant under ``isolate_tenants``): run as soon as an
+    instance is free, without waiting for company."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,29 +197,34 @@ class BatchPolicy:
         order.extend(delayed)  # DELAY: timed-out requests go after every other one
         if not order:
             return Decision(expired=tuple(expired))
-        if s.max_batch_size <= 0 or s.isolate_requests:
+        if s.max_batch_size <= 0 or s.isolate_requests or queue[order[0]].alone:
             return Decision(batch=(order[0],), expired=tuple(expired))
+        alone = next((i for i in order if queue[i].alone), None)  # goes while the first group waits for company
 
         cap = max(1, min(cap, s.max_batch_size))
+        lead = queue[order[0]].group
+        same = [i for i in order if queue[i].group == lead]  # the first request's group; others wait their turn
         batch: list[int] = []
         rows = 0
-        for i in order:
+        for i in same:
             if rows + queue[i].rows > cap:
                 break
             batch.append(i)
             rows += queue[i].rows
-        full = rows >= cap or len(batch) < len(order)
-        oldest = min(queue[i].arrival for i in order)
+        full = rows >= cap or len(batch) < len(same)
+        oldest = min(queue[i].arrival for i in same)
         if full or self._delay <= 0 or now - oldest >= self._delay:
             return Decision(batch=tuple(batch), expired=tuple(expired))
         if s.preferred_batch_sizes:
             if rows >= s.preferred_batch_sizes[-1]:
                 return Decision(batch=tuple(self._preferred_prefix(queue, batch)), expired=tuple(expired))
-        elif len(order) >= s.merge_after:
+        elif len(same) >= s.merge_after:
             return Decision(batch=tuple(batch), expired=tuple(expired))
+        if alone is not None:
+            return Decision(batch=(alone,), expired=tuple(expired))
         wake_at = oldest + self._delay
         if timed:
-            deadlines = [queue[i].deadline for i in order if queue[i].deadline is not None]
+            deadlines = [queue[i].deadline for i in order if queue[i].deadline is not None]  # every group's
             wake_at = min([wake_at, *(d for d in deadlines if d is not None and d > now)])
         return Decision(expired=tuple(expired), wake_at=wake_at)
 

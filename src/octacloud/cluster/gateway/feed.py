@@ -1,0 +1,309 @@
+"""The channel between the main process and its gateway workers: one Unix socket, one JSON object per line.
+
+The main process listens on a socket in its state directory (mode 0600); each worker connects and must first
+say ``{"t": "hello", "secret": <the cloud's internal secret>, "worker": i, "pid": p}`` within
+``HELLO_TIMEOUT_S``; anything else (a wrong secret, not JSON, a line over ``MAX_LINE``) is answered with
+``{"t": "refused", "error": ...}`` and the connection is closed. Then:
+
+- main → worker: ``snapshot`` (the route table, at once and then whenever it changes: the hub compares a fresh
+  snapshot every ``poll_s``), ``readmit`` (a replica the controller found ready again: its ejection ends at every
+  worker), ``forget`` (a key revoked, a tenant disabled or its quota changed: every worker drops its cached
+  verification at once), ``ready`` (the controller loop's readiness, every ``heartbeat_s``);
+- worker → main: ``serving`` (its fronts listen), ``counters`` (what it counted since its last push, every
+  ``push_s``; see ``gateway.sharing``).
+
+A worker that stops hearing from the main process for ``stale_s`` reports not ready; one whose connection
+ends exits (its supervisor, in the main process, starts a new one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from octacloud.cluster import internal_auth
+from octacloud.cluster.gateway.routing import RouteTable
+from octacloud.cluster.gateway.sharing import CounterMerger, CounterTracker, ShareError, apply_snapshot, route_snapshot
+
+log = logging.getLogger(__name__)
+
+MAX_LINE = 16 * 2**20
+HELLO_TIMEOUT_S = 5.0
+MAX_BUFFERED = 64 * 2**20
+"""A worker that lets this much of the feed pile up unread is cut off (it is restarted)."""
+
+
+def _line(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+def _parse(line: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(line)
+    except ValueError as exc:
+        raise ShareError(f"not JSON: {exc}") from None
+    if not isinstance(message, dict) or not isinstance(message.get("t"), str):
+        raise ShareError('a message is a JSON object with a string "t"')
+    return message
+
+
+class _Worker:
+    def __init__(self, index: int, pid: int, writer: asyncio.StreamWriter) -> None:
+        self.index = index
+        self.pid = pid
+        self.writer = writer
+        self.ports: tuple[int, int] | None = None
+
+    def send(self, data: bytes) -> None:
+        if self.writer.is_closing():
+            return
+        if self.writer.transport.get_write_buffer_size() > MAX_BUFFERED:
+            log.error("gateway worker %d (pid %d) reads its feed too slowly: cut off", self.index, self.pid)
+            self.writer.close()
+            return
+        self.writer.write(data)
+
+
+class FeedHub:
+    """The main process's end: serves the feed to workers and adds their counters into ``routes``."""
+
+    def __init__(
+        self,
+        routes: RouteTable,
+        secret: str,
+        path: Path,
+        ready: Callable[[], bool],
+        *,
+        poll_s: float = 0.05,
+        heartbeat_s: float = 0.5,
+    ) -> None:
+        self.routes = routes
+        self.secret = secret
+        self.path = path
+        self.ready = ready
+        self.poll_s = poll_s
+        self.heartbeat_s = heartbeat_s
+        self.merger = CounterMerger(routes)
+        self.workers: dict[int, _Worker] = {}
+        """pid → connected worker."""
+        self.refused = 0
+        """Connections refused (wrong secret, malformed): for tests and logs."""
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._snapshot = b""
+        self._changed = asyncio.Event()
+
+    async def start(self) -> None:
+        self.path.unlink(missing_ok=True)
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=MAX_LINE)
+        os.chmod(self.path, 0o600)
+        self._snapshot = _line({"t": "snapshot", **route_snapshot(self.routes)})
+        self._spawn(self._publish())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for w in list(self.workers.values()):
+            w.writer.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.path.unlink(missing_ok=True)
+
+    def broadcast(self, message: dict[str, Any]) -> None:
+        data = _line(message)
+        for w in list(self.workers.values()):
+            w.send(data)
+
+    def readmit(self, replica_id: str) -> None:
+        self.broadcast({"t": "readmit", "replica": replica_id})
+
+    def forget(self, key_id: str | None, tenant: str | None) -> None:
+        self.broadcast({"t": "forget", "key": key_id, "tenant": tenant})
+
+    def serving(self) -> dict[int, tuple[int, int]]:
+        """Worker index → (http, grpc) ports, for the workers that connected and listen."""
+        return {w.index: w.ports for w in self.workers.values() if w.ports is not None}
+
+    def served(self) -> dict[int, int]:
+        """Worker index → requests it carried (what it pushed) since the hub started, over its restarts."""
+        out: dict[int, int] = {}
+        for key, n in self.merger.served.items():
+            index = key // 2**32
+            out[index] = out.get(index, 0) + n
+        return out
+
+    async def _publish(self) -> None:
+        last_beat = 0.0
+        was_ready: bool | None = None
+        while True:
+            snapshot = _line({"t": "snapshot", **route_snapshot(self.routes)})
+            if snapshot != self._snapshot:
+                self._snapshot = snapshot
+                for w in list(self.workers.values()):
+                    w.send(snapshot)
+            ready = self.ready()
+            now = time.monotonic()
+            if ready != was_ready or now - last_beat >= self.heartbeat_s:
+                self.broadcast({"t": "ready", "ready": ready})
+                was_ready, last_beat = ready, now
+            await asyncio.sleep(self.poll_s)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        worker: _Worker | None = None
+        try:
+            hello = _parse(await asyncio.wait_for(reader.readuntil(b"\n"), HELLO_TIMEOUT_S))
+            index, pid = hello.get("worker"), hello.get("pid")
+            if hello["t"] != "hello" or not internal_auth.matches(self.secret, hello.get("secret")):
+                raise ShareError("the first message must be hello with the cloud's internal secret")
+            if not (isinstance(index, int) and isinstance(pid, int) and 0 <= index < 2**16 and 0 < pid < 2**32):
+                raise ShareError("hello needs an integer worker index and pid")
+            worker = self.workers[pid] = _Worker(index, pid, writer)
+            worker.send(self._snapshot)
+            worker.send(_line({"t": "ready", "ready": self.ready()}))
+            while True:
+                line = await reader.readuntil(b"\n")
+                message = _parse(line)
+                if message["t"] == "counters":
+                    self.merger.add(index * 2**32 + pid, message)
+                elif message["t"] == "serving":
+                    ports = message.get("ports")
+                    if not (isinstance(ports, list) and len(ports) == 2 and all(isinstance(p, int) for p in ports)):
+                        raise ShareError("serving needs [http_port, grpc_port]")
+                    worker.ports = (ports[0], ports[1])
+                    log.info("gateway worker %d (pid %d) serves", index, pid)
+                else:
+                    raise ShareError(f"unknown message {message['t']!r}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the worker went away (a partial last line is dropped: nothing of it was added)
+        except (ShareError, TimeoutError, asyncio.LimitOverrunError, ValueError) as exc:
+            if worker is None:
+                self.refused += 1
+            log.warning("gateway feed: connection refused: %s", exc)
+            with contextlib.suppress(Exception):
+                writer.write(_line({"t": "refused", "error": str(exc)}))
+                await asyncio.wait_for(writer.drain(), 1.0)
+        finally:
+            if worker is not None:
+                self.workers.pop(worker.pid, None)
+                self.merger.gone(worker.index * 2**32 + worker.pid)
+            writer.close()
+
+
+class FeedClient:
+    """A worker's end: keeps ``routes`` a copy of the main table and pushes what it counted."""
+
+    def __init__(
+        self,
+        path: Path,
+        secret: str,
+        worker: int,
+        routes: RouteTable,
+        forget: Callable[[str | None, str | None], None],
+        *,
+        push_s: float = 0.25,
+        stale_s: float = 3.0,
+    ) -> None:
+        self.path = path
+        self.secret = secret
+        self.worker = worker
+        self.routes = routes
+        self.forget = forget
+        self.push_s = push_s
+        self.stale_s = stale_s
+        self.tracker = CounterTracker(routes)
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._main_ready = False
+        self._heard = 0.0
+
+    def ready(self) -> bool:
+        """The controller's loop runs, as the main process said less than ``stale_s`` ago."""
+        return self._main_ready and time.monotonic() - self._heard < self.stale_s
+
+    async def connect(self) -> None:
+        """Connect, say hello, and apply the first snapshot (a worker serves only with the routes it was given)."""
+        self._reader, self._writer = await asyncio.open_unix_connection(str(self.path), limit=MAX_LINE)
+        self._send({"t": "hello", "secret": self.secret, "worker": self.worker, "pid": os.getpid()})
+        first = _parse(await asyncio.wait_for(self._reader.readuntil(b"\n"), HELLO_TIMEOUT_S))
+        if first["t"] != "snapshot":
+            raise ShareError(f"the main process answered {first.get('error') or first['t']!r}")
+        self._apply(first)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(_line(message))
+
+    def serving(self, http_port: int, grpc_port: int) -> None:
+        self._send({"t": "serving", "ports": [http_port, grpc_port]})
+
+    def push(self) -> None:
+        delta = self.tracker.take()
+        if delta is not None:
+            self._send({"t": "counters", **delta})
+
+    async def flush(self) -> None:
+        """Push what was counted and wait until it left this process."""
+        self.push()
+        if self._writer is not None and not self._writer.is_closing():
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await asyncio.wait_for(self._writer.drain(), 2.0)
+
+    async def run(self) -> None:
+        """Apply the feed and push counters until the connection ends (returns then)."""
+        assert self._reader is not None, "connect() first"
+        pusher = asyncio.create_task(self._push_forever())
+        try:
+            while True:
+                try:
+                    line = await self._reader.readuntil(b"\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    log.warning("gateway worker %d: the main process closed the feed", self.worker)
+                    return
+                self._apply(_parse(line))
+        finally:
+            pusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pusher
+
+    async def _push_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.push_s)
+            self.push()
+
+    def _apply(self, message: dict[str, Any]) -> None:
+        self._heard = time.monotonic()
+        kind = message["t"]
+        if kind == "snapshot":
+            apply_snapshot(self.routes, message)
+        elif kind == "ready":
+            self._main_ready = message.get("ready") is True
+        elif kind == "readmit":
+            replica = message.get("replica")
+            if isinstance(replica, str):
+                self.routes.readmit(replica)
+        elif kind == "forget":
+            key, tenant = message.get("key"), message.get("tenant")
+            self.forget(key if isinstance(key, str) else None, tenant if isinstance(tenant, str) else None)
+        elif kind == "refused":
+            raise ShareError(f"the main process refused this worker: {message.get('error')}")
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()

@@ -1,0 +1,173 @@
+"""The gateway's front servers: the REST app under uvicorn and the gRPC gateway on octacloud's HTTP/2 server, built
+in one place.
+
+The single-process cloud and each gateway worker process (``gateway.workers``) start their fronts here, so both
+serve with the same bounds, TLS and options. Each front has the same small shape: ``await start(host, port,
+reuse_port)`` returns the bound port (0 picks a free one), ``await stop(grace)`` stops it. With ``reuse_port``
+the listening socket sets ``SO_REUSEPORT``: several processes of the same user then listen on one port and the
+kernel spreads new connections over them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from dataclasses import dataclass
+from typing import Protocol
+
+import uvicorn
+
+from octacloud.cluster.gateway.grpc_proxy import MAX_STREAMS, GrpcGateway
+from octacloud.cluster.gateway.http_server import bounded_protocol, connection_cap
+from octacloud.cluster.gateway.limits import GatewayLimits
+from octacloud.cluster.tls import TlsConfig
+from octacloud.protocols.asgi import ASGIApp
+from octacloud.protocols.grpc.h2 import Http2Server, server_ssl_context
+
+BACKLOG = 2048
+
+
+class Front(Protocol):
+    """One listening server. ``start`` raises (e.g. OSError: port in use) when it cannot listen; ``stop`` waits up to
+    ``grace`` seconds for requests in progress, and may be called after a failed or without a start."""
+
+    async def start(self, host: str, port: int, reuse_port: bool) -> int: ...
+
+    async def stop(self, grace: float) -> None: ...
+
+
+def bind_socket(host: str, port: int, reuse_port: bool, reuse_addr: bool = True) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``SO_REUSEPORT`` set when asked), not yet listening.
+
+    Bound but not listening (and without ``reuse_addr``), it reserves the port (and names the one the kernel
+    picked for port 0) for processes that then listen on it with ``SO_REUSEPORT``: a socket that does not listen
+    takes no connections, and one without ``SO_REUSEPORT`` cannot bind the port meanwhile."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        if reuse_addr:  # a restarted server binds at once, past its old connections in TIME_WAIT
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
+class RestFront:
+    """An ASGI app (the REST gateway) under uvicorn with the gateway's connection bounds and TLS."""
+
+    def __init__(self, app: ASGIApp, limits: GatewayLimits, tls: TlsConfig | None = None) -> None:
+        self.app = app
+        self.limits = limits
+        self.tls = tls
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, host: str, port: int, reuse_port: bool) -> int:
+        sock = bind_socket(host, port, reuse_port)
+        sock.listen(BACKLOG)
+        limits, tls = self.limits, self.tls
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            http=bounded_protocol(limits),
+            proxy_headers=False,  # clients reach the gateway directly; its per-request middleware costs 2 % CPU
+            server_header=False,
+            timeout_keep_alive=max(1, round(limits.keep_alive_s)),
+            backlog=BACKLOG,
+            **(tls.uvicorn_options() if tls is not None else {}),
+        )
+        server = self._server = uvicorn.Server(config)
+        server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the process owns signals
+        self._task = asyncio.create_task(server.serve(sockets=[sock]))
+        try:
+            while not server.started:
+                if self._task.done():
+                    self._task.result()  # raises why the server could not start
+                    raise OSError(f"the REST front on {host}:{port} stopped while starting")
+                await asyncio.sleep(0.02)
+        except BaseException:
+            sock.close()  # on success the server owns it
+            raise
+        bound: int = server.servers[0].sockets[0].getsockname()[1]
+        return bound
+
+    async def stop(self, grace: float) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(self._task, grace + 10)
+
+
+class GrpcFront:
+    """The gRPC gateway's raw methods on octacloud's HTTP/2 server (``protocols/grpc/h2.py``, no ``grpc.aio``)
+    with the gateway's bounds: message size on the length prefix, the key on the metadata, calls in progress,
+    streams per connection, connections, preface/handshake and idle time; TLS with ALPN h2."""
+
+    def __init__(self, gateway: GrpcGateway, limits: GatewayLimits, tls: TlsConfig | None = None) -> None:
+        self.gateway = gateway
+        self.limits = limits
+        self.tls = tls
+        self.server = Http2Server(
+            gateway.methods(),
+            admit=gateway.admit,
+            max_message_bytes=limits.max_message_bytes,
+            max_streams=MAX_STREAMS,
+            max_calls=limits.max_concurrent_rpcs,
+            max_connections=connection_cap(limits),
+            header_timeout_s=limits.header_timeout_s,
+            idle_timeout_s=limits.keep_alive_s * 60,
+        )
+
+    async def start(self, host: str, port: int, reuse_port: bool) -> int:
+        return await self.server.start(host, port, ssl=grpc_ssl_context(self.tls), reuse_port=reuse_port)
+
+    async def stop(self, grace: float) -> None:
+        await self.server.stop(grace)
+        await self.gateway.close()
+
+
+def grpc_ssl_context(tls: TlsConfig | None) -> ssl.SSLContext | None:
+    """The gRPC front's TLS context for the cloud's certificate (ALPN h2; client certificates when the cloud
+    requires them), or None for plain text."""
+    if tls is None:
+        return None
+    client_ca = str(tls.client_ca) if tls.client_ca is not None else None
+    return server_ssl_context(str(tls.certfile), str(tls.keyfile), client_ca)
+
+
+@dataclass(slots=True)
+class Fronts:
+    """A process's public fronts (REST and gRPC) and the ports they got."""
+
+    rest: Front
+    grpc: Front
+    http_port: int = 0
+    grpc_port: int = 0
+
+    async def start(self, host: str, http_port: int, grpc_port: int, reuse_port: bool = False) -> None:
+        """gRPC first, then REST (REST serves the admin API and readiness: it comes up once all can serve)."""
+        self.grpc_port = await self.grpc.start(host, grpc_port, reuse_port)
+        try:
+            self.http_port = await self.rest.start(host, http_port, reuse_port)
+        except BaseException:
+            await self.grpc.stop(0)
+            raise
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.rest.stop(grace)
+        await self.grpc.stop(grace)
+
+
+def gateway_fronts(rest: ASGIApp, grpc_gateway: GrpcGateway, limits: GatewayLimits, tls: TlsConfig | None) -> Fronts:
+    """The fronts every gateway process serves: the REST app and the gRPC gateway, with the same bounds and TLS."""
+    return Fronts(RestFront(rest, limits, tls), GrpcFront(grpc_gateway, limits, tls))

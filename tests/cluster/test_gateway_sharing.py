@@ -1,0 +1,207 @@
+"""The pieces gateway workers share state with: route snapshots, counter deltas, split rate limits, and the feed
+between the main process and its workers over a real Unix socket (no cloud, no replica)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from octacloud.cluster.auth.keys import Quota
+from octacloud.cluster.gateway.feed import FeedClient, FeedHub
+from octacloud.cluster.gateway.routing import Endpoint, Owner, RouteTable
+from octacloud.cluster.gateway.sharing import (
+    CounterMerger,
+    CounterTracker,
+    SharedRateLimiter,
+    ShareError,
+    apply_snapshot,
+    route_snapshot,
+)
+from octacloud.core.clock import ManualClock
+
+SECRET = "s" * 43
+
+
+def main_table() -> RouteTable:
+    t = RouteTable()
+    t.update("a", [Endpoint("r1", "127.0.0.1", 9001, 9002), Endpoint("r2", "127.0.0.1", 9003, 9004)])
+    t.update("starting", [])
+    t.owners.update({"a": Owner("acme"), "starting": Owner("globex", published=True)})
+    t.inflight_per_replica["a"] = 16
+    return t
+
+
+def test_snapshot_round_trip_keeps_live_endpoint_state() -> None:
+    main, worker = main_table(), RouteTable()
+    apply_snapshot(worker, json.loads(json.dumps(route_snapshot(main))))
+    assert route_snapshot(worker) == route_snapshot(main)
+    r1 = worker.routes["a"][0]
+    r1.outstanding, r1.failures = 2, 3  # the worker's own live state and ejection
+    dropped: list[str] = []
+    worker.on_drop.append(lambda e: dropped.append(e.replica_id))
+    main.drop_endpoint("r2")
+    main.remove("starting")
+    apply_snapshot(worker, route_snapshot(main))
+    assert worker.routes == {"a": [r1]} and (r1.outstanding, r1.failures) == (2, 3)
+    assert dropped == ["r2"] and set(worker.owners) == {"a"}
+    worker.readmit("r1")
+    assert r1.failures == 0
+
+
+@pytest.mark.parametrize(
+    "snapshot",
+    [
+        {},
+        {"routes": [], "owners": {}, "inflight": {}},
+        {"routes": {"a": [["r1", "h", -1, 2]]}, "owners": {}, "inflight": {}},
+        {"routes": {"a": [["r1", "h", 1]]}, "owners": {}, "inflight": {}},
+        {"routes": {}, "owners": {"a": ["acme", "yes"]}, "inflight": {}},
+        {"routes": {}, "owners": {}, "inflight": {"a": True}},
+    ],
+)
+def test_malformed_snapshot_changes_nothing(snapshot: dict[str, object]) -> None:
+    worker = main_table()
+    before = route_snapshot(worker)
+    with pytest.raises(ShareError):
+        apply_snapshot(worker, snapshot)
+    assert route_snapshot(worker) == before
+
+
+def test_counter_deltas_add_up_once_and_in_flight_leaves_with_its_worker() -> None:
+    main = RouteTable()
+    merger = CounterMerger(main)
+    workers = [RouteTable(), RouteTable()]
+    trackers = [CounterTracker(w) for w in workers]
+    for n, w in enumerate(workers, start=1):
+        c = w.counter("a")
+        c.requests, c.bytes_in, c.latency_us_total, c.outstanding = 10 * n, 100 * n, 1000 * n, n
+        w.tenant_traffic("acme", "a").requests = 10 * n
+    for key, tracker in enumerate(trackers):
+        delta = tracker.take()
+        assert delta is not None
+        merger.add(key, json.loads(json.dumps(delta)))
+    assert all(t.take() is None for t in trackers)  # nothing new: nothing pushed, nothing added twice
+    c = main.counter("a")
+    assert (c.requests, c.bytes_in, c.latency_us_total, c.outstanding) == (30, 300, 3000, 3)
+    assert main.traffic[("acme", "a")].requests == 30 and merger.served == {0: 10, 1: 20}
+    workers[0].counter("a").requests += 5
+    workers[0].counter("a").outstanding = 0
+    merger.add(0, trackers[0].take() or {})
+    assert (c.requests, c.outstanding) == (35, 2)
+    merger.gone(1)  # worker 1 was killed: its 2 requests in flight are no longer in flight; what it pushed stays
+    assert (c.requests, c.outstanding, main.traffic[("acme", "a")].requests) == (35, 0, 30)
+
+
+B = [1, 1, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "delta",
+    [
+        {"deployments": {"b": B, "a": [1, 2, 3]}, "outstanding": {}, "traffic": []},
+        {"deployments": {"b": B, "a": [-1, 0, 0, 0, 0, 0]}, "outstanding": {}, "traffic": []},
+        {"deployments": {"b": B}, "outstanding": {"a": -1}, "traffic": []},
+        {"deployments": {"b": B}, "outstanding": {}, "traffic": [["acme", "a", 1, 2]]},
+        {"deployments": {"b": B}, "outstanding": {}, "traffic": [["acme", 7, 1, 2, 3]]},
+        {"deployments": {"b": B}, "outstanding": {}},
+    ],
+)
+def test_malformed_delta_adds_nothing(delta: dict[str, object]) -> None:
+    main = RouteTable()
+    with pytest.raises(ShareError):
+        CounterMerger(main).add(0, delta)
+    assert main.counters == {} and main.traffic == {}
+
+
+def test_split_rate_limit_never_admits_more_than_the_tenant_rate() -> None:
+    clock = ManualClock()
+    quota = Quota(requests_per_s=10.0, burst=5)
+    limiters = [SharedRateLimiter(clock, 4) for _ in range(4)]
+    admitted = 0
+    for step in range(100):  # 10 s, every worker asked 10 times per 0.1 s
+        for limiter in limiters:
+            admitted += sum(limiter.check("acme", quota) == 0 for _ in range(10))
+        clock.advance(0.1)
+        assert admitted <= 10.0 * (step + 1) * 0.1 + 4 * math.ceil(5 / 4)
+    assert admitted >= 10.0 * 9.9  # and the whole rate is usable when traffic is spread
+    one = SharedRateLimiter(clock, 4)  # a tenant whose connections all reach one worker gets a quarter of its rate
+    got = 0
+    for _ in range(100):
+        got += sum(one.check("acme", quota) == 0 for _ in range(10))
+        clock.advance(0.1)
+    assert 25 <= got <= 25 + 2
+    assert SharedRateLimiter(clock, 2).check("acme", Quota()) == 0
+    with pytest.raises(ValueError, match="at least 1"):
+        SharedRateLimiter(clock, 0)
+
+
+async def _until(predicate: object, timeout: float = 5.0) -> None:
+    assert callable(predicate)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_feed_pushes_routes_readmits_forgets_and_merges(tmp_path: Path) -> None:
+    main = main_table()
+    ready = [True]
+    hub = FeedHub(main, SECRET, tmp_path / "feed.sock", lambda: ready[0], poll_s=0.01, heartbeat_s=0.05)
+    await hub.start()
+    forgotten: list[tuple[str | None, str | None]] = []
+    worker = RouteTable()
+    client = FeedClient(hub.path, SECRET, 3, worker, lambda k, t: forgotten.append((k, t)), push_s=0.01)
+    try:
+        await client.connect()
+        assert route_snapshot(worker) == route_snapshot(main)  # before it serves anything
+        running = asyncio.create_task(client.run())
+        await _until(client.ready)
+        client.serving(8000, 8001)
+        await _until(lambda: hub.serving() == {3: (8000, 8001)})
+
+        main.update("b", [Endpoint("r3", "127.0.0.1", 9005, 9006)])  # the controller changed the table
+        main.owners["b"] = Owner("acme")
+        await _until(lambda: "b" in worker.routes and "b" in worker.owners)
+        ejected = worker.routes["b"][0]
+        ejected.failures = 3
+        hub.readmit("r3")
+        await _until(lambda: ejected.failures == 0)
+        hub.forget("k1", None)
+        await _until(lambda: forgotten == [("k1", None)])
+
+        worker.counter("b").requests = 7
+        worker.tenant_traffic("acme", "b").requests = 7
+        worker.counter("b").outstanding = 2
+        await _until(lambda: main.traffic.get(("acme", "b")) is not None and main.counter("b").outstanding == 2)
+        assert main.traffic[("acme", "b")].requests == 7 and hub.served() == {3: 7}
+
+        ready[0] = False
+        await _until(lambda: not client.ready())
+        await client.close()  # the worker went away: its requests in flight leave with it
+        await asyncio.wait_for(running, 5)
+        await _until(lambda: main.counter("b").outstanding == 0 and not hub.workers)
+        assert main.counter("b").requests == 7
+    finally:
+        await client.close()
+        await hub.stop()
+
+
+async def test_feed_refuses_a_client_without_the_secret(tmp_path: Path) -> None:
+    hub = FeedHub(RouteTable(), SECRET, tmp_path / "feed.sock", lambda: True)
+    await hub.start()
+    try:
+        stranger = FeedClient(hub.path, "wrong", 0, RouteTable(), lambda k, t: None)
+        with pytest.raises(ShareError, match="internal secret"):
+            await stranger.connect()
+        await stranger.close()
+        reader, writer = await asyncio.open_unix_connection(str(hub.path))
+        writer.write(b"x" * 100 + b"\n")
+        assert b"refused" in await reader.readline()
+        writer.close()
+        assert hub.refused == 2 and not hub.workers
+    finally:
+        await hub.stop()
