@@ -23,8 +23,11 @@ Two CPU layouts, both measured by default (``--layout``):
   cores, in both the direct and the gateway run — as in production, where the gateway does not share the
   replica's cores. This measures what the gateway itself limits: its added latency and throughput cap.
 
-The gateway requires an API key: the bench reads the admin key ``octacloud up`` wrote to
-``<state-dir>/admin.key``.
+The gateway's load shedding is off (``--limit max_inflight_per_replica=0``): its default bound, 8 requests in
+flight per replica, is what a closed loop of 8 clients keeps in flight, so it would refuse requests that the
+direct rows serve. The gateway requires an API key: the bench reads the admin key ``octacloud up`` wrote to
+``<state-dir>/admin.key``. The replica serves only its cloud's callers: the direct rows send the cloud's
+internal secret (``<state-dir>/internal.secret``) as ``x-octacloud-internal``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from octacloud.cluster.internal_auth import FILE_NAME, HEADER
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,7 +143,7 @@ def admin(url: str, key: str, method: str, path: str, body: dict[str, object] | 
 
 
 def run_pa(
-    pa: str, model: str, target: str, concurrency: int, seconds: float, shape: str, key: str
+    pa: str, model: str, target: str, concurrency: int, seconds: float, shape: str, header: str
 ) -> dict[str, float]:
     """perf_analyzer over HTTP (binary tensors), retried once if unstable."""
     with tempfile.NamedTemporaryFile(suffix=".csv", delete=False) as f:
@@ -146,15 +151,17 @@ def run_pa(
     argv = [
         pa, "-m", model, "-u", target, "-i", "http", "--shape", shape, "--input-data", "random",
         "--concurrency-range", str(concurrency), "-p", str(int(seconds * 1000)), "-s", "50", "-r", "6", "-f", out,
-        "-H", f"Authorization:Bearer {key}",
+        "-H", header,
     ]  # fmt: skip
-    for attempt in range(2):
+    for attempt in range(3):
         run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         if run.returncode == 0:
             break
-        if attempt == 1:
-            print(f"  (perf_analyzer failed on {target}: {run.stdout.strip().splitlines()[-1:]})", flush=True)
+        if attempt == 2:
+            why = (run.stdout + run.stderr).strip().splitlines()[-3:]
+            print(f"  (perf_analyzer failed on {target}: {why})", flush=True)
             return {"throughput": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
+        argv[argv.index("-s") + 1] = "100"  # a noisy machine: accept a wider spread rather than lose the point
     with open(out) as fh:
         row = next(csv.DictReader(fh))
     os.unlink(out)
@@ -197,10 +204,11 @@ def place(layout: str, gateway_pid: int, replica_pid: int, cores: int) -> None:
     os.sched_setaffinity(0, rest)
 
 
-def run_loadgen(target: str, model: str, c: int, seconds: float, shape: str, key: str) -> dict[str, float]:
-    """bench/loadgen.py (closed loop of ``c`` calls with authorization metadata) in its own process."""
+def run_loadgen(target: str, model: str, c: int, seconds: float, shape: str, header: str) -> dict[str, float]:
+    """bench/loadgen.py (closed loop of ``c`` calls with ``header`` as metadata) in its own process."""
+    name, _, value = header.partition(":")
     argv = [sys.executable, str(ROOT / "bench" / "loadgen.py"), target, model, shape, "--concurrency", str(c),
-            "--seconds", str(seconds), "--key", key]  # fmt: skip
+            "--seconds", str(seconds), "--metadata", f"{name.lower()}={value}"]  # fmt: skip
     run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if run.returncode != 0:
         print(f"  (load generator failed on {target}: {run.stderr.strip().splitlines()[-1:]})", flush=True)
@@ -215,23 +223,36 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * TICK_S
 
 
-def inferences(http_port: int, model: str) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/models/{model}/stats", timeout=10) as r:
+def inferences(http_port: int, model: str, secret: str) -> int:
+    """What the replica counted (asked directly, with the cloud's internal secret)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/models/{model}/stats", headers={HEADER: secret})
+    with urllib.request.urlopen(req, timeout=10) as r:
         return sum(int(s["inference_count"]) for s in json.loads(r.read())["model_stats"])
 
 
 def measure(
-    protocol: str, target: str, c: int, args: argparse.Namespace, model: str, shape: str, key: str, pa: str,
-    pids: dict[str, int], replica_http: int,
+    protocol: str, target: str, c: int, args: argparse.Namespace, model: str, shape: str, header: str, pa: str,
+    pids: dict[str, int], replica_http: int, secret: str, profile: Path | None = None,
 ) -> dict[str, Any]:  # fmt: skip
+    spy = None
+    if profile is not None:
+        profile.parent.mkdir(parents=True, exist_ok=True)
+        spy = subprocess.Popen(
+            [shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
+             str(pids["gateway"]), "--rate", "200", "--format", "raw", "--native", "--output", str(profile)],
+            stdout=subprocess.DEVNULL, stderr=profile.with_suffix(".log").open("w"),
+        )  # fmt: skip
     load = os.getloadavg()[0]
     cpu0 = {k: cpu_s(p) for k, p in pids.items()}
-    n0 = inferences(replica_http, model)
+    n0 = inferences(replica_http, model, secret)
     if protocol == "http":
-        res: dict[str, Any] = run_pa(pa, model, target, c, args.seconds, shape, key)
+        res: dict[str, Any] = run_pa(pa, model, target, c, args.seconds, shape, header)
     else:
-        res = run_loadgen(target, model, c, args.seconds, shape, key)
-    n = max(1, inferences(replica_http, model) - n0)
+        res = run_loadgen(target, model, c, args.seconds, shape, header)
+    n = max(1, inferences(replica_http, model, secret) - n0)
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
+        spy.wait(timeout=30)
     res["load"] = load
     for k, p in pids.items():
         res[f"{k}_us"] = (cpu_s(p) - cpu0[k]) / n * 1e6
@@ -246,6 +267,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--layout", choices=["shared", "split", "both"], default="both", help="CPU layouts to run.")
     parser.add_argument("--protocols", nargs="+", default=["http", "grpc"], choices=["http", "grpc"])
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        metavar="DIR",
+        help="also sample the gateway with py-spy during each gateway point (raw stacks in DIR; the sampling "
+        "costs the gateway CPU, so read its figures from a run without it)",
+    )
     args = parser.parse_args()
 
     pa = perf_analyzer_path()
@@ -273,7 +301,8 @@ def main() -> None:
     log = (work / "up.log").open("w")
     up = subprocess.Popen(
         [sys.executable, "-m", "octacloud", "up", "--repository", str(repo), "--fleet", str(fleet), "--state-dir",
-         str(work / "var"), "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--interval", "1"],
+         str(work / "var"), "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--interval", "1",
+         "--limit", "max_inflight_per_replica=0"],
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
@@ -306,6 +335,7 @@ def main() -> None:
         if "split" in layouts and cores < 2:
             print("(split layout skipped: it needs at least 2 cores)")
             layouts.remove("split")
+        secret = (work / "var" / FILE_NAME).read_text().strip()  # the replica serves only its cloud's callers
         replica_pid = find_replica_pid(int(replica["http_port"]))  # type: ignore[call-overload]
         rows = []
         pids = {"gateway": up.pid, "replica": replica_pid}
@@ -320,7 +350,24 @@ def main() -> None:
                     order = ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct")
                     for where in order:  # interleaved, the order alternating, so that load drift hits both
                         target = direct if where == "direct" else gateway
-                        res[where] = measure(protocol, target, c, args, model, args.shape, key, pa, pids, replica_http)
+                        header = f"{HEADER}:{secret}" if where == "direct" else f"Authorization:Bearer {key}"
+                        profile = None
+                        if args.py_spy is not None and where == "gateway":
+                            profile = args.py_spy / f"{layout}-{protocol}-c{c}.txt"
+                        res[where] = measure(
+                            protocol,
+                            target,
+                            c,
+                            args,
+                            model,
+                            args.shape,
+                            header,
+                            pa,
+                            pids,
+                            replica_http,
+                            secret,
+                            profile,
+                        )
                         r = res[where]
                         print(
                             f"  {layout:6} {protocol:4} c={c} {where:7}: {r['throughput']:7.0f} infer/s  "

@@ -42,6 +42,7 @@ def request_bytes(model: str, shape: str) -> bytes:
 async def run(args: argparse.Namespace) -> dict[str, float]:
     body = request_bytes(args.model, args.shape)
     metadata = (("authorization", f"Bearer {args.key}"),) if args.key else ()
+    metadata += tuple(tuple(item.split("=", 1)) for item in args.metadata)  # type: ignore[misc]
     latencies: list[float] = []
     lags: list[float] = []  # open loop: how late this client sent each request (it must keep up with its schedule)
     counts = {"refused": 0, "failed": 0}
@@ -104,6 +105,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0.0, help="open loop: requests per second (Poisson)")
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--key", default="")
+    p.add_argument("--metadata", action="append", default=[], help="NAME=VALUE metadata on every call (repeatable)")
     print(json.dumps(asyncio.run(run(p.parse_args()))))
 
 

@@ -16,8 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-
 from octacloud.cluster import internal_auth
 from octacloud.cluster.admin import build_admin_app
 from octacloud.cluster.auth import Guard, KeyStore, server_secret
@@ -205,8 +203,8 @@ class Cloud:
             guard=front_guard,
             limits=config.limits,
             internal_secret=self.internal_secret,
-            internal_tls=grpc.ssl_channel_credentials(*client_tls.grpc_credentials_args()) if client_tls else None,
-        )
+            replica_ssl=InternalClientTls.issue(self.internal_ca).context() if self.internal_ca else None,
+        )  # a context of its own: the gRPC hop offers ALPN h2 on it
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
         cache_stats = getattr(self.controller.launcher, "cache_stats", None)  # the Ray launcher's node caches
         dashboard, metrics = self.monitoring.apps(

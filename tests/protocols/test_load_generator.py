@@ -15,12 +15,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar, TypeVar, cast
 
-import grpc
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from octacloud.cluster.gateway.grpc_proxy import GrpcGateway, server_options
+from octacloud.cluster.gateway.fronts import GrpcFront
+from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import Endpoint, Owner, RouteTable
@@ -88,12 +88,10 @@ def gateway(replica: ThreadedServer) -> Iterator[tuple[int, int]]:
     rest = RestGateway(routes, limits=limits, internal_secret=SECRET)
     grpc_front = GrpcGateway(routes, limits=limits, internal_secret=SECRET)
 
-    async def up() -> tuple[Any, grpc.aio.Server, int, int]:
+    async def up() -> tuple[Any, GrpcFront, int, int]:
         http, http_port = await serve(rest)
-        server = grpc.aio.server(options=server_options(limits))
-        server.add_generic_rpc_handlers((grpc_front.handler(),))
-        grpc_port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
+        server = GrpcFront(grpc_front, limits)
+        grpc_port = await server.start("127.0.0.1", 0, reuse_port=False)
         return http, server, http_port, grpc_port
 
     http, server, http_port, grpc_port = loop.call(up())

@@ -1,6 +1,8 @@
 """The same requests straight to a replica and through the gateway of a real cloud: the answers must agree
 (status and body), whatever the framing — 100-continue, HEAD, chunked, pipelining, keep-alive reuse,
-``Connection: close`` — and the gateway's connection to the replica must stay in step afterwards."""
+``Connection: close`` — and the gateway's connection to the replica must stay in step afterwards. Over gRPC
+too: status, details, trailing metadata and the response's bytes, for good calls and for the replica's
+refusals, many at once on one connection."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
+from tritonclient.grpc import service_pb2
 
 from octacloud.cluster.internal_auth import FILE_NAME, HEADER
 from tests.cluster.conftest import IN, expected_output, write_linear_model
@@ -31,6 +35,8 @@ class Pair:
     gateway_port: int
     replica_port: int
     secret: str
+    gateway_grpc: int
+    replica_grpc: int
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +50,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         wait_until("lin ready", lambda: bool(ready_ids(c, "lin")))
         [instance] = [i for i in c.deployment("lin")["instances"] if i["state"] == "ready"]
         secret = (root / "var" / FILE_NAME).read_text().strip()
-        yield Pair(c, key, c.cloud.http_port, instance["http_port"], secret)
+        yield Pair(c, key, c.cloud.http_port, instance["http_port"], secret, c.cloud.grpc_port, instance["grpc_port"])
     finally:
         c.stop(stop_replicas=True)
 
@@ -200,3 +206,107 @@ def test_the_connection_close_answer_closes(pair: Pair) -> None:
     data, rest = asyncio.run(run())
     [(status, headers, _)] = parse(data)[0]
     assert status == 200 and headers.get(b"connection") == b"close" and rest == b""
+
+
+def infer_message(**changes: object) -> bytes:
+    req = service_pb2.ModelInferRequest(model_name="lin", **changes)  # type: ignore[arg-type]
+    tensor = req.inputs.add(name="INPUT0", datatype="FP32", shape=[2, IN])
+    tensor.contents.fp32_contents.extend(X.ravel().tolist())
+    return bytes(req.SerializeToString())
+
+
+def raw_infer() -> bytes:
+    req = service_pb2.ModelInferRequest(model_name="lin")
+    req.inputs.add(name="INPUT0", datatype="FP32", shape=[2, IN])
+    req.raw_input_contents.append(X.tobytes())
+    return bytes(req.SerializeToString())
+
+
+def bad_shape() -> bytes:
+    req = service_pb2.ModelInferRequest.FromString(infer_message())
+    req.inputs[0].shape[:] = [3, IN]
+    return bytes(req.SerializeToString())
+
+
+GRPC_CASES = {
+    "infer": ("ModelInfer", infer_message()),
+    "raw infer": ("ModelInfer", raw_infer()),
+    "named output": (
+        "ModelInfer",
+        infer_message(outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(name="OUTPUT0")]),
+    ),
+    "unknown output": (
+        "ModelInfer",
+        infer_message(outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(name="NOPE")]),
+    ),
+    "unknown version": ("ModelInfer", infer_message(model_version="7")),
+    "wrong shape": ("ModelInfer", bad_shape()),
+    "metadata": ("ModelMetadata", service_pb2.ModelMetadataRequest(name="lin").SerializeToString()),
+    "config": ("ModelConfig", service_pb2.ModelConfigRequest(name="lin").SerializeToString()),
+    "ready": ("ModelReady", service_pb2.ModelReadyRequest(name="lin").SerializeToString()),
+    "ready, unknown version": (
+        "ModelReady",
+        service_pb2.ModelReadyRequest(name="lin", version="9").SerializeToString(),
+    ),
+}
+
+
+def grpc_answer(channel: grpc.Channel, method: str, message: bytes, metadata: tuple[tuple[str, str], ...]) -> object:
+    call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+    try:
+        response, state = call.with_call(message, metadata=metadata, timeout=10)
+    except grpc.RpcError as e:
+        return e.code(), e.details(), tuple(e.trailing_metadata() or ())  # type: ignore[attr-defined]
+    return state.code(), state.details(), tuple(state.trailing_metadata() or ()), response
+
+
+@pytest.mark.parametrize("case", list(GRPC_CASES))
+def test_grpc_direct_and_through_the_gateway_agree(pair: Pair, case: str) -> None:
+    method, message = GRPC_CASES[case]
+    with (
+        grpc.insecure_channel(f"127.0.0.1:{pair.replica_grpc}") as direct,
+        grpc.insecure_channel(f"127.0.0.1:{pair.gateway_grpc}") as gateway,
+    ):
+        want = grpc_answer(direct, method, message, ((HEADER, pair.secret),))
+        got = grpc_answer(gateway, method, message, (("authorization", f"Bearer {pair.key}"),))
+    assert got == want, case
+    if case in ("infer", "raw infer"):
+        assert want[0] is grpc.StatusCode.OK  # type: ignore[index]
+        response = service_pb2.ModelInferResponse.FromString(want[3])  # type: ignore[index]
+        out = np.frombuffer(response.raw_output_contents[0], np.float32).reshape(2, -1)
+        np.testing.assert_allclose(out, expected_output(X), rtol=1e-5)
+
+
+def test_grpc_calls_at_once_on_one_connection_each_get_their_own_answer(pair: Pair) -> None:
+    """Many streams in flight on the client's connection and on the gateway's to the replica: no answer is
+    another call's (the calls differ, and so do their answers). Six at a time: the gateway sheds a
+    deployment's load beyond 8 in flight per replica."""
+    cases = list(GRPC_CASES.values()) * 6
+
+    async def one(
+        channel: grpc.aio.Channel,
+        room: asyncio.Semaphore,
+        metadata: tuple[tuple[str, str], ...],
+        method: str,
+        body: bytes,
+    ) -> object:
+        call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+        async with room:
+            try:
+                return await call(body, metadata=metadata, timeout=10)
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details()
+
+    async def run() -> list[list[object]]:
+        out: list[list[object]] = []
+        for port, metadata in (
+            (pair.replica_grpc, ((HEADER, pair.secret),)),
+            (pair.gateway_grpc, (("authorization", f"Bearer {pair.key}"),)),
+        ):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                room = asyncio.Semaphore(6)
+                out.append(list(await asyncio.gather(*(one(channel, room, metadata, m, b) for m, b in cases))))
+        return out
+
+    direct, through = asyncio.run(run())
+    assert through == direct

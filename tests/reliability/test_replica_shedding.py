@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from octacloud.cluster.gateway.grpc_proxy import GrpcGateway, server_options
+from octacloud.cluster.gateway.fronts import GrpcFront
+from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import Endpoint, Owner, RouteTable
@@ -60,12 +61,9 @@ class Front:
         self.http, self.http_port = self.call(serve(self.rest))
         self.server, self.grpc_port = self.call(self._grpc_server())
 
-    async def _grpc_server(self) -> tuple[grpc.aio.Server, int]:
-        server = grpc.aio.server(options=server_options(self.limits))  # as octacloud up builds it
-        server.add_generic_rpc_handlers((self.grpc.handler(),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        return server, port
+    async def _grpc_server(self) -> tuple[GrpcFront, int]:
+        server = GrpcFront(self.grpc, self.limits)  # as octacloud up builds it
+        return server, await server.start("127.0.0.1", 0, reuse_port=False)
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=60)

@@ -1,4 +1,5 @@
-"""The gateway's front servers: the REST app under uvicorn and the gRPC gateway on a gRPC server, built in one place.
+"""The gateway's front servers: the REST app under uvicorn and the gRPC gateway on octacloud's HTTP/2 server, built
+in one place.
 
 The single-process cloud and each gateway worker process (``gateway.workers``) start their fronts here, so both
 serve with the same bounds, TLS and options. Each front has the same small shape: ``await start(host, port,
@@ -12,17 +13,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 from dataclasses import dataclass
 from typing import Protocol
 
-import grpc
 import uvicorn
 
-from octacloud.cluster.gateway.grpc_proxy import GrpcGateway, server_options
-from octacloud.cluster.gateway.http_server import bounded_protocol
+from octacloud.cluster.gateway.grpc_proxy import MAX_STREAMS, GrpcGateway
+from octacloud.cluster.gateway.http_server import bounded_protocol, connection_cap
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.tls import TlsConfig
 from octacloud.protocols.asgi import ASGIApp
+from octacloud.protocols.grpc.h2 import Http2Server, server_ssl_context
 
 BACKLOG = 2048
 
@@ -77,6 +79,8 @@ class RestFront:
             access_log=False,
             lifespan="on",
             http=bounded_protocol(limits),
+            proxy_headers=False,  # clients reach the gateway directly; its per-request middleware costs 2 % CPU
+            server_header=False,
             timeout_keep_alive=max(1, round(limits.keep_alive_s)),
             backlog=BACKLOG,
             **(tls.uvicorn_options() if tls is not None else {}),
@@ -105,32 +109,40 @@ class RestFront:
 
 
 class GrpcFront:
-    """The gRPC gateway on a ``grpc.aio`` server with the gateway's message and connection bounds and TLS."""
+    """The gRPC gateway's raw methods on octacloud's HTTP/2 server (``protocols/grpc/h2.py``, no ``grpc.aio``)
+    with the gateway's bounds: message size on the length prefix, the key on the metadata, calls in progress,
+    streams per connection, connections, preface/handshake and idle time; TLS with ALPN h2."""
 
     def __init__(self, gateway: GrpcGateway, limits: GatewayLimits, tls: TlsConfig | None = None) -> None:
         self.gateway = gateway
         self.limits = limits
         self.tls = tls
-        self._server: grpc.aio.Server | None = None
+        self.server = Http2Server(
+            gateway.methods(),
+            admit=gateway.admit,
+            max_message_bytes=limits.max_message_bytes,
+            max_streams=MAX_STREAMS,
+            max_calls=limits.max_concurrent_rpcs,
+            max_connections=connection_cap(limits),
+            header_timeout_s=limits.header_timeout_s,
+            idle_timeout_s=limits.keep_alive_s * 60,
+        )
 
     async def start(self, host: str, port: int, reuse_port: bool) -> int:
-        options = [*server_options(self.limits), ("grpc.so_reuseport", 1 if reuse_port else 0)]
-        server = self._server = grpc.aio.server(
-            options=options, maximum_concurrent_rpcs=self.limits.max_concurrent_rpcs
-        )
-        server.add_generic_rpc_handlers((self.gateway.handler(),))
-        address = f"{host}:{port}"
-        if self.tls is None:
-            bound = server.add_insecure_port(address)
-        else:
-            bound = server.add_secure_port(address, grpc.ssl_server_credentials(*self.tls.grpc_credentials_args()))
-        await server.start()
-        return int(bound)
+        return await self.server.start(host, port, ssl=grpc_ssl_context(self.tls), reuse_port=reuse_port)
 
     async def stop(self, grace: float) -> None:
-        if self._server is not None:
-            await self._server.stop(grace=grace)
+        await self.server.stop(grace)
         await self.gateway.close()
+
+
+def grpc_ssl_context(tls: TlsConfig | None) -> ssl.SSLContext | None:
+    """The gRPC front's TLS context for the cloud's certificate (ALPN h2; client certificates when the cloud
+    requires them), or None for plain text."""
+    if tls is None:
+        return None
+    client_ca = str(tls.client_ca) if tls.client_ca is not None else None
+    return server_ssl_context(str(tls.certfile), str(tls.keyfile), client_ca)
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from octacloud.cluster.auth import ANONYMOUS_ADMIN, AuthError, Guard, Principal,
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, RouteTable, TenantTraffic
 from octacloud.cluster.gateway.stats import merge_model_statistics
-from octacloud.cluster.gateway.upstream import Response, UpstreamError, UpstreamPool
+from octacloud.cluster.gateway.upstream import HOP_BY_HOP, Response, UpstreamError, UpstreamPool
 from octacloud.cluster.internal_auth import HEADER_BYTES, TENANT_HEADER_BYTES
 from octacloud.protocols.asgi import (
     ASGIApp,
@@ -50,10 +50,14 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
 SERVER_EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "classification"]
-_DROPPED_REQUEST = {b"authorization", HEADER_BYTES, TENANT_HEADER_BYTES}
+_DROPPED_REQUEST = frozenset({b"authorization", HEADER_BYTES, TENANT_HEADER_BYTES, *HOP_BY_HOP})
 """Never forwarded: the caller's key stays at the gateway; a client's copy of the internal secret (or of the
-tenant header, which the gateway sets) is not ours."""
-_DROPPED_ANSWER = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", HEADER_BYTES}
+tenant header, which the gateway sets) is not ours; nor what describes the client's connection
+(``upstream.HOP_BY_HOP``)."""
+_DROPPED_ANSWER = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server", HEADER_BYTES}
+)
+"""Not passed on from a replica's answer: its framing, and what the gateway's own server adds (``date``)."""
 _CLOSE = (b"connection", b"close")
 _SMALL_UNREAD = 64 * 1024
 """A refused request's unread body up to this size is read and dropped by the server (keep-alive kept);
@@ -239,14 +243,16 @@ class RestGateway:
         counters: DeploymentCounters,
     ) -> None:
         try:
-            body = await asyncio.wait_for(read_body(receive, self.limits.max_body_bytes), self.limits.body_timeout_s)
+            async with asyncio.timeout(self.limits.body_timeout_s):  # a timer, not a task (as wait_for makes)
+                body = await read_body(receive, self.limits.max_body_bytes)
         except TimeoutError:
             raise HttpError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s") from None
         usage = self.routes.tenant_traffic(principal.tenant, deployment)
         target = scope["raw_path"] or path.encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        headers_out = [(k, v) for k, v in scope["headers"] if k.lower() not in _DROPPED_REQUEST] + self._internal
+        headers_out = [(k, v) for k, v in scope["headers"] if k not in _DROPPED_REQUEST]  # ASGI names are lowercase
+        headers_out += self._internal
         headers_out.append((TENANT_HEADER_BYTES, principal.tenant.encode()))  # per-tenant batches (protocols/internal)
         counters.requests += 1
         counters.bytes_in += len(body)
@@ -265,7 +271,14 @@ class RestGateway:
             endpoint.outstanding += 1
             try:
                 response = await self.pool.request(
-                    endpoint.host, endpoint.http_port, method.encode(), target, headers_out, body, self.request_timeout
+                    endpoint.host,
+                    endpoint.http_port,
+                    method.encode(),
+                    target,
+                    headers_out,
+                    body,
+                    self.request_timeout,
+                    filtered=True,
                 )
             except UpstreamError as exc:
                 self.routes.failed(endpoint)

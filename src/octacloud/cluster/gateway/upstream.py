@@ -214,11 +214,14 @@ class _Connection(asyncio.Protocol):
             await asyncio.sleep(0.001)
 
 
-def encode_request(host: str, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
-    """The request as it goes on the wire: the caller's end-to-end headers, a Host and the body's length."""
+def encode_request(
+    host: str, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes, filtered: bool = False
+) -> bytes:
+    """The request as it goes on the wire: the caller's end-to-end headers, a Host and the body's length.
+    ``filtered``: the caller already left out every ``HOP_BY_HOP`` header."""
     head = [method, b" ", target, b" HTTP/1.1\r\nHost: ", host.encode(), b"\r\n"]
     for name, value in headers:
-        if name.lower() not in HOP_BY_HOP:
+        if filtered or name.lower() not in HOP_BY_HOP:
             head += [name, b": ", value, b"\r\n"]
     if body or method not in (b"GET", b"HEAD"):
         head += [b"Content-Length: ", str(len(body)).encode(), b"\r\n"]
@@ -257,13 +260,15 @@ class UpstreamPool:
         body: bytes,
         timeout: float | None = None,
         server_name: str | None = None,
+        filtered: bool = False,
     ) -> Response:
+        """``filtered``: ``headers`` hold no ``HOP_BY_HOP`` header (lowercase names, checked by the caller)."""
         key = (host, port)
         now = time.monotonic()
         if now >= self._next_sweep:
             self._next_sweep = now + self.sweep_s
             self.sweep()
-        wire = encode_request(host, method, target, headers, body)
+        wire = encode_request(host, method, target, headers, body, filtered)
         head_only = method == b"HEAD"
         conn = self._take(key)
         if conn is not None:
@@ -300,7 +305,8 @@ class UpstreamPool:
         self, key: tuple[str, int], conn: _Connection, wire: bytes, head_only: bool, timeout: float | None
     ) -> Response:
         try:
-            response = await asyncio.wait_for(conn.exchange(wire, head_only), timeout)
+            async with asyncio.timeout(timeout):  # a timer, not the task asyncio.wait_for would make
+                response = await conn.exchange(wire, head_only)
         except BaseException:  # failed, timed out or cancelled: the answer's end is unknown
             conn.close()
             raise

@@ -21,14 +21,13 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-import grpc
 
 from octacloud.cluster.auth import Guard, KeyStore, server_secret
 from octacloud.cluster.gateway.admin_link import AdminProxy, InternalOnly
@@ -303,7 +302,7 @@ async def serve_worker(spec: WorkerSpec, index: int) -> None:
         pool=pool,
     )
     grpc_gateway = GrpcGateway(
-        routes, ready=feed.ready, guard=guard, limits=limits, internal_secret=secret, internal_tls=channel_tls
+        routes, ready=feed.ready, guard=guard, limits=limits, internal_secret=secret, replica_ssl=channel_tls
     )
     fronts = gateway_fronts(rest, grpc_gateway, limits, spec.tls_config())
     await feed.connect()
@@ -333,7 +332,7 @@ async def serve_worker(spec: WorkerSpec, index: int) -> None:
     store.close()
 
 
-def _internal_tls(spec: WorkerSpec) -> tuple[UpstreamPool | None, grpc.ChannelCredentials | None]:
+def _internal_tls(spec: WorkerSpec) -> tuple[UpstreamPool | None, ssl.SSLContext | None]:
     """With TLS to the replicas: this worker's own client certificate, from the cloud's CA."""
     if spec.internal_ca_pem is None:
         return None, None
@@ -341,7 +340,7 @@ def _internal_tls(spec: WorkerSpec) -> tuple[UpstreamPool | None, grpc.ChannelCr
     if ca.ca_pem.decode() != spec.internal_ca_pem:
         raise InvalidSpecError(f"the internal CA in {spec.state_dir} is not the one the cloud's main process uses")
     client = InternalClientTls.issue(ca)
-    return UpstreamPool(tls=client.context()), grpc.ssl_channel_credentials(*client.grpc_credentials_args())
+    return UpstreamPool(tls=client.context()), InternalClientTls.issue(ca).context()  # gRPC's own: ALPN h2 on it
 
 
 def main(argv: list[str]) -> int:

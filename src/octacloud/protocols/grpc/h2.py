@@ -10,6 +10,13 @@ settings, ping, flow control both ways, CONTINUATION, padding, RST_STREAM, GOAWA
 
 The methods are :class:`~octacloud.protocols.grpc.servicer.InferenceServicer`'s, called with a context whose
 ``abort`` ends the call with that status; so both servers answer alike.
+
+:class:`Http2Server` is the same server for any set of methods, among them *raw* ones (``Method.parse`` is
+None) that get the request message's bytes and answer bytes, never decoding a message: the cloud's gateway
+proxies calls that way. Its ``admit`` hook sees each call's path and metadata before one byte of the message
+is read (and may refuse it); a message whose length prefix is over the limit is refused before its body
+arrives; calls in progress, streams per connection and connections are bounded; a connection that has not
+sent its preface within ``header_timeout_s``, or has had no call for ``idle_timeout_s``, is closed.
 """
 
 from __future__ import annotations
@@ -18,11 +25,12 @@ import asyncio
 import base64
 import contextlib
 import logging
+import ssl
+import ssl as _ssl  # ``start``'s parameter is named ssl, as asyncio's
 import struct
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from ssl import SSLContext
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 from urllib.parse import quote
 
 import grpc
@@ -35,11 +43,14 @@ from octacloud.protocols.internal import HEADER as SECRET_HEADER
 from octacloud.serving import DataPlane, ModelExecutionError
 
 log = logging.getLogger(__name__)
+# hpack logs every header it decodes at DEBUG, keys and secrets among them: never let those records out
+logging.getLogger("hpack").setLevel(logging.INFO)
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, CANCEL, COMPRESSION_ERROR = 0, 1, 3, 6, 8, 9
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL = 0, 1, 3, 6, 7, 8
+COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 9, 11
 MAX_WINDOW = 2**31 - 1
 DEFAULT_FRAME = 2**14
 _HEADER = struct.Struct(">BHBBI")  # 9-byte frame header: length (24 bits as 8 + 16), type, flags, stream
@@ -71,7 +82,7 @@ def _int7(n: int) -> bytes:
     return bytes(out)
 
 
-def _metadata_block(metadata: Any) -> bytes:
+def metadata_block(metadata: Any) -> bytes:
     """Custom metadata as header fields (``-bin`` values base64, as gRPC sends them)."""
     out = b""
     for key, value in metadata or ():
@@ -99,9 +110,11 @@ class CallContext:
     """The part of ``grpc.aio.ServicerContext`` a servicer uses: ``abort``, ``invocation_metadata``, ``peer``,
     ``set_code``/``set_details``, ``set_trailing_metadata``."""
 
-    def __init__(self, metadata: tuple[tuple[str, str | bytes], ...], peer: str) -> None:
+    def __init__(self, metadata: tuple[tuple[str, str | bytes], ...], peer: str, state: Any = None) -> None:
         self._metadata = metadata
         self._peer = peer
+        self.state = state
+        """What the server's ``admit`` hook returned for this call (e.g. the caller's principal)."""
         self.code: grpc.StatusCode | None = None
         self.details = ""
         self.trailing: Any = ()
@@ -127,9 +140,18 @@ class CallContext:
 
 @dataclass(frozen=True, slots=True)
 class Method:
-    parse: Callable[[bytes], Any]
+    parse: Callable[[bytes], Any] | None
+    """The request message's decoder; None: a raw method, called with the message's bytes, answering bytes."""
     call: Callable[..., Any]
     streaming: bool
+
+
+Metadata: TypeAlias = tuple[tuple[str, str | bytes], ...]
+Refusal: TypeAlias = tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]
+"""Why a call is refused: its status, details and trailing metadata."""
+Admit: TypeAlias = Callable[[str, Metadata], Any]
+"""``admit(path, metadata)``, before the message is read: a :data:`Refusal` tuple ends the call; anything else
+is the call's ``context.state``."""
 
 
 def methods(servicer: InferenceServicer) -> dict[str, Method]:
@@ -151,6 +173,7 @@ class _Stream:
     headers_done: bool = False
     method: Method | None = None
     metadata: tuple[tuple[str, str | bytes], ...] = ()
+    state: Any = None
     data: bytearray = field(default_factory=bytearray)
     remote_closed: bool = False
     task: asyncio.Task[None] | None = None
@@ -164,7 +187,7 @@ class _Stream:
 class Http2Connection(asyncio.Protocol):
     """One client connection. Every frame is handled on the loop; each call runs as a task."""
 
-    def __init__(self, server: GrpcServer) -> None:
+    def __init__(self, server: Http2Server) -> None:
         self._server = server
         self._methods = server.methods
         self._max_message = server.max_message_bytes
@@ -172,6 +195,7 @@ class Http2Connection(asyncio.Protocol):
         self._buffer = bytearray()
         self._preface = False
         self._decoder = hpack.Decoder()
+        self._decoded: dict[bytes, list[tuple[str, str]]] = {}  # see _decode
         self._streams: dict[int, _Stream] = {}
         self._send_window = 65535
         self._initial_window = 65535
@@ -182,6 +206,9 @@ class Http2Connection(asyncio.Protocol):
         self._going_away = False
         self._peer = "unknown"
         self._out = bytearray()  # frames to send at the end of this loop turn
+        self._opened = 0.0  # loop time of the connection's start
+        self._idle_since = 0.0  # loop time since which no stream is open
+        self.pings = 0  # PINGs since the server's last sweep
 
     # ---- asyncio.Protocol --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -190,6 +217,11 @@ class Http2Connection(asyncio.Protocol):
         if isinstance(peer, tuple):
             self._peer = f"ipv4:{peer[0]}:{peer[1]}"
         self._server.connections.add(self)
+        if len(self._server.connections) > self._server.max_connections:
+            self._server.refused += 1
+            transport.abort()
+            return
+        self._opened = self._idle_since = self._server.now()
         # our settings: streams may send up to 2^31-1 without a per-stream WINDOW_UPDATE (message size is
         # bounded separately); the connection window is raised to the same by one WINDOW_UPDATE
         settings = struct.pack(">HI", 0x4, MAX_WINDOW) + struct.pack(">HI", 0x3, self._server.max_streams)
@@ -261,6 +293,9 @@ class Http2Connection(asyncio.Protocol):
                 self._settings(payload)
         elif kind == PING:
             if not flags & ACK:
+                self.pings += 1
+                if self.pings > self._server.max_pings_per_s:
+                    raise _ConnectionError(ENHANCE_YOUR_CALM, "too many pings")
                 self._write(frame(PING, ACK, 0, payload))
         elif kind == WINDOW_UPDATE:
             self._window_update(sid, payload)
@@ -305,7 +340,7 @@ class Http2Connection(asyncio.Protocol):
     def _header_block(self, s: _Stream, block: bytes, closed: bool) -> None:
         s.block = None
         try:
-            headers = cast(list[tuple[str, str]], self._decoder.decode(block))
+            headers = self._decode(block)
         except hpack.HPACKError as e:
             raise _ConnectionError(COMPRESSION_ERROR, str(e)) from None
         if s.headers_done:  # the client's trailers: only the end of the stream matters
@@ -323,16 +358,22 @@ class Http2Connection(asyncio.Protocol):
             elif k not in _SKIP:
                 metadata.append((k, base64.b64decode(v + "==") if k.endswith("-bin") else v))
         s.metadata = tuple(metadata)
+        if len(self._streams) > self._server.max_streams:  # more than our SETTINGS allowed
+            self._streams.pop(s.id, None)
+            self._write(frame(RST_STREAM, 0, s.id, _U32.pack(REFUSED_STREAM)))
+            return
         s.method = self._methods.get(path)
         if s.method is None:
-            self._fail(s, grpc.StatusCode.UNIMPLEMENTED, f"method {path} is not implemented")
+            self._fail(s, grpc.StatusCode.UNIMPLEMENTED, f"method {path} is not implemented", reset=not closed)
             return
-        secret = self._server.secret
-        if secret is not None and path not in OPEN_GRPC_METHODS:
-            presented = next((v for k, v in s.metadata if k == SECRET_HEADER), None)
-            if not matches(secret, presented):
-                self._fail(s, grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+        admit = self._server.admit
+        if admit is not None:
+            verdict = admit(path, s.metadata)
+            if type(verdict) is tuple:  # refused on its metadata alone: the message is never read
+                code, details, trailing = verdict
+                self._fail(s, code, details, reset=not closed, extra=metadata_block(trailing))
                 return
+            s.state = verdict
         if encoding != "identity":
             self._fail(s, grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported; use identity")
             return
@@ -345,6 +386,24 @@ class Http2Connection(asyncio.Protocol):
         if closed:
             self._end_of_input(s)
 
+    def _decode(self, block: bytes) -> list[tuple[str, str]]:
+        """HPACK-decode a header block. A client repeats its blocks (after the first calls, references into the
+        dynamic table): a block whose decoding left the table as it was is kept, and the same bytes decode to
+        the same headers as long as the table does not change (any change forgets every kept block)."""
+        kept = self._decoded.get(block)
+        if kept is not None:
+            return kept
+        table = self._decoder.header_table
+        entries = table.dynamic_entries
+        first, count, size = entries[0] if entries else None, len(entries), table.maxsize
+        headers = cast(list[tuple[str, str]], self._decoder.decode(block))
+        if (entries[0] if entries else None) is first and len(entries) == count and table.maxsize == size:
+            if len(self._decoded) < 64:
+                self._decoded[block] = headers
+        else:
+            self._decoded.clear()
+        return headers
+
     def _data(self, flags: int, sid: int, payload: bytes) -> None:
         self._received += len(payload)
         s = self._streams.get(sid)
@@ -356,13 +415,15 @@ class Http2Connection(asyncio.Protocol):
         if flags & PADDED:
             end -= payload[0]
             start = 1
-        s.data += payload[start:end] if start or end != len(payload) else payload
-        if len(s.data) > self._max_message + 5 and s.inbox is None:
+        data = s.data
+        data += payload[start:end] if start or end != len(payload) else payload
+        if s.inbox is None and len(data) >= 5 and max(_U32.unpack_from(data, 1)[0], len(data) - 5) > self._max_message:
+            # the length prefix says more than the limit: refused before the message's body is taken in
             self._fail(
                 s,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the request message is over the limit of {self._max_message} bytes",
-                reset=True,
+                reset=not flags & END_STREAM,
             )
             return
         if s.inbox is not None:
@@ -396,6 +457,10 @@ class Http2Connection(asyncio.Protocol):
             return
         if data[0]:
             self._fail(s, grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported")
+            return
+        server = self._server
+        if server.calls >= server.max_calls:
+            self._fail(s, grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {server.max_calls} calls in progress")
             return
         s.task = asyncio.get_running_loop().create_task(self._unary(s, bytes(data[5:])))
         s.data = bytearray()
@@ -436,19 +501,25 @@ class Http2Connection(asyncio.Protocol):
     async def _unary(self, s: _Stream, message: bytes) -> None:
         method = s.method
         assert method is not None
-        context = CallContext(s.metadata, self._peer)
+        context = CallContext(s.metadata, self._peer, s.state)
+        server = self._server
+        server.calls += 1
         try:
-            response = await method.call(method.parse(message), context)
-            out = response.SerializeToString()
+            if method.parse is None:
+                out = await method.call(message, context)
+            else:
+                out = (await method.call(method.parse(message), context)).SerializeToString()
         except _Abort as a:
-            self._fail(s, a.code, a.details, extra=_metadata_block(a.trailing))
+            self._fail(s, a.code, a.details, extra=metadata_block(a.trailing))
             return
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._fail_with(s, e)
             return
-        extra = _metadata_block(context.trailing)
+        finally:
+            server.calls -= 1
+        extra = metadata_block(context.trailing)
         if context.code is not None and context.code is not grpc.StatusCode.OK:
             self._fail(s, context.code, context.details, extra=extra)
             return
@@ -458,25 +529,26 @@ class Http2Connection(asyncio.Protocol):
         method = s.method
         assert method is not None and s.inbox is not None
         inbox = s.inbox
-        context = CallContext(s.metadata, self._peer)
+        context = CallContext(s.metadata, self._peer, s.state)
+        parse = method.parse or bytes
 
         async def requests() -> AsyncIterator[Any]:
             while (message := await inbox.get()) is not None:
-                yield method.parse(message)
+                yield parse(message)
 
         try:
             async for response in method.call(requests(), context):
-                out = response.SerializeToString()
+                out = response if method.parse is None else response.SerializeToString()
                 self._respond(s, b"\x00" + _U32.pack(len(out)) + out, None)
         except _Abort as a:
-            self._fail(s, a.code, a.details, extra=_metadata_block(a.trailing))
+            self._fail(s, a.code, a.details, extra=metadata_block(a.trailing))
             return
         except asyncio.CancelledError:
             raise
         except Exception as e:
             self._fail_with(s, e)
             return
-        self._respond(s, b"", _metadata_block(context.trailing) + _OK_TRAILERS)
+        self._respond(s, b"", metadata_block(context.trailing) + _OK_TRAILERS)
 
     def _fail_with(self, s: _Stream, error: Exception) -> None:
         code = code_of(error)
@@ -509,12 +581,14 @@ class Http2Connection(asyncio.Protocol):
             del pending[:n]
             self._send_window -= n
             s.send_window -= n
-        if not pending and s.pending_trailers is not None:
-            out += frame(HEADERS, END_HEADERS | END_STREAM, s.id, s.pending_trailers)
+        done = not pending and s.pending_trailers is not None
+        if done:
+            out += frame(HEADERS, END_HEADERS | END_STREAM, s.id, s.pending_trailers)  # type: ignore[operator, arg-type]
             s.pending_trailers = None
-            self._finished(s)
         if out:
             self._write(out)
+        if done:  # after the write: a connection going away closes once its last stream is finished
+            self._finished(s)
 
     def _flush_all(self) -> None:
         for s in list(self._streams.values()):
@@ -541,9 +615,12 @@ class Http2Connection(asyncio.Protocol):
         self._finished(s)
 
     def _finished(self, s: _Stream) -> None:
-        self._streams.pop(s.id, None)
-        if self._going_away and not self._streams:
-            self._close()
+        streams = self._streams
+        streams.pop(s.id, None)
+        if not streams:
+            self._idle_since = self._server.now()
+            if self._going_away:
+                self._close()
 
     def _write(self, data: bytes) -> None:
         """Queue ``data``; everything queued in one loop turn (the responses of one batch) is one write."""
@@ -579,6 +656,15 @@ class Http2Connection(asyncio.Protocol):
     def busy(self) -> bool:
         return bool(self._streams)
 
+    def sweep(self, now: float) -> None:
+        """The server's periodic check: a preface too late, a connection idle too long, the ping count reset."""
+        self.pings = 0
+        server = self._server
+        if not self._preface and now - self._opened > server.header_timeout_s:
+            self._close()
+        elif not self._streams and now - self._idle_since > server.idle_timeout_s:
+            self._goaway(NO_ERROR, "idle")
+
 
 class _ConnectionError(Exception):
     def __init__(self, code: int, message: str) -> None:
@@ -586,45 +672,77 @@ class _ConnectionError(Exception):
         self.code = code
 
 
-class GrpcServer:
-    """Triton's gRPC service over one :class:`DataPlane`, on the running event loop."""
+class Http2Server:
+    """gRPC over HTTP/2 for a set of methods (by path), on the running event loop."""
 
     def __init__(
         self,
-        dataplane: DataPlane,
+        methods: Mapping[str, Method],
         *,
+        admit: Admit | None = None,
         max_message_bytes: int = 64 * 2**20,
         max_streams: int = 1024,
-        extra: Mapping[str, Method] | None = None,
-        secret: bytes | None = None,
+        max_calls: int = 2**31,
+        max_connections: int = 2**31,
+        header_timeout_s: float = 3600.0,
+        idle_timeout_s: float = 86400.0,
+        max_pings_per_s: int = 1000,
     ) -> None:
-        self.methods = {**methods(InferenceServicer(dataplane, trust_tenant=secret is not None)), **(extra or {})}
-        self.secret = secret
-        """The cloud's internal secret: every call but ServerLive/ServerReady must carry it (protocols/internal.py)."""
+        self.methods = dict(methods)
+        self.admit = admit
         self.max_message_bytes = max_message_bytes
         self.max_streams = max_streams
+        """Concurrent streams per connection (our SETTINGS_MAX_CONCURRENT_STREAMS; more are REFUSED_STREAM)."""
+        self.max_calls = max_calls
+        """Calls in progress over all connections; more are RESOURCE_EXHAUSTED."""
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        """From a connection's start to the end of the client's preface."""
+        self.idle_timeout_s = idle_timeout_s
+        """A connection with no call for this long is sent GOAWAY and closed."""
+        self.max_pings_per_s = max_pings_per_s
         self.max_frame_in = DEFAULT_FRAME  # we advertise no larger SETTINGS_MAX_FRAME_SIZE
         self.connections: set[Http2Connection] = set()
+        self.calls = 0
+        self.refused = 0
+        """Connections closed on arrival because ``max_connections`` were open."""
         self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self.now: Callable[[], float] = lambda: 0.0
 
-    async def start(self, host: str, port: int, ssl: SSLContext | None = None) -> int:
-        """Listen on ``host:port`` (0: a free port), over TLS with ``ssl`` (it should offer ALPN ``h2``);
-        returns the port."""
+    async def start(self, host: str, port: int, ssl: _ssl.SSLContext | None = None, reuse_port: bool = False) -> int:
+        """Listen on ``host:port`` (0: a free port), over TLS when ``ssl`` is given (it must offer ALPN ``h2``:
+        :func:`server_ssl_context`); ``reuse_port``: share the port with other processes (``SO_REUSEPORT``).
+        Returns the port."""
         loop = asyncio.get_running_loop()
-        tls: dict[str, Any] = {"ssl": ssl, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT_S} if ssl is not None else {}
+        self.now = loop.time
+        handshake = min(self.header_timeout_s, HANDSHAKE_TIMEOUT_S)
+        tls: dict[str, Any] = {"ssl": ssl, "ssl_handshake_timeout": handshake} if ssl is not None else {}
         try:
             self._server = await loop.create_server(
-                lambda: Http2Connection(self), host, port, reuse_address=True, **tls
+                lambda: Http2Connection(self), host, port, reuse_address=True, reuse_port=reuse_port or None, **tls
             )
         except OSError as e:
             raise OSError(f"cannot bind the gRPC port {host}:{port}: {e.strerror}") from None
+        self._sweeper = loop.create_task(self._sweep())
         sock = self._server.sockets[0]
         return int(sock.getsockname()[1])
+
+    async def _sweep(self) -> None:
+        interval = min(1.0, self.header_timeout_s / 2, self.idle_timeout_s / 2)
+        while True:
+            await asyncio.sleep(interval)
+            now = self.now()
+            for c in list(self.connections):
+                c.sweep(now)
 
     async def stop(self, grace_s: float) -> None:
         """Stop listening, tell every client to go away, give calls in flight ``grace_s`` to finish."""
         if self._server is None:
             return
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         self._server.close()
         for c in list(self.connections):
             c.shut_down()
@@ -639,4 +757,61 @@ class GrpcServer:
         self._server = None
 
 
-__all__ = ["CallContext", "GrpcServer", "Method", "methods"]
+class GrpcServer(Http2Server):
+    """Triton's gRPC service over one :class:`DataPlane`, on the running event loop."""
+
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        *,
+        max_message_bytes: int = 64 * 2**20,
+        max_streams: int = 1024,
+        extra: Mapping[str, Method] | None = None,
+        secret: bytes | None = None,
+    ) -> None:
+        super().__init__(
+            {**methods(InferenceServicer(dataplane, trust_tenant=secret is not None)), **(extra or {})},
+            admit=None if secret is None else _require(secret),
+            max_message_bytes=max_message_bytes,
+            max_streams=max_streams,
+        )
+        self.secret = secret
+        """The cloud's internal secret: every call but ServerLive/ServerReady must carry it (protocols/internal.py)."""
+
+
+def _require(secret: bytes) -> Admit:
+    refused: Refusal = (grpc.StatusCode.UNAUTHENTICATED, REFUSED, ())
+
+    def admit(path: str, metadata: Metadata) -> Refusal | None:
+        if path in OPEN_GRPC_METHODS:
+            return None
+        presented = next((v for k, v in metadata if k == SECRET_HEADER), None)
+        return None if matches(secret, presented) else refused
+
+    return admit
+
+
+def server_ssl_context(certfile: str, keyfile: str, client_ca: str | None = None) -> ssl.SSLContext:
+    """A TLS server context for gRPC: ALPN ``h2``, TLS 1.2 or later, client certificates required when
+    ``client_ca`` is given."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(certfile, keyfile)
+    if client_ca is not None:
+        context.load_verify_locations(client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
+__all__ = [
+    "Admit",
+    "CallContext",
+    "GrpcServer",
+    "Http2Server",
+    "Method",
+    "Refusal",
+    "metadata_block",
+    "methods",
+    "server_ssl_context",
+]

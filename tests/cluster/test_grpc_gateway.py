@@ -1,0 +1,144 @@
+"""The gateway's gRPC front in process, in front of two fake replicas (HTTP/2 servers with raw methods): calls
+reach a replica and come back byte for byte; a replica killed mid-call (its connections dropped, no GOAWAY)
+costs the caller nothing, the call is served by the other; with none left the caller gets UNAVAILABLE and
+``retry-after``; a replica's own errors and trailing metadata pass through; a replica that does not answer
+in time is DEADLINE_EXCEEDED."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
+
+from octacloud.cluster.gateway.fronts import GrpcFront
+from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
+from octacloud.cluster.gateway.limits import GatewayLimits
+from octacloud.cluster.gateway.routing import Endpoint, RouteTable
+from octacloud.protocols.grpc import h2
+from octacloud.protocols.server import new_event_loop
+
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def run(coro: Callable[[], Awaitable[None]]) -> None:
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(coro())
+    finally:
+        loop.close()
+
+
+class Replica:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.seen: list[bytes] = []
+        self.slow = 0  # slow calls in progress
+
+        async def infer(message: bytes, context: h2.CallContext) -> bytes:
+            self.seen.append(message)
+            request = pb.ModelInferRequest.FromString(message)
+            if "s" in request.parameters:
+                self.slow += 1
+                try:
+                    await asyncio.sleep(float(request.parameters["s"].string_param))
+                finally:
+                    self.slow -= 1
+            if request.id == "refuse":
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad input é", (("x-why", "shape"),))
+            assert ("x-octacloud-internal", "s" * 32) in context.invocation_metadata()
+            assert all(k != "authorization" for k, _ in context.invocation_metadata())
+            return pb.ModelInferResponse(
+                model_name=request.model_name, id=f"{self.name}:{request.id}"
+            ).SerializeToString()
+
+        self.server = h2.Http2Server({INFER: h2.Method(None, infer, streaming=False)})
+        self.port = 0
+
+    async def start(self) -> None:
+        self.port = await self.server.start("127.0.0.1", 0)
+
+    async def kill(self) -> None:
+        """As kill -9 would: connections dropped without a word, the port closed."""
+        for c in list(self.server.connections):
+            if c._transport is not None:
+                c._transport.abort()
+        await self.server.stop(0)
+
+
+def request(rid: str, seconds: float = 0.0) -> bytes:
+    req = pb.ModelInferRequest(model_name="lin", id=rid)
+    if seconds:
+        req.parameters["s"].string_param = str(seconds)
+    return bytes(req.SerializeToString())
+
+
+async def setup(timeout: float = 60.0) -> tuple[GrpcFront, int, list[Replica], RouteTable]:
+    replicas = [Replica("a"), Replica("b")]
+    for r in replicas:
+        await r.start()
+    routes = RouteTable()
+    routes.update("lin", [Endpoint(r.name, "127.0.0.1", 1, r.port) for r in replicas])
+    limits = GatewayLimits(max_inflight_per_replica=0)
+    front = GrpcFront(GrpcGateway(routes, timeout=timeout, limits=limits, internal_secret="s" * 32), limits)
+    port = await front.start("127.0.0.1", 0, reuse_port=False)
+    return front, port, replicas, routes
+
+
+async def call(channel: grpc.aio.Channel, message: bytes) -> pb.ModelInferResponse | tuple[object, ...]:
+    try:
+        raw = await channel.unary_unary(INFER)(message, metadata=(("authorization", "Bearer x"),), timeout=10)
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details(), tuple(e.trailing_metadata() or ())
+    return pb.ModelInferResponse.FromString(raw)
+
+
+def test_calls_go_through_and_a_replica_killed_mid_call_costs_nothing() -> None:
+    async def go() -> None:
+        front, port, (a, b), _ = await setup()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                answers = await asyncio.gather(*(call(channel, request(str(i))) for i in range(20)))
+                assert sorted(x.id.split(":")[1] for x in answers) == sorted(str(i) for i in range(20))  # type: ignore[union-attr]
+                assert a.seen and b.seen  # both replicas served
+                # calls in flight on both when a dies: those on a are served again by b
+                pending = [asyncio.ensure_future(call(channel, request(f"s{i}", 0.5))) for i in range(6)]
+                for _ in range(200):
+                    if a.slow and b.slow:
+                        break
+                    await asyncio.sleep(0.01)
+                assert a.slow and b.slow
+                await a.kill()
+                done = await asyncio.gather(*pending)
+                assert all(isinstance(x, pb.ModelInferResponse) and x.id.startswith("b:") for x in done), done
+                # none left: UNAVAILABLE, with retry-after
+                await b.kill()
+                code, details, trailing = await call(channel, request("z"))  # type: ignore[misc]
+                assert code is grpc.StatusCode.UNAVAILABLE, details
+                assert any(k == "retry-after" for k, _ in trailing)
+        finally:
+            await front.stop(0.5)
+
+    run(go)
+
+
+def test_replica_errors_pass_through_and_slow_replicas_time_out() -> None:
+    async def go() -> None:
+        front, port, replicas, routes = await setup(timeout=0.3)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                code, details, trailing = await call(channel, request("refuse"))  # type: ignore[misc]
+                assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, "bad input é")
+                assert ("x-why", "shape") in trailing
+                code, details, _ = await call(channel, request("late", 1.0))  # type: ignore[misc]
+                assert code is grpc.StatusCode.DEADLINE_EXCEEDED, details
+                answer = await call(channel, request("after"))
+                assert isinstance(answer, pb.ModelInferResponse)  # the connections still serve
+                assert routes.counter("lin").outstanding == 0
+        finally:
+            await front.stop(0.5)
+            for r in replicas:
+                await r.server.stop(0)
+
+    run(go)
