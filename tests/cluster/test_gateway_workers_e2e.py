@@ -75,7 +75,8 @@ def test_two_workers_share_routes_auth_metering_and_survive_kill(cloud: CloudThr
     c = cloud
     w = workers_of(c)
     assert set(w.pids()) == {0, 1} and w.serving() == {0, 1}
-    assert httpx.get(f"{c.url}/v2/health/ready").json() == {"ready": True}
+    # ready once the controller's loop has completed a pass and a worker has heard so (a loaded machine: a while)
+    wait_until("ready", lambda: httpx.get(f"{c.url}/v2/health/ready").json() == {"ready": True}, timeout=30)
     spec_file = c.cloud.config.state_dir.resolve() / "gateway-workers.json"
     assert stat.S_IMODE(spec_file.stat().st_mode) == 0o600
     assert stat.S_IMODE(os.stat(w.hub.path).st_mode) == 0o600
