@@ -347,11 +347,13 @@ async def test_a_controller_restart_in_the_middle_of_a_move_loses_nothing(tmp_pa
     h.controller.adopt()
     state = h.controller.scheduler.state
     assert {a.request.name for a in state} == {r.id for r in h.replicas() if r.placed}
+    assert surge.id not in {r.id for r in h.replicas()}  # it was not ready: the move was rolled back
+    assert h.routed(surge.deployment) == [surge.replaces]  # the old one serves on
     for _ in range(4):
         await h.reconcile()
         await h.health()
-    assert h.ready("big") and surge.id in {r.id for r in h.ready(surge.deployment)}
-    assert surge.replaces not in h.launcher.ids()  # the replaced replica stopped
+    assert h.ready("big") and surge.deployment in {r.deployment for r in h.ready(surge.deployment)}
+    assert surge.replaces not in h.launcher.ids()  # the move was made again, and the replaced replica stopped
     assert {a.request.name for a in state} == {r.id for r in h.replicas()}
     assert h.launcher.ids() == {r.id for r in h.replicas()}
 

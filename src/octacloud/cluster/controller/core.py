@@ -34,7 +34,7 @@ from octacloud.cluster.fleet import CPU_CARD_MODEL
 from octacloud.cluster.gateway.routing import Owner, RouteTable
 from octacloud.cluster.launcher import ReplicaLauncher, check_version
 from octacloud.cluster.sizing import Autoscaler, FleetCapacity, Sizing, plan_size, reserve_percent
-from octacloud.cluster.store import StateStore
+from octacloud.cluster.store import StateStore, Transition
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Health, Node
@@ -273,12 +273,14 @@ class Controller:
     # ---- the loop ----------------------------------------------------------------------------------------
 
     def adopt(self) -> None:
-        """On start: rebuild the scheduler's state from the store, adopting replicas that still run."""
+        """On start: rebuild the scheduler's state from the store, adopting replicas that still run, then the
+        replacements that were in flight (see :meth:`_adopt_transitions`)."""
         w = self.w
         for d in w.store.deployments():
             w.routes.owners[d.spec.name] = Owner(d.spec.tenant, d.spec.published)
+        carry_on, moved_away = self._undo_unfinished()
         for r in sorted(w.store.replicas(), key=lambda r: not r.handle):  # what runs keeps its slice first
-            if not r.placed or w.holds(r.id):
+            if not r.placed or w.holds(r.id) or r.id in moved_away:
                 continue
             try:
                 w.scheduler.commit(w.request(r, w.store.get_deployment(r.deployment)), w.placement(r))
@@ -296,6 +298,73 @@ class Controller:
                 w.store.put_replica(r)
         for d in w.store.deployments():
             w.route(d.spec.name)
+        for t in carry_on:
+            self._carry_on(t)
+
+    def _undo_unfinished(self) -> tuple[list[Transition], set[str]]:
+        """Sort the replacements a restart interrupted: one whose replacement is not READY (or no longer runs)
+        while the old replica still does is rolled back (the replacement stopped and forgotten, the old one
+        serves on, what a move placed on its slice goes back to pending); the others carry on from their phase.
+        Returns those that carry on, and the sources of the moves among them (their slice is already someone
+        else's: it is not re-accounted to them)."""
+        w, x = self.w, self.executor
+        replicas = {r.id: r for r in w.store.replicas()}
+        carry_on: list[Transition] = []
+        for t in w.store.transitions():
+            surge, old = replicas.get(t.replacement), replicas.get(t.source)
+            surge_runs = surge is not None and bool(surge.handle) and w.launcher.alive(surge.handle)
+            old_runs = old is not None and bool(old.handle) and w.launcher.alive(old.handle)
+            ready = surge is not None and surge_runs and surge.state is ReplicaState.READY
+            if surge is None or (old is None and not ready):
+                w.store.delete_transition(t.replacement)  # nothing left to take over from or to
+                continue
+            if ready or not old_runs or old is None:
+                w.transitions[t.replacement] = t
+                carry_on.append(t)
+                continue
+            if surge.handle and surge_runs:
+                x.kill(surge.handle)
+            w.store.delete_replica(surge.id)
+            w.store.delete_transition(t.replacement)
+            if old.state is ReplicaState.STOPPING:  # it was draining for a replacement that no longer runs
+                old.state = ReplicaState.READY
+                w.store.put_replica(old)
+            if t.kind == "move":
+                for waiter in w.store.replicas():
+                    if old.id in waiter.after:
+                        w.to_pending(waiter, "the move that made room for it was interrupted by a restart")
+                w.replica_event("move rolled back", old, f"{surge.id} was not ready at restart; {old.id} serves on")
+            else:
+                w.event("rollout failed", surge.id, f"not ready at restart; {old.id} serves on", t.deployment)
+        moved_away = {t.source for t in carry_on if t.kind == "move"}
+        return carry_on, moved_away
+
+    def _carry_on(self, t: Transition) -> None:
+        """Finish replacement ``t`` from the phase it had reached (its replacement is READY, or the replica it
+        replaces no longer runs)."""
+        w, x = self.w, self.executor
+        replicas = {r.id: r for r in w.store.replicas(t.deployment)}
+        surge, old = replicas.get(t.replacement), replicas.get(t.source)
+        if surge is None:
+            w.end_transition(t.replacement)
+            return
+        if surge.replaces and surge.state is ReplicaState.READY:  # it was ready, not yet routed
+            x.complete(surge)
+            return
+        if surge.replaces:  # neither runs any longer: the surge restarts as an ordinary replica
+            surge.replaces = ""
+            w.store.put_replica(surge)
+        w.route(t.deployment)
+        x.pin(surge.id)
+        if old is None:
+            w.end_transition(t.replacement)
+            x.pin(surge.id, pinned=False)
+        elif t.phase == "releasing" or not (old.handle and w.launcher.alive(old.handle)):
+            w.phase(t, "releasing")
+            x.release_stopped(old, t)
+            w.replica_event("stopped", old, f"replaced by {surge.id} (finished after a restart)")
+        else:
+            x.retire(old, f"replaced by {surge.id} (carried on after a restart)", transition=t)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set; an iteration that raises is retried with back-off, never fatal."""
