@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from octacloud.cluster.controller.state import ControllerStore
 from octacloud.cluster.deployments import Replica, ReplicaState
-from octacloud.cluster.store import StateStore, Transition
+from octacloud.cluster.store import Transition
 
 from .controller_fakes import Harness
 
@@ -19,7 +20,7 @@ class Killed(BaseException):
     """The controller's process died here (a BaseException: no ``except Exception`` in the controller stops it)."""
 
 
-class KillAt(StateStore):
+class KillAt(ControllerStore):
     """A store that kills the controller when a replacement's phase is recorded (``before`` or ``after`` it is)."""
 
     point: tuple[str, str] | None = None
@@ -110,7 +111,9 @@ async def fragment(h: Harness) -> None:
 
 @pytest.mark.parametrize("point", POINTS, ids=lambda p: "-".join(p) if p else "launched")
 async def test_a_restart_at_each_phase_of_a_move(tmp_path: Path, point: tuple[str, str] | None) -> None:
-    h = Harness(tmp_path, store=KillAt(f"sqlite:///{tmp_path / 'state.db'}"))
+    h = Harness(tmp_path)
+    h.wrap = KillAt
+    h.controller = h.make()
     await fragment(h)
     serving = {r.deployment: r.id for r in h.replicas()}
     h.deploy("big", octants=8)
@@ -145,7 +148,9 @@ async def test_a_restart_at_each_phase_of_a_move(tmp_path: Path, point: tuple[st
 
 @pytest.mark.parametrize("point", POINTS, ids=lambda p: "-".join(p) if p else "launched")
 async def test_a_restart_at_each_phase_of_a_rolling_update(tmp_path: Path, point: tuple[str, str] | None) -> None:
-    h = Harness(tmp_path, store=KillAt(f"sqlite:///{tmp_path / 'state.db'}"))
+    h = Harness(tmp_path)
+    h.wrap = KillAt
+    h.controller = h.make()
     h.deploy("a", octants=2)
     await h.reconcile()
     await h.health()

@@ -242,6 +242,12 @@ class StateStore:
         deployment just removed under that name), so that a tenant's events are selected by owner, never by
         matching names (one tenant's name may be a prefix of another's). Fleet events (``node``) have none."""
         at = time.time() if at is None else at
+        self.notify(self.insert_event(at, kind, subject, message, deployment, tenant))
+
+    def insert_event(
+        self, at: float, kind: str, subject: str, message: str, deployment: str, tenant: str
+    ) -> dict[str, object]:
+        """Store an event (stamped as :meth:`add_event` says) without telling the subscribers; returns it."""
         with self._tx() as s:
             if not deployment and kind not in _FLEET_KINDS:
                 replica = s.get(_ReplicaRow, subject)
@@ -253,8 +259,11 @@ class StateStore:
                 owner = s.get(_DeploymentRow, deployment)
                 tenant = _deployment(owner).spec.tenant if owner is not None else self._removed.get(deployment, "")
             s.add(_EventRow(at=at, kind=kind, subject=subject, message=message, deployment=deployment, tenant=tenant))
-        event = {"at": at, "kind": kind, "subject": subject, "message": message, "deployment": deployment,
-                 "tenant": tenant}  # fmt: skip
+        return {"at": at, "kind": kind, "subject": subject, "message": message, "deployment": deployment,
+                "tenant": tenant}  # fmt: skip
+
+    def notify(self, event: dict[str, object]) -> None:
+        """Tell the subscribers about a stored event."""
         for listener in self._listeners:
             try:
                 listener(event)

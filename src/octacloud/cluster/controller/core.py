@@ -21,6 +21,7 @@ from typing import Any
 from octacloud.cluster.controller.executor import Executor
 from octacloud.cluster.controller.health import HealthChecker
 from octacloud.cluster.controller.reconcile import Reconciler
+from octacloud.cluster.controller.state import ControllerStore, as_controller_store
 from octacloud.cluster.controller.world import (
     ControllerSettings,
     FootprintSource,
@@ -59,7 +60,7 @@ class Controller:
     def __init__(
         self,
         *,
-        store: StateStore,
+        store: StateStore | ControllerStore,
         nodes: list[Node],
         scheduler: Scheduler,
         launcher: ReplicaLauncher,
@@ -74,7 +75,7 @@ class Controller:
         scheduling: SchedulingStats | None = None,
     ) -> None:
         self.w = World(
-            store, nodes, scheduler, launcher, repository, routes, clock, prober, footprint,
+            as_controller_store(store, clock), nodes, scheduler, launcher, repository, routes, clock, prober, footprint,
             settings or ControllerSettings(), scheduling or SchedulingStats(),
         )  # fmt: skip
         self.loop = ReevaluationLoop(scheduler, loop)
@@ -86,7 +87,8 @@ class Controller:
     # ---- the seams and state other parts of the cloud read ------------------------------------------------
 
     @property
-    def store(self) -> StateStore:
+    def store(self) -> ControllerStore:
+        """The state store as the controller sees it: read from memory, written behind by one thread."""
         return self.w.store
 
     @property
@@ -264,6 +266,10 @@ class Controller:
         h, s = self.loop_health, self.w.settings
         if not h.running:
             return False, "the controller's loop is not running"
+        failing = self.w.store.failing
+        if failing is not None and self.w.clock.monotonic() - failing[0] > s.stall_after_s:
+            since = self.w.clock.monotonic() - failing[0]
+            return False, f"the state store has refused the controller's writes for {since:.0f} s: {failing[1]}"
         stalled = self.w.clock.monotonic() - h.last_ok_at
         if stalled > s.stall_after_s:
             why = f": {h.failures} failed iteration(s) in a row, last: {h.last_error}" if h.failures else ""
@@ -399,6 +405,7 @@ class Controller:
         finally:
             h.running = False
             await self.executor.close()
+            await asyncio.to_thread(w.store.flush, w.settings.stop_grace_s + 5.0)
 
     async def reconcile(self) -> None:
         """One full pass: health, then desired vs actual, then the scheduler's loop."""

@@ -109,6 +109,7 @@ class Executor:
         spec = LaunchSpec(r.id, d.spec.name, w.repository / model, version, env, thread_budget(node, s), s)
         r.after = []
         try:
+            await w.store.drained()  # what a restart reads is never behind what runs
             launched = await asyncio.to_thread(w.launcher.launch, spec)
         except Exception as exc:  # a launch that fails is a failed replica, never a dead controller
             log.exception("replica %s: launch failed", r.id)
@@ -191,6 +192,7 @@ class Executor:
             while any(e.outstanding > 0 for e in endpoints) and w.clock.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             if r.handle:
+                await w.store.drained()
                 await self._stop_handle(r.handle, w.settings.stop_grace_s)
         finally:
             w.stopping.pop(r.id, None)

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from octacloud.cluster.controller.state import ControllerStore
 from octacloud.cluster.deployments import Deployment, Replica, ReplicaState
 from octacloud.cluster.gateway.routing import Endpoint, RouteTable
 from octacloud.cluster.launcher import ReplicaLauncher
 from octacloud.cluster.sizing import ModelFootprint
-from octacloud.cluster.store import StateStore, Transition
+from octacloud.cluster.store import Transition
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Health, Node, Placement, Request
@@ -82,7 +83,7 @@ class Runtime:
 class World:
     """The controller's dependencies and shared bookkeeping. Only the controller's event loop touches it."""
 
-    store: StateStore
+    store: ControllerStore
     nodes: list[Node]
     scheduler: Scheduler
     launcher: ReplicaLauncher
