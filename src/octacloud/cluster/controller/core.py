@@ -7,6 +7,8 @@ it reconciles (:mod:`.reconcile`), whose placement step is the scheduler's own r
 The loop is level-triggered and never dies of an I/O error: an iteration that fails (the state store is locked
 or the disk is full) is logged and retried with back-off, and :meth:`Controller.ready` turns false while the loop
 is not running or has not completed an iteration for ``stall_after_s`` — the gateway's readiness reports it.
+The store is read from memory and written behind by one thread (:mod:`.state`): a locked database delays the
+controller's writes, never the gateway.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ the old one is retired as above, and whatever waited for the old one's slice (``
 replica fails before it is READY, the replacement is rolled back: it is stopped and its slice released; for a
 move, the old replica takes its own slice back and what was placed there returns to pending. The old replica
 never stops serving before its replacement does.
+
+A replacement in flight is a :class:`~octacloud.cluster.store.Transition` in the store, stored with its surge
+replica and again as it enters each phase (starting → routing → draining → releasing), so that a restarted
+controller carries it on or rolls it back (:meth:`Controller.adopt`). The replacement stays pinned until the
+replica it replaces is gone.
 """
 
 from __future__ import annotations

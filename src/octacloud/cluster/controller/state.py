@@ -61,6 +61,7 @@ class ControllerStore:
         )
         self._events_complete = len(self._events) < RECENT_EVENTS
         """True while the memory holds every event there is (older ones are read from the database)."""
+        backing.subscribe(self._heard)  # the controller's events, and those others add to the store directly
         self._removed: dict[str, str] = {}
         self._queue: collections.deque[Callable[[], object]] = collections.deque()
         self._cv = threading.Condition()
@@ -221,9 +222,13 @@ class ControllerStore:
             tenant = owner.spec.tenant if owner is not None else self._removed.get(deployment, "")
         event: dict[str, object] = {"at": at, "kind": kind, "subject": subject, "message": message,
                                     "deployment": deployment, "tenant": tenant}  # fmt: skip
-        self._events.append(event)
         self._write(lambda: self.backing.insert_event(at, kind, subject, message, deployment, tenant))
-        self.backing.notify(dict(event))
+        self.backing.notify(event)  # ``_heard`` keeps it among the recent ones
+
+    def _heard(self, event: dict[str, object]) -> None:
+        self._events.append(dict(event))
+        if len(self._events) == RECENT_EVENTS:
+            self._events_complete = False
 
     def subscribe(self, listener: EventListener) -> None:
         self.backing.subscribe(listener)
@@ -236,10 +241,9 @@ class ControllerStore:
                 found.append(dict(e))
                 if len(found) >= limit:
                     return found
-        if self._events_complete:
+        if self._events_complete or self.backlog:  # (while writes are queued the database is behind memory)
             return found
-        self.flush()  # older ones than memory holds: from the database, once it holds the newer ones too
-        return self.backing.events(limit, tenant=tenant)
+        return self.backing.events(limit, tenant=tenant)  # older than memory holds (a read: never locked out)
 
     # ---- revisions ---------------------------------------------------------------------------------------
 
