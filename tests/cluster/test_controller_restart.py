@@ -173,3 +173,17 @@ async def test_a_restart_at_each_phase_of_a_rolling_update(tmp_path: Path, point
     check_invariants(h)
     (done,) = h.replicas("a")
     assert done.version == "2" and first.id not in h.launcher.ids()
+
+
+async def test_undeploying_in_the_middle_of_a_rolling_update_leaves_no_replacement_behind(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.deploy("a", octants=2)
+    await h.reconcile()
+    await h.health()
+    h.deploy("a", octants=2, version="2")
+    await h.reconcile()
+    assert h.store.transitions()
+    h.controller.undeploy("a")
+    await h.settle()
+    assert h.replicas() == [] and h.store.transitions() == [] and h.controller.w.transitions == {}
+    assert h.launcher.ids() == set() and not list(h.controller.scheduler.state)

@@ -59,6 +59,8 @@ async def test_gateway_answers_while_another_connection_holds_the_store_lock(tmp
                 break
         (victim,) = h.controller.store.replicas("other")
         assert victim.state is ReplicaState.READY
+        unlocked: list[tuple[float, float, int]] = []  # first, the same load with nothing holding the lock
+        await asyncio.to_thread(client, gw.port, time.perf_counter() + 1.0, unlocked)
         held = threading.Event()
         locker = threading.Thread(target=hold_write_lock, args=(tmp_path / "state.db", held, HOLD_S))
         locker.start()
@@ -75,9 +77,12 @@ async def test_gateway_answers_while_another_connection_holds_the_store_lock(tmp
         locker.join()
         during = [x for x in seen if x[0] < locked_at + HOLD_S]
         worst = max(latency for _, latency, _ in during)
-        print(f"{len(during)} requests while the store was locked for {HOLD_S:g} s; worst latency {worst * 1e3:.0f} ms")
-        assert all(status == 200 for _, _, status in seen)
-        assert worst < 0.5 and len(during) > 20  # (when the controller wrote on the loop: 4 answers, 2.9 s worst)
+        base = max(latency for _, latency, _ in unlocked)
+        print(f"{len(during)} requests while the store was locked for {HOLD_S:g} s, worst latency {worst * 1e3:.0f} ms;"
+              f" {len(unlocked)} in 1 s unlocked, worst {base * 1e3:.0f} ms")  # fmt: skip
+        assert all(status == 200 for _, _, status in seen + unlocked)
+        # (when the controller wrote on the event loop: 4 answers in the 3 s, the worst after 2.9 s)
+        assert worst < base + 0.25 and len(during) > 20
         assert h.store.replicas("other")[0].state is ReplicaState.FAILED  # decided at once, during the lock
         for _ in range(300):  # and stored once the lock is free
             await asyncio.sleep(0.01)

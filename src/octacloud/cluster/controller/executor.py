@@ -225,6 +225,8 @@ class Executor:
         w.release(r.id)
         w.store.delete_replica(r.id)
         self._free_waiters(r.id)
+        if r.id in w.transitions:  # a replacement stopped before it took over (its deployment was removed)
+            w.end_transition(r.id)
         if t is not None:
             w.end_transition(t.replacement)
             self.pin(t.replacement, pinned=False)
