@@ -282,7 +282,7 @@ class Controller:
 
     def adopt(self) -> None:
         """On start: rebuild the scheduler's state from the store, adopting replicas that still run, then the
-        replacements that were in flight (see :meth:`_adopt_transitions`)."""
+        replacements that were in flight (:meth:`_undo_unfinished`, then :meth:`_carry_on`)."""
         w = self.w
         for d in w.store.deployments():
             w.routes.owners[d.spec.name] = Owner(d.spec.tenant, d.spec.published)
