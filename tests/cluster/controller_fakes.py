@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from octacloud.cluster.controller import Controller, ControllerSettings, Probe
+from octacloud.cluster.controller.state import ControllerStore
 from octacloud.cluster.deployments import DeploymentSpec, Replica, ReplicaState
 from octacloud.cluster.gateway.routing import RouteTable
 from octacloud.cluster.launcher import Launched, LaunchFailedError, LaunchSpec, ReplicaAddress
 from octacloud.cluster.sizing import ModelFootprint
 from octacloud.cluster.store import StateStore
-from octacloud.core.clock import ManualClock
+from octacloud.core.clock import Clock, ManualClock
 from octacloud.core.model import Gpu, Node
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
@@ -86,14 +88,24 @@ class Harness:
         self.launcher = FakeLauncher()
         self.prober = FakeProber()
         self.routes = RouteTable()
-        self.store = store or StateStore.at(tmp / "state.db")
+        self.backing = store or StateStore.at(tmp / "state.db")
+        self.wrap: Callable[[StateStore, Clock], ControllerStore] = ControllerStore
         self.controller = self.make()
         for key, value in settings.items():
             setattr(self.controller.settings, key, value)
 
+    @property
+    def store(self) -> ControllerStore:
+        """What the controller reads and writes (the database holds the same once its writes are stored)."""
+        return self.controller.store
+
     def make(self) -> Controller:
+        """A new controller over the same database (the old one's queued writes stored first)."""
+        old: Controller | None = getattr(self, "controller", None)
+        if old is not None:
+            old.store.close()
         return Controller(
-            store=self.store,
+            store=self.wrap(self.backing, self.clock),
             nodes=list(self.nodes),
             scheduler=Scheduler(ClusterState(self.nodes), build_profile("bestfit", seed=0)),
             launcher=self.launcher,

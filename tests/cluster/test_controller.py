@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from octacloud.cluster.controller import Probe
-from octacloud.cluster.deployments import DeploymentSpec, ReplicaState
+from octacloud.cluster.deployments import DeploymentSpec, Replica, ReplicaState
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Health
 
@@ -280,6 +280,50 @@ async def test_the_loop_survives_store_errors_and_readiness_reports_it(tmp_path:
     assert c.ready() == (False, "the controller's loop is not running")
 
 
+async def test_writes_the_store_refuses_are_retried_in_order_and_readiness_reports_them(tmp_path: Path) -> None:
+    h = Harness(tmp_path, interval_s=1.0, health_interval_s=0.01)
+    h.deploy("a")
+    c = h.controller
+    locked = {"on": False}
+    real = h.backing.put_replica
+
+    def put_replica(r: Replica) -> None:
+        if locked["on"]:
+            raise OperationalError("UPDATE", {}, Exception("database is locked"))
+        real(r)
+
+    h.backing.put_replica = put_replica  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task = asyncio.create_task(c.run(stop))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if h.ready("a"):
+            break
+    c.store.flush(5)
+    locked["on"] = True
+    (r,) = h.replicas("a")
+    h.launcher.crash(r.id)
+    for _ in range(200):  # decided at once, from memory, while the database refuses the write
+        await asyncio.sleep(0.01)
+        if h.replicas("a")[0].state is ReplicaState.FAILED:
+            break
+    assert h.replicas("a")[0].state is ReplicaState.FAILED and c.store.backlog > 0
+    assert h.backing.replicas("a")[0].state is ReplicaState.READY
+    assert c.ready() == (True, "")
+    h.clock.advance(c.settings.stall_after_s + 1)
+    ok, why = c.ready()
+    assert not ok and "refused the controller's writes" in why and "database is locked" in why
+    locked["on"] = False
+    assert await asyncio.to_thread(c.store.flush, 5)
+    await asyncio.sleep(0.1)  # an iteration completes after the clock jumped
+    assert c.ready() == (True, "") and c.store.failing is None
+    stop.set()
+    await asyncio.wait_for(task, 5)  # what is queued is stored as the loop ends
+    assert h.backing.replicas() == h.replicas()  # nothing lost or reordered
+    assert h.backing.events(1000) == c.store.events(1000)
+    assert any(e["kind"] == "failed" for e in h.backing.events(1000))
+
+
 async def test_stopping_never_blocks_the_event_loop(tmp_path: Path) -> None:
     h = Harness(tmp_path)
     h.deploy("a")
@@ -347,11 +391,13 @@ async def test_a_controller_restart_in_the_middle_of_a_move_loses_nothing(tmp_pa
     h.controller.adopt()
     state = h.controller.scheduler.state
     assert {a.request.name for a in state} == {r.id for r in h.replicas() if r.placed}
+    assert surge.id not in {r.id for r in h.replicas()}  # it was not ready: the move was rolled back
+    assert h.routed(surge.deployment) == [surge.replaces]  # the old one serves on
     for _ in range(4):
         await h.reconcile()
         await h.health()
-    assert h.ready("big") and surge.id in {r.id for r in h.ready(surge.deployment)}
-    assert surge.replaces not in h.launcher.ids()  # the replaced replica stopped
+    assert h.ready("big") and surge.deployment in {r.deployment for r in h.ready(surge.deployment)}
+    assert surge.replaces not in h.launcher.ids()  # the move was made again, and the replaced replica stopped
     assert {a.request.name for a in state} == {r.id for r in h.replicas()}
     assert h.launcher.ids() == {r.id for r in h.replicas()}
 

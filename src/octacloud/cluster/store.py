@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from sqlalchemy import Float, Integer, String, Text, create_engine, event, inspect, select, text
@@ -74,6 +74,47 @@ class _RevisionRow(_Base):
     spec: Mapped[str] = mapped_column(Text)
     octants: Mapped[int] = mapped_column(Integer)
     at: Mapped[float] = mapped_column(Float)
+
+
+class _TransitionRow(_Base):
+    """A replacement in flight (a move or a rolling-update step), keyed by its replacement replica."""
+
+    __tablename__ = "transitions"
+    replacement: Mapped[str] = mapped_column(String(96), primary_key=True)
+    source: Mapped[str] = mapped_column(String(96))
+    kind: Mapped[str] = mapped_column(String(16))
+    deployment: Mapped[str] = mapped_column(String(64))
+    phase: Mapped[str] = mapped_column(String(16))
+    data: Mapped[str] = mapped_column(Text)
+
+
+PHASES = ("starting", "routing", "draining", "releasing")
+"""A replacement's phases, in order: its replacement starts (the old replica serves); it is routed to; the old
+replica drains and stops; the old replica's record and slice are released. Each is stored before it begins."""
+
+
+@dataclass(slots=True)
+class Transition:
+    """A make-before-break replacement in flight: ``replacement`` takes over from ``source``.
+
+    ``kind`` is "move" (defragmentation: the source's slice was already given to what the pass placed there,
+    and ``node``/``gpus``/``milli_per_gpu`` is the target slice reserved for the replacement) or "update" (a
+    rolling-update step: the source keeps its own slice until it stops)."""
+
+    replacement: str
+    source: str
+    kind: str
+    deployment: str
+    phase: str = "starting"
+    node: str = ""
+    gpus: tuple[int, ...] = ()
+    milli_per_gpu: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("move", "update"):
+            raise ValueError(f"transition kind must be 'move' or 'update', got {self.kind!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"transition phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
 
 
 def sqlite_url(path: Path) -> str:
@@ -159,6 +200,30 @@ class StateStore:
                 q = q.where(_ReplicaRow.deployment == deployment)
             return [_replica(r) for r in s.scalars(q)]
 
+    # ---- replacements in flight ------------------------------------------------------------------------
+
+    def begin_replacement(self, surge: Replica, t: Transition) -> None:
+        """Store a surge replica and the transition it starts, in one transaction (both or neither)."""
+        data = asdict(surge)
+        data["state"] = surge.state.value
+        with self._tx() as s:
+            s.merge(_ReplicaRow(id=surge.id, deployment=surge.deployment, data=json.dumps(data)))
+            s.merge(_transition_row(t))
+
+    def put_transition(self, t: Transition) -> None:
+        with self._tx() as s:
+            s.merge(_transition_row(t))
+
+    def delete_transition(self, replacement: str) -> None:
+        with self._tx() as s:
+            row = s.get(_TransitionRow, replacement)
+            if row is not None:
+                s.delete(row)
+
+    def transitions(self) -> list[Transition]:
+        with self._tx() as s:
+            return [_transition(r) for r in s.scalars(select(_TransitionRow).order_by(_TransitionRow.replacement))]
+
     # ---- events ------------------------------------------------------------------------------------------
 
     def add_event(
@@ -177,6 +242,12 @@ class StateStore:
         deployment just removed under that name), so that a tenant's events are selected by owner, never by
         matching names (one tenant's name may be a prefix of another's). Fleet events (``node``) have none."""
         at = time.time() if at is None else at
+        self.notify(self.insert_event(at, kind, subject, message, deployment, tenant))
+
+    def insert_event(
+        self, at: float, kind: str, subject: str, message: str, deployment: str, tenant: str
+    ) -> dict[str, object]:
+        """Store an event (stamped as :meth:`add_event` says) without telling the subscribers; returns it."""
         with self._tx() as s:
             if not deployment and kind not in _FLEET_KINDS:
                 replica = s.get(_ReplicaRow, subject)
@@ -188,8 +259,11 @@ class StateStore:
                 owner = s.get(_DeploymentRow, deployment)
                 tenant = _deployment(owner).spec.tenant if owner is not None else self._removed.get(deployment, "")
             s.add(_EventRow(at=at, kind=kind, subject=subject, message=message, deployment=deployment, tenant=tenant))
-        event = {"at": at, "kind": kind, "subject": subject, "message": message, "deployment": deployment,
-                 "tenant": tenant}  # fmt: skip
+        return {"at": at, "kind": kind, "subject": subject, "message": message, "deployment": deployment,
+                "tenant": tenant}  # fmt: skip
+
+    def notify(self, event: dict[str, object]) -> None:
+        """Tell the subscribers about a stored event."""
         for listener in self._listeners:
             try:
                 listener(event)
@@ -280,6 +354,18 @@ def _deployment(row: _DeploymentRow) -> Deployment:
         created_at=row.created_at,
         generation=row.generation,
     )
+
+
+def _transition_row(t: Transition) -> _TransitionRow:
+    where = {"node": t.node, "gpus": list(t.gpus), "milli_per_gpu": t.milli_per_gpu}
+    return _TransitionRow(replacement=t.replacement, source=t.source, kind=t.kind, deployment=t.deployment,
+                          phase=t.phase, data=json.dumps(where))  # fmt: skip
+
+
+def _transition(row: _TransitionRow) -> Transition:
+    where = json.loads(row.data)
+    return Transition(row.replacement, row.source, row.kind, row.deployment, row.phase, where["node"],
+                      tuple(where["gpus"]), where["milli_per_gpu"])  # fmt: skip
 
 
 _REPLICA_FIELDS = {f.name for f in fields(Replica)}

@@ -7,6 +7,8 @@ it reconciles (:mod:`.reconcile`), whose placement step is the scheduler's own r
 The loop is level-triggered and never dies of an I/O error: an iteration that fails (the state store is locked
 or the disk is full) is logged and retried with back-off, and :meth:`Controller.ready` turns false while the loop
 is not running or has not completed an iteration for ``stall_after_s`` — the gateway's readiness reports it.
+The store is read from memory and written behind by one thread (:mod:`.state`): a locked database delays the
+controller's writes, never the gateway.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from octacloud.cluster.controller.executor import Executor
 from octacloud.cluster.controller.health import HealthChecker
 from octacloud.cluster.controller.reconcile import Reconciler
+from octacloud.cluster.controller.state import ControllerStore, as_controller_store
 from octacloud.cluster.controller.world import (
     ControllerSettings,
     FootprintSource,
@@ -34,7 +37,7 @@ from octacloud.cluster.fleet import CPU_CARD_MODEL
 from octacloud.cluster.gateway.routing import Owner, RouteTable
 from octacloud.cluster.launcher import ReplicaLauncher, check_version
 from octacloud.cluster.sizing import Autoscaler, FleetCapacity, Sizing, plan_size, reserve_percent
-from octacloud.cluster.store import StateStore
+from octacloud.cluster.store import StateStore, Transition
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Health, Node
@@ -59,7 +62,7 @@ class Controller:
     def __init__(
         self,
         *,
-        store: StateStore,
+        store: StateStore | ControllerStore,
         nodes: list[Node],
         scheduler: Scheduler,
         launcher: ReplicaLauncher,
@@ -74,7 +77,7 @@ class Controller:
         scheduling: SchedulingStats | None = None,
     ) -> None:
         self.w = World(
-            store, nodes, scheduler, launcher, repository, routes, clock, prober, footprint,
+            as_controller_store(store, clock), nodes, scheduler, launcher, repository, routes, clock, prober, footprint,
             settings or ControllerSettings(), scheduling or SchedulingStats(),
         )  # fmt: skip
         self.loop = ReevaluationLoop(scheduler, loop)
@@ -86,7 +89,8 @@ class Controller:
     # ---- the seams and state other parts of the cloud read ------------------------------------------------
 
     @property
-    def store(self) -> StateStore:
+    def store(self) -> ControllerStore:
+        """The state store as the controller sees it: read from memory, written behind by one thread."""
         return self.w.store
 
     @property
@@ -264,6 +268,10 @@ class Controller:
         h, s = self.loop_health, self.w.settings
         if not h.running:
             return False, "the controller's loop is not running"
+        failing = self.w.store.failing
+        if failing is not None and self.w.clock.monotonic() - failing[0] > s.stall_after_s:
+            since = self.w.clock.monotonic() - failing[0]
+            return False, f"the state store has refused the controller's writes for {since:.0f} s: {failing[1]}"
         stalled = self.w.clock.monotonic() - h.last_ok_at
         if stalled > s.stall_after_s:
             why = f": {h.failures} failed iteration(s) in a row, last: {h.last_error}" if h.failures else ""
@@ -273,12 +281,14 @@ class Controller:
     # ---- the loop ----------------------------------------------------------------------------------------
 
     def adopt(self) -> None:
-        """On start: rebuild the scheduler's state from the store, adopting replicas that still run."""
+        """On start: rebuild the scheduler's state from the store, adopting replicas that still run, then the
+        replacements that were in flight (:meth:`_undo_unfinished`, then :meth:`_carry_on`)."""
         w = self.w
         for d in w.store.deployments():
             w.routes.owners[d.spec.name] = Owner(d.spec.tenant, d.spec.published)
+        carry_on, moved_away = self._undo_unfinished()
         for r in sorted(w.store.replicas(), key=lambda r: not r.handle):  # what runs keeps its slice first
-            if not r.placed or w.holds(r.id):
+            if not r.placed or w.holds(r.id) or r.id in moved_away:
                 continue
             try:
                 w.scheduler.commit(w.request(r, w.store.get_deployment(r.deployment)), w.placement(r))
@@ -296,6 +306,73 @@ class Controller:
                 w.store.put_replica(r)
         for d in w.store.deployments():
             w.route(d.spec.name)
+        for t in carry_on:
+            self._carry_on(t)
+
+    def _undo_unfinished(self) -> tuple[list[Transition], set[str]]:
+        """Sort the replacements a restart interrupted: one whose replacement is not READY (or no longer runs)
+        while the old replica still does is rolled back (the replacement stopped and forgotten, the old one
+        serves on, what a move placed on its slice goes back to pending); the others carry on from their phase.
+        Returns those that carry on, and the sources of the moves among them (their slice is already someone
+        else's: it is not re-accounted to them)."""
+        w, x = self.w, self.executor
+        replicas = {r.id: r for r in w.store.replicas()}
+        carry_on: list[Transition] = []
+        for t in w.store.transitions():
+            surge, old = replicas.get(t.replacement), replicas.get(t.source)
+            surge_runs = surge is not None and bool(surge.handle) and w.launcher.alive(surge.handle)
+            old_runs = old is not None and bool(old.handle) and w.launcher.alive(old.handle)
+            ready = surge is not None and surge_runs and surge.state is ReplicaState.READY
+            if surge is None or (old is None and not ready):
+                w.store.delete_transition(t.replacement)  # nothing left to take over from or to
+                continue
+            if ready or not old_runs or old is None:
+                w.transitions[t.replacement] = t
+                carry_on.append(t)
+                continue
+            if surge.handle and surge_runs:
+                x.kill(surge.handle)
+            w.store.delete_replica(surge.id)
+            w.store.delete_transition(t.replacement)
+            if old.state is ReplicaState.STOPPING:  # it was draining for a replacement that no longer runs
+                old.state = ReplicaState.READY
+                w.store.put_replica(old)
+            if t.kind == "move":
+                for waiter in w.store.replicas():
+                    if old.id in waiter.after:
+                        w.to_pending(waiter, "the move that made room for it was interrupted by a restart")
+                w.replica_event("move rolled back", old, f"{surge.id} was not ready at restart; {old.id} serves on")
+            else:
+                w.event("rollout failed", surge.id, f"not ready at restart; {old.id} serves on", t.deployment)
+        moved_away = {t.source for t in carry_on if t.kind == "move"}
+        return carry_on, moved_away
+
+    def _carry_on(self, t: Transition) -> None:
+        """Finish replacement ``t`` from the phase it had reached (its replacement is READY, or the replica it
+        replaces no longer runs)."""
+        w, x = self.w, self.executor
+        replicas = {r.id: r for r in w.store.replicas(t.deployment)}
+        surge, old = replicas.get(t.replacement), replicas.get(t.source)
+        if surge is None:
+            w.end_transition(t.replacement)
+            return
+        if surge.replaces and surge.state is ReplicaState.READY:  # it was ready, not yet routed
+            x.complete(surge)
+            return
+        if surge.replaces:  # neither runs any longer: the surge restarts as an ordinary replica
+            surge.replaces = ""
+            w.store.put_replica(surge)
+        w.route(t.deployment)
+        x.pin(surge.id)
+        if old is None:
+            w.end_transition(t.replacement)
+            x.pin(surge.id, pinned=False)
+        elif t.phase == "releasing" or not (old.handle and w.launcher.alive(old.handle)):
+            w.phase(t, "releasing")
+            x.release_stopped(old, t)
+            w.replica_event("stopped", old, f"replaced by {surge.id} (finished after a restart)")
+        else:
+            x.retire(old, f"replaced by {surge.id} (carried on after a restart)", transition=t)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set; an iteration that raises is retried with back-off, never fatal."""
@@ -330,6 +407,7 @@ class Controller:
         finally:
             h.running = False
             await self.executor.close()
+            await asyncio.to_thread(w.store.flush, w.settings.stop_grace_s + 5.0)
 
     async def reconcile(self) -> None:
         """One full pass: health, then desired vs actual, then the scheduler's loop."""

@@ -13,6 +13,11 @@ the old one is retired as above, and whatever waited for the old one's slice (``
 replica fails before it is READY, the replacement is rolled back: it is stopped and its slice released; for a
 move, the old replica takes its own slice back and what was placed there returns to pending. The old replica
 never stops serving before its replacement does.
+
+A replacement in flight is a :class:`~octacloud.cluster.store.Transition` in the store, stored with its surge
+replica and again as it enters each phase (starting → routing → draining → releasing), so that a restarted
+controller carries it on or rolls it back (:meth:`Controller.adopt`). The replacement stays pinned until the
+replica it replaces is gone.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from octacloud.cluster.deployments import Deployment, Replica, ReplicaState
 from octacloud.cluster.gateway.routing import Endpoint
 from octacloud.cluster.launcher import LaunchSpec, ReplicaAddress
 from octacloud.cluster.slices import Slice, slice_environment, thread_budget
+from octacloud.cluster.store import Transition
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Placement
 from octacloud.scheduler.actions.defragment import Move
@@ -108,6 +114,7 @@ class Executor:
         spec = LaunchSpec(r.id, d.spec.name, w.repository / model, version, env, thread_budget(node, s), s)
         r.after = []
         try:
+            await w.store.drained()  # what a restart reads is never behind what runs
             launched = await asyncio.to_thread(w.launcher.launch, spec)
         except Exception as exc:  # a launch that fails is a failed replica, never a dead controller
             log.exception("replica %s: launch failed", r.id)
@@ -150,21 +157,24 @@ class Executor:
 
     # ---- stopping ----------------------------------------------------------------------------------------
 
-    def retire(self, r: Replica, why: str, *, then: str = "delete") -> None:
+    def retire(self, r: Replica, why: str, *, then: str = "delete", transition: Transition | None = None) -> None:
         """Drain and stop ``r`` in the background. ``then``: "delete" (release its slice and forget it) or
-        "pending" (it was preempted: its slice is already someone else's; it waits to be placed again)."""
+        "pending" (it was preempted: its slice is already someone else's; it waits to be placed again).
+        ``transition``: the replacement that takes over from ``r`` (its phases are recorded as it goes)."""
         w = self.w
         if r.id in w.stopping:
             return
+        if transition is not None:
+            w.phase(transition, "draining")
         endpoints = w.unroute(r.id)
         if then == "delete":
-            self._pin(r.id)  # a replica on its way out is never moved
+            self.pin(r.id)  # a replica on its way out is never moved
             r.state = ReplicaState.STOPPING
             w.store.put_replica(r)
         tenant = self._tenant(r.deployment)
         w.replica_event("stopping", r, why, tenant)
         r = dataclasses.replace(r, after=list(r.after))  # what runs now; the caller may re-place the record
-        job = self._drain_and_stop(r, endpoints, why, then, tenant)
+        job = self._drain_and_stop(r, endpoints, why, then, tenant, transition)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # called outside the cloud's loop (a script, a test): stop it here and now
@@ -178,34 +188,55 @@ class Executor:
         except NotFoundError:
             return ""
 
-    async def _drain_and_stop(self, r: Replica, endpoints: list[Endpoint], why: str, then: str, tenant: str) -> None:
+    async def _drain_and_stop(
+        self, r: Replica, endpoints: list[Endpoint], why: str, then: str, tenant: str, t: Transition | None
+    ) -> None:
         w = self.w
         try:
             deadline = w.clock.monotonic() + w.settings.drain_timeout_s
             while any(e.outstanding > 0 for e in endpoints) and w.clock.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             if r.handle:
+                await w.store.drained()
                 await self._stop_handle(r.handle, w.settings.stop_grace_s)
         finally:
             w.stopping.pop(r.id, None)
             w.runtime.pop(r.id, None)
         try:
+            if t is not None:
+                w.phase(t, "releasing")
             if then == "delete":
-                w.release(r.id)
-                w.store.delete_replica(r.id)
+                self.release_stopped(r, t)
             else:
                 fresh = next((x for x in w.store.replicas(r.deployment) if x.id == r.id), None)
                 if fresh is not None and not (fresh.placed and w.holds(r.id)):  # unless placed again meanwhile
                     w.to_pending(fresh, why)
-            for waiter in w.store.replicas():  # its slice is free: what waited for it may start
-                if r.id in waiter.after:
-                    waiter.after = [a for a in waiter.after if a != r.id]
-                    w.store.put_replica(waiter)
+                self._free_waiters(r.id)
             w.replica_event("stopped", r, why, tenant)
         except Exception:  # the store failed: the next reconcile finds the replica STOPPING and finishes the job
             log.exception("replica %s: stopped, but recording it failed", r.id)
         if then == "pending":
             w.poke()  # it waits to be placed again (what waited for its slice starts at the next health tick)
+
+    def release_stopped(self, r: Replica, t: Transition | None = None) -> None:
+        """``r`` has stopped: release its slice, forget it, let what waited for its slice start, and end the
+        replacement ``t`` that took over from it (its replacement becomes movable again)."""
+        w = self.w
+        w.release(r.id)
+        w.store.delete_replica(r.id)
+        self._free_waiters(r.id)
+        if r.id in w.transitions:  # a replacement stopped before it took over (its deployment was removed)
+            w.end_transition(r.id)
+        if t is not None:
+            w.end_transition(t.replacement)
+            self.pin(t.replacement, pinned=False)
+
+    def _free_waiters(self, stopped: str) -> None:
+        """``stopped`` left its slice: what waited for it may start."""
+        for waiter in self.w.store.replicas():
+            if stopped in waiter.after:
+                waiter.after = [a for a in waiter.after if a != stopped]
+                self.w.store.put_replica(waiter)
 
     async def _stop_handle(self, handle: str, grace: float) -> None:
         try:
@@ -257,34 +288,44 @@ class Executor:
             revision=mover.revision,
             replaces=mover.id,
         )
+        t = Transition(surge.id, mover.id, "move", d.spec.name, "starting", destination.node, destination.gpus,
+                       destination.milli_per_gpu)  # fmt: skip
         w.release(mover.id)  # the pass's destination becomes the surge replica's; the mover keeps running
         w.scheduler.commit(
             dataclasses.replace(w.request(surge, d), pinned=True),
             Placement(surge.id, destination.node, destination.gpus, destination.milli_per_gpu),
         )
-        w.store.put_replica(surge)
+        w.store.begin_replacement(surge, t)  # a restart from here on finds the move and adopts or undoes it
+        w.transitions[surge.id] = t
         where = f"{destination.node} cards {list(destination.gpus)}"
         w.replica_event("moving", mover, f"to {where} as {surge.id}: make-before-break")
         await self.launch(surge, d)
 
     def complete(self, surge: Replica) -> None:
-        """``surge`` is READY: route to it, retire the replica it replaces."""
+        """``surge`` is READY: route to it, retire the replica it replaces (it stays pinned until that one is
+        gone)."""
         w = self.w
-        old = next((r for r in w.store.replicas(surge.deployment) if r.id == surge.replaces), None)
-        move = old is not None and not w.holds(old.id)
+        source = surge.replaces or (w.transitions[surge.id].source if surge.id in w.transitions else "")
+        old = next((r for r in w.store.replicas(surge.deployment) if r.id == source), None)
+        t = w.transitions.get(surge.id)
+        if t is None:  # from before replacements were recorded
+            t = Transition(surge.id, source, "update" if old is not None and w.holds(old.id) else "move",
+                           surge.deployment)  # fmt: skip
+        w.phase(t, "routing")
         surge.replaces = ""
         w.store.put_replica(surge)
-        self._pin(surge.id, pinned=False)
         w.route(surge.deployment)
         if old is None:
+            w.end_transition(surge.id)
+            self.pin(surge.id, pinned=False)
             return
-        if move:
+        if t.kind == "move":
             w.scheduling.moved()
             w.replica_event("moved", old, f"{old.node} cards {list(old.gpus)} → {surge.id} on {surge.node}")
-            self.retire(old, f"moved to {surge.id}")
+            self.retire(old, f"moved to {surge.id}", transition=t)
         else:
             w.replica_event("updated", old, f"replaced by {surge.id} (revision {surge.revision})")
-            self.retire(old, f"replaced by {surge.id} in a rolling update")
+            self.retire(old, f"replaced by {surge.id} in a rolling update", transition=t)
 
     def roll_back(self, surge: Replica, why: str) -> None:
         """``surge`` failed before READY: undo its replacement; the old replica keeps serving."""
@@ -293,9 +334,12 @@ class Executor:
             self.kill(surge.handle)
         w.release(surge.id)
         w.runtime.pop(surge.id, None)
+        t = w.transitions.get(surge.id)
         w.store.delete_replica(surge.id)
+        w.end_transition(surge.id)
         old = next((r for r in w.store.replicas(surge.deployment) if r.id == surge.replaces), None)
-        if old is not None and not w.holds(old.id) and old.placed:  # a move: the old replica takes its slice back
+        move = t.kind == "move" if t is not None else old is not None and not w.holds(old.id)
+        if old is not None and move and old.placed:  # a move: the old replica takes its slice back
             for waiter in w.store.replicas():
                 if old.id in waiter.after:
                     w.release(waiter.id)
@@ -325,7 +369,7 @@ class Executor:
         self._homeless.discard(replica_id)
         return True
 
-    def _pin(self, replica_id: str, pinned: bool = True) -> None:
+    def pin(self, replica_id: str, pinned: bool = True) -> None:
         """Re-account ``replica_id``'s slice as (un)movable by defragmentation (same slice, same size)."""
         a = self.w.allocation(replica_id)
         if a is None or a.request.pinned is pinned:

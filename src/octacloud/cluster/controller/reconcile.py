@@ -19,6 +19,7 @@ from octacloud.cluster.controller.executor import Executor, new_replica_id
 from octacloud.cluster.controller.world import World
 from octacloud.cluster.deployments import Deployment, Replica, ReplicaState
 from octacloud.cluster.sizing import Autoscaler, LoadSample
+from octacloud.cluster.store import Transition
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.units import OCTANTS_PER_GPU
 from octacloud.observability.scheduling import Outcome
@@ -104,7 +105,9 @@ class Reconciler:
             return
         old = min(running, key=lambda r: (r.state is ReplicaState.READY, r.started_at, r.id))
         surge = self._new(d, revision, replaces=old.id)
-        w.store.put_replica(surge)
+        t = Transition(surge.id, old.id, "update", d.spec.name)
+        w.store.begin_replacement(surge, t)
+        w.transitions[surge.id] = t
         w.event("rollout", surge.id, f"revision {revision}: replacing {old.id} ({len(running)} to go)", d.spec.name)
 
     async def place(self, deployments: dict[str, Deployment]) -> None:

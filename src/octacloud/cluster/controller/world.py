@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from octacloud.cluster.controller.state import ControllerStore
 from octacloud.cluster.deployments import Deployment, Replica, ReplicaState
 from octacloud.cluster.gateway.routing import Endpoint, RouteTable
 from octacloud.cluster.launcher import ReplicaLauncher
 from octacloud.cluster.sizing import ModelFootprint
-from octacloud.cluster.store import StateStore
+from octacloud.cluster.store import Transition
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Health, Node, Placement, Request
@@ -82,7 +83,7 @@ class Runtime:
 class World:
     """The controller's dependencies and shared bookkeeping. Only the controller's event loop touches it."""
 
-    store: StateStore
+    store: ControllerStore
     nodes: list[Node]
     scheduler: Scheduler
     launcher: ReplicaLauncher
@@ -97,6 +98,8 @@ class World:
     stopping: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     """Replicas being drained and stopped in the background, by id."""
     wake: asyncio.Event | None = None
+    transitions: dict[str, Transition] = field(default_factory=dict)
+    """Replacements in flight by replacement replica id (a mirror of the store's, which survive a restart)."""
 
     def poke(self) -> None:
         """Reconcile now rather than at the next tick."""
@@ -105,6 +108,19 @@ class World:
 
     def rt(self, replica_id: str) -> Runtime:
         return self.runtime.setdefault(replica_id, Runtime())
+
+    # ---- replacements in flight ------------------------------------------------------------------------
+
+    def phase(self, t: Transition, phase: str) -> None:
+        """Record that replacement ``t`` enters ``phase`` (stored first: a restart carries on from there)."""
+        self.store.put_transition(Transition(t.replacement, t.source, t.kind, t.deployment, phase, t.node, t.gpus,
+                                             t.milli_per_gpu))  # fmt: skip
+        t.phase = phase
+        self.transitions[t.replacement] = t
+
+    def end_transition(self, replacement: str) -> None:
+        self.store.delete_transition(replacement)
+        self.transitions.pop(replacement, None)
 
     # ---- events ------------------------------------------------------------------------------------------
 
@@ -132,7 +148,8 @@ class World:
 
     def request(self, r: Replica, d: Deployment) -> Request:
         """The scheduler's request for replica ``r`` (sized by its own template). A surge replica and one being
-        stopped are pinned: defragmentation never moves them."""
+        stopped are pinned, and so is a replacement until the replica it replaces is gone: defragmentation never
+        moves them."""
         model, _version, octants = self.template(r, d)
         whole = octants >= OCTANTS_PER_GPU
         try:
@@ -146,7 +163,7 @@ class World:
             gpu_memory_mib=memory,
             priority=d.spec.priority,
             owner=d.spec.tenant,
-            pinned=bool(r.replaces) or r.state is ReplicaState.STOPPING,  # never move one mid-replacement
+            pinned=bool(r.replaces) or r.state is ReplicaState.STOPPING or r.id in self.transitions,
             failover=r.failover,
         )
 
