@@ -62,8 +62,6 @@ class Admitted:
     deployment: str
     counters: DeploymentCounters
     released: bool = False
-    release_here: bool = False
-    """Admitted by the method itself (no gate in front): it frees the slot when it ends."""
 
 
 def model_name(message: bytes) -> str:
@@ -231,7 +229,8 @@ class GrpcGateway:
         return self.admission(state, message)
 
     def release(self, state: Any) -> None:
-        """The HTTP/2 server's release: the slot a gated call held, freed once its task is done."""
+        """The slot an admitted call held, freed once: by the forwarder as it ends, or by the HTTP/2 server once
+        the call's task is done (the forwarder never ran: cancelled before it started)."""
         if type(state) is Admitted and not state.released:
             state.released = True
             state.counters.outstanding -= 1
@@ -261,7 +260,6 @@ class GrpcGateway:
                     code, details, trailing = verdict
                     await context.abort(code, details, trailing)
                 held = cast(Admitted, verdict)
-                held.release_here = True
             principal, deployment, counters = held.principal, held.deployment, held.counters
             routes = self.routes
             usage = routes.tenant_traffic(principal.tenant, deployment)
@@ -328,8 +326,7 @@ class GrpcGateway:
                     grpc.StatusCode.UNAVAILABLE, why, (("retry-after", str(routes.retry_after(deployment))),)
                 )
             finally:
-                if held.release_here:
-                    self.release(held)
+                self.release(held)  # at once, not a loop turn later in the server's release (a no-op then)
                 counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
             raise AssertionError("unreachable")  # context.abort always raises
 
