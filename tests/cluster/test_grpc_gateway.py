@@ -7,9 +7,11 @@ in time is DEADLINE_EXCEEDED."""
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Awaitable, Callable
 
 import grpc
+import hpack
 from tritonclient.grpc import service_pb2 as pb
 
 from octacloud.cluster.gateway.fronts import GrpcFront
@@ -74,13 +76,13 @@ def request(rid: str, seconds: float = 0.0) -> bytes:
     return bytes(req.SerializeToString())
 
 
-async def setup(timeout: float = 60.0) -> tuple[GrpcFront, int, list[Replica], RouteTable]:
+async def setup(timeout: float = 60.0, bound: int = 0) -> tuple[GrpcFront, int, list[Replica], RouteTable]:
     replicas = [Replica("a"), Replica("b")]
     for r in replicas:
         await r.start()
     routes = RouteTable()
     routes.update("lin", [Endpoint(r.name, "127.0.0.1", 1, r.port) for r in replicas])
-    limits = GatewayLimits(max_inflight_per_replica=0)
+    limits = GatewayLimits(max_inflight_per_replica=bound)
     front = GrpcFront(GrpcGateway(routes, timeout=timeout, limits=limits, internal_secret="s" * 32), limits)
     port = await front.start("127.0.0.1", 0, reuse_port=False)
     return front, port, replicas, routes
@@ -136,6 +138,92 @@ def test_replica_errors_pass_through_and_slow_replicas_time_out() -> None:
                 answer = await call(channel, request("after"))
                 assert isinstance(answer, pb.ModelInferResponse)  # the connections still serve
                 assert routes.counter("lin").outstanding == 0
+        finally:
+            await front.stop(0.5)
+            for r in replicas:
+                await r.server.stop(0)
+
+    run(go)
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream) + payload
+
+
+def _frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    out, pos = [], 0
+    while len(data) - pos >= 9:
+        n = int.from_bytes(data[pos : pos + 3], "big")
+        out.append(
+            (data[pos + 3], data[pos + 4], int.from_bytes(data[pos + 5 : pos + 9], "big"), data[pos + 9 : pos + 9 + n])
+        )
+        pos += 9 + n
+    return out
+
+
+def _call_frames(stream: int, message: bytes, encoder: hpack.Encoder) -> bytes:
+    block = encoder.encode(
+        [(":method", "POST"), (":scheme", "http"), (":path", INFER), (":authority", "x"),
+         ("content-type", "application/grpc"), ("te", "trailers"), ("authorization", "Bearer x")]
+    )  # fmt: skip
+    body = b"\x00" + struct.pack(">I", len(message)) + message
+    return _frame(h2.HEADERS, h2.END_HEADERS, stream, block) + _frame(h2.DATA, h2.END_STREAM, stream, body)
+
+
+def test_a_call_over_the_in_flight_bound_gets_one_trailers_only_frame_and_never_reaches_a_replica() -> None:
+    """Both replicas' slots (one each) are held by slow calls: the next call is refused in the frame handling,
+    UNAVAILABLE with ``retry-after: 1`` in a single HEADERS frame ending the stream, the method never called,
+    not billed; once the slow calls end (or their client goes away) the slots are free again."""
+
+    async def go() -> None:
+        front, port, replicas, routes = await setup(bound=1)
+        method = front.server.methods[INFER]
+        called: list[bytes] = []
+
+        async def spy(message: bytes, context: h2.CallContext) -> bytes:
+            called.append(message)
+            out: bytes = await method.call(message, context)
+            return out
+
+        front.server.methods[INFER] = h2.Method(None, spy, streaming=False)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                slow = [asyncio.ensure_future(call(channel, request(f"s{i}", 0.5))) for i in range(2)]
+                for _ in range(200):
+                    if all(r.slow for r in replicas):
+                        break
+                    await asyncio.sleep(0.01)
+                assert all(r.slow for r in replicas) and routes.counter("lin").outstanding == 2
+                seen, billed = sum(len(r.seen) for r in replicas), dict(routes.traffic)
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _call_frames(1, request("over"), hpack.Encoder()))
+                got = b""
+                async with asyncio.timeout(5):
+                    while not any(k == h2.HEADERS and s == 1 for k, _, s, _ in _frames(got)):
+                        got += await reader.read(65536)
+                answer = [(k, f, p) for k, f, s, p in _frames(got) if s == 1]
+                assert len(answer) == 1, answer  # trailers-only: no DATA, no second HEADERS
+                kind, flags, payload = answer[0]
+                assert kind == h2.HEADERS and flags & h2.END_STREAM and flags & h2.END_HEADERS
+                headers = dict(hpack.Decoder().decode(payload))
+                assert headers[":status"] == "200" and headers["content-type"] == "application/grpc"
+                assert headers["grpc-status"] == "14" and headers["retry-after"] == "1"
+                assert "at capacity" in headers["grpc-message"]
+                assert len(called) == 2  # the slow ones: the refused call never reached the method
+                assert sum(len(r.seen) for r in replicas) == seen and routes.counter("lin").shed == 1
+                assert dict(routes.traffic) == billed  # a refusal is not billed
+                assert all(isinstance(x, pb.ModelInferResponse) for x in await asyncio.gather(*slow))
+                assert routes.counter("lin").outstanding == 0
+                # a gated call whose client vanishes at once still gives its slot back
+                writer.write(_call_frames(3, request("gone", 0.3), hpack.Encoder()))
+                await writer.drain()
+                writer.transport.abort()
+                for _ in range(100):
+                    if routes.counter("lin").outstanding == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert routes.counter("lin").outstanding == 0
+                assert isinstance(await call(channel, request("after")), pb.ModelInferResponse)
         finally:
             await front.stop(0.5)
             for r in replicas:

@@ -359,3 +359,50 @@ def test_kept_header_blocks_decode_as_a_fresh_decoder_would() -> None:
         block = encoder.encode(headers)
         want = reference.decode(block)
         assert conn._decode(block) == want == headers, step
+
+
+def test_the_gate_refuses_in_the_frame_handling_and_release_follows_every_admitted_call() -> None:
+    """A gate sees the whole message before any task: its refusal is one trailers-only HEADERS frame and the
+    method is never called; what it returns is the call's state, handed to ``release`` once the call is done,
+    however it ended (answered, aborted, or its client gone mid-call)."""
+
+    async def go() -> None:
+        echo = Echo()
+        released: list[Any] = []
+
+        def gate(path: str, state: Any, message: bytes) -> Any:
+            if message == b"no":
+                return grpc.StatusCode.UNAVAILABLE, "full", (("retry-after", "1"),)
+            return state
+
+        server = h2.Http2Server(echo.methods(), admit=echo.admit, gate=gate, release=released.append)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            channel = Channel("127.0.0.1", port)
+            answer = await channel.call(PATH, GOOD, b"no", 5)
+            assert (answer.code, answer.details) == (grpc.StatusCode.UNAVAILABLE, "full")
+            assert ("retry-after", "1") in answer.trailing and echo.calls == 0 and released == []
+            assert (await channel.call(PATH, GOOD, b"ab", 5)).message == b"ba"
+            assert (await channel.call("/t.T/Fail", GOOD, b"", 5)).code is grpc.StatusCode.NOT_FOUND
+            channel.close()
+            for _ in range(50):
+                if len(released) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert released == ["principal", "principal"]
+            wire = h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.HEADERS, h2.END_HEADERS, 1, _headers(PATH))
+            frames = _frames(await _raw(port, wire + _frame(h2.DATA, h2.END_STREAM, 1, b"\x00\x00\x00\x00\x02no"), 0.5))
+            assert [f for f in frames if f[2] == 1 and f[0] != h2.HEADERS] == []  # trailers-only, no DATA
+            assert _status(frames, 1)["grpc-status"] == "14" and _status(frames, 1)["retry-after"] == "1"
+            body = b"\x00\x00\x00\x00\x030.5"  # Slow, its client gone before the answer
+            slow = h2.PREFACE + _frame(h2.SETTINGS, 0, 0) + _frame(h2.HEADERS, h2.END_HEADERS, 1, _headers("/t.T/Slow"))
+            await _raw(port, slow + _frame(h2.DATA, h2.END_STREAM, 1, body), 0.1)
+            for _ in range(100):
+                if len(released) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert released == ["principal"] * 3 and echo.calls == 2
+        finally:
+            await server.stop(0.5)
+
+    run(go)

@@ -120,6 +120,8 @@ class GrpcFront:
         self.server = Http2Server(
             gateway.methods(),
             admit=gateway.admit,
+            gate=gateway.gate,
+            release=gateway.release,
             max_message_bytes=limits.max_message_bytes,
             max_streams=MAX_STREAMS,
             max_calls=limits.max_concurrent_rpcs,

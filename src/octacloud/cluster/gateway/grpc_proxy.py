@@ -24,7 +24,8 @@ import logging
 import ssl
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import grpc
 from google.protobuf import json_format
@@ -35,7 +36,7 @@ from octacloud import __version__
 from octacloud.cluster.auth import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import MAX_ATTEMPTS, SERVER_EXTENSIONS
-from octacloud.cluster.gateway.routing import Endpoint, RouteTable, TenantTraffic
+from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, RouteTable, TenantTraffic
 from octacloud.cluster.gateway.stats import merge_model_statistics
 from octacloud.cluster.internal_auth import HEADER, TENANT_HEADER
 from octacloud.protocols.grpc.h2 import CallContext, Metadata, Method, Refusal, metadata_block
@@ -50,6 +51,17 @@ _OPEN = frozenset(f"/{SERVICE}/{name}" for name in PUBLIC)
 _DROPPED = frozenset({"authorization", HEADER, TENANT_HEADER})
 MAX_STREAMS = 256
 """Concurrent calls per client connection."""
+_RETRY_SOON = (("retry-after", "1"),)
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A per-model call the gateway let through: its caller, deployment and slot under the in-flight bound."""
+
+    principal: Principal
+    deployment: str
+    counters: DeploymentCounters
+    released: bool = False
 
 
 def model_name(message: bytes) -> str:
@@ -125,6 +137,7 @@ class GrpcGateway:
         ``h2``, ``http/1.1`` is set on it); None: plain text (replicas on loopback)."""
         self._internal = ((HEADER, internal_secret),) if internal_secret else ()
         self._channels: dict[tuple[str, int], Channel] = {}
+        self._per_model = frozenset(f"/{SERVICE}/{name}" for name in PER_MODEL)
         routes.on_drop.append(self._forget)
 
     def methods(self) -> dict[str, Method]:
@@ -174,6 +187,54 @@ class GrpcGateway:
             return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("retry-after", str(exc.retry_after)),)
         return principal
 
+    def admission(self, principal: Principal, request: bytes) -> Admitted | Refusal:
+        """Whether a per-model call goes on, decided at once from its message's model name: a refusal
+        (malformed message, cloud starting, unknown or invisible deployment, no replica, the deployment's
+        in-flight bound reached: UNAVAILABLE with ``retry-after: 1``), or its slot under that bound, taken."""
+        try:
+            deployment = model_name(request)
+        except ValueError as exc:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {exc}", ()
+        if not self.ready():
+            return grpc.StatusCode.UNAVAILABLE, "the cloud is starting; retry shortly", ()
+        routes = self.routes
+        owner = routes.owners.get(deployment)
+        visible = (
+            (owner is not None or deployment in routes.routes)
+            if self.guard is None
+            else (owner is not None and principal.may_see(owner.tenant, owner.published))
+        )
+        if not visible:
+            return grpc.StatusCode.NOT_FOUND, f"unknown model or deployment '{deployment}'", ()
+        if not routes.routes.get(deployment):
+            return grpc.StatusCode.UNAVAILABLE, f"deployment '{deployment}' has no ready replica yet", ()
+        counters = routes.counter(deployment)
+        bound = routes.inflight_bound(deployment, self.limits.max_inflight_per_replica)
+        if bound and counters.outstanding >= bound:
+            counters.shed += 1
+            return (
+                grpc.StatusCode.UNAVAILABLE,
+                f"deployment '{deployment}' is at capacity ({bound} requests in flight)",
+                _RETRY_SOON,
+            )
+        counters.outstanding += 1
+        return Admitted(principal, deployment, counters)
+
+    def gate(self, path: str, state: Any, message: bytes) -> Any:
+        """The HTTP/2 server's gate (``h2.Gate``): a per-model call is admitted or refused in the frame
+        handling, before a task exists, so that a refusal over the in-flight bound costs one trailers-only
+        HEADERS frame and nothing queues in front of the bound; other calls pass as they are."""
+        if path not in self._per_model:
+            return state
+        return self.admission(state, message)
+
+    def release(self, state: Any) -> None:
+        """The slot an admitted call held, freed once: by the forwarder as it ends, or by the HTTP/2 server once
+        the call's task is done (the forwarder never ran: cancelled before it started)."""
+        if type(state) is Admitted and not state.released:
+            state.released = True
+            state.counters.outstanding -= 1
+
     def _channel(self, endpoint: Endpoint) -> Channel:
         key = (endpoint.host, endpoint.grpc_port)
         channel = self._channels.get(key)
@@ -192,34 +253,15 @@ class GrpcGateway:
         internal = metadata_block(self._internal)
 
         async def forward(request: bytes, context: CallContext) -> bytes:
-            principal: Principal = context.state
-            try:
-                deployment = model_name(request)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {exc}")
-            if not self.ready():
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the cloud is starting; retry shortly")
+            held = context.state
+            if not isinstance(held, Admitted):  # not gated by the front (see gate): decided here
+                verdict = self.admission(held, request)
+                if type(verdict) is tuple:
+                    code, details, trailing = verdict
+                    await context.abort(code, details, trailing)
+                held = cast(Admitted, verdict)
+            principal, deployment, counters = held.principal, held.deployment, held.counters
             routes = self.routes
-            owner = routes.owners.get(deployment)
-            visible = (
-                (owner is not None or deployment in routes.routes)
-                if self.guard is None
-                else (owner is not None and principal.may_see(owner.tenant, owner.published))
-            )
-            if not visible:
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model or deployment '{deployment}'")
-            endpoints = routes.routes.get(deployment)
-            if not endpoints:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"deployment '{deployment}' has no ready replica yet")
-            counters = routes.counter(deployment)
-            bound = routes.inflight_bound(deployment, self.limits.max_inflight_per_replica)
-            if bound and counters.outstanding >= bound:
-                counters.shed += 1
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"deployment '{deployment}' is at capacity ({bound} requests in flight)",
-                    (("retry-after", "1"),),
-                )
             usage = routes.tenant_traffic(principal.tenant, deployment)
             forwarded = [(k, v) for k, v in context.invocation_metadata() if k not in _DROPPED]
             forwarded.append((TENANT_HEADER, principal.tenant))  # per-tenant batches (protocols/internal.py)
@@ -227,7 +269,6 @@ class GrpcGateway:
             started = time.perf_counter()
             counters.requests += 1
             counters.bytes_in += len(request)
-            counters.outstanding += 1
             tried: list[str] = []
             why = f"deployment '{deployment}' has no ready replica"
             try:
@@ -285,7 +326,7 @@ class GrpcGateway:
                     grpc.StatusCode.UNAVAILABLE, why, (("retry-after", str(routes.retry_after(deployment))),)
                 )
             finally:
-                counters.outstanding -= 1
+                self.release(held)  # at once, not a loop turn later in the server's release (a no-op then)
                 counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
             raise AssertionError("unreachable")  # context.abort always raises
 

@@ -14,9 +14,11 @@ The methods are :class:`~octacloud.protocols.grpc.servicer.InferenceServicer`'s,
 :class:`Http2Server` is the same server for any set of methods, among them *raw* ones (``Method.parse`` is
 None) that get the request message's bytes and answer bytes, never decoding a message: the cloud's gateway
 proxies calls that way. Its ``admit`` hook sees each call's path and metadata before one byte of the message
-is read (and may refuse it); a message whose length prefix is over the limit is refused before its body
-arrives; calls in progress, streams per connection and connections are bounded; a connection that has not
-sent its preface within ``header_timeout_s``, or has had no call for ``idle_timeout_s``, is closed.
+is read (and may refuse it), its ``gate`` sees a unary call's whole message in the frame handling, before any
+task (and may refuse it with one trailers-only HEADERS frame); a message whose length prefix is over the limit
+is refused before its body arrives; calls in progress, streams per connection and connections are bounded; a
+connection that has not sent its preface within ``header_timeout_s``, or has had no call for
+``idle_timeout_s``, is closed.
 """
 
 from __future__ import annotations
@@ -152,6 +154,10 @@ Refusal: TypeAlias = tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]
 Admit: TypeAlias = Callable[[str, Metadata], Any]
 """``admit(path, metadata)``, before the message is read: a :data:`Refusal` tuple ends the call; anything else
 is the call's ``context.state``."""
+Gate: TypeAlias = Callable[[str, Any, bytes], Any]
+"""``gate(path, state, message)``, once a unary call's whole message has arrived, in the frame handling itself
+(no task yet): a :data:`Refusal` tuple ends the call with a trailers-only answer queued in this loop turn's
+write, the method never called; anything else becomes the call's ``context.state``."""
 
 
 def methods(servicer: InferenceServicer) -> dict[str, Method]:
@@ -172,6 +178,7 @@ class _Stream:
     block: bytearray | None = None  # a header block awaiting CONTINUATION
     headers_done: bool = False
     method: Method | None = None
+    path: str = ""
     metadata: tuple[tuple[str, str | bytes], ...] = ()
     state: Any = None
     data: bytearray = field(default_factory=bytearray)
@@ -363,6 +370,7 @@ class Http2Connection(asyncio.Protocol):
             self._write(frame(RST_STREAM, 0, s.id, _U32.pack(REFUSED_STREAM)))
             return
         s.method = self._methods.get(path)
+        s.path = path
         if s.method is None:
             self._fail(s, grpc.StatusCode.UNIMPLEMENTED, f"method {path} is not implemented", reset=not closed)
             return
@@ -462,8 +470,21 @@ class Http2Connection(asyncio.Protocol):
         if server.calls >= server.max_calls:
             self._fail(s, grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {server.max_calls} calls in progress")
             return
-        s.task = asyncio.get_running_loop().create_task(self._unary(s, bytes(data[5:])))
+        message = bytes(data[5:])
         s.data = bytearray()
+        gate = server.gate
+        if gate is not None:
+            verdict = gate(s.path, s.state, message)
+            if type(verdict) is tuple:  # refused before any task: one HEADERS frame, in this turn's write
+                code, details, trailing = verdict
+                self._fail(s, code, details, extra=metadata_block(trailing))
+                return
+            s.state = verdict
+        s.task = task = asyncio.get_running_loop().create_task(self._unary(s, message))
+        release = server.release
+        if release is not None:  # also when the task is cancelled before it started
+            state = s.state
+            task.add_done_callback(lambda _: release(state))
 
     def _settings(self, payload: bytes) -> None:
         if len(payload) % 6:
@@ -680,6 +701,8 @@ class Http2Server:
         methods: Mapping[str, Method],
         *,
         admit: Admit | None = None,
+        gate: Gate | None = None,
+        release: Callable[[Any], None] | None = None,
         max_message_bytes: int = 64 * 2**20,
         max_streams: int = 1024,
         max_calls: int = 2**31,
@@ -690,6 +713,11 @@ class Http2Server:
     ) -> None:
         self.methods = dict(methods)
         self.admit = admit
+        self.gate = gate
+        """Unary calls: see :data:`Gate`."""
+        self.release = release
+        """``release(state)`` once a unary call that passed the gate has finished, however it ended (the
+        gate's state, e.g. a slot it reserved)."""
         self.max_message_bytes = max_message_bytes
         self.max_streams = max_streams
         """Concurrent streams per connection (our SETTINGS_MAX_CONCURRENT_STREAMS; more are REFUSED_STREAM)."""
@@ -807,6 +835,7 @@ def server_ssl_context(certfile: str, keyfile: str, client_ca: str | None = None
 __all__ = [
     "Admit",
     "CallContext",
+    "Gate",
     "GrpcServer",
     "Http2Server",
     "Method",
