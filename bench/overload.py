@@ -1,6 +1,6 @@
 """Load shedding at the gateway: does overload leave the latency of admitted requests bounded?
 
-    .venv/bin/python bench/overload.py --repository models [--model mlp] [--seconds 8] [--bound 16]
+    .venv/bin/python bench/overload.py --repository models [--model mlp] [--seconds 8] [--bound N]
 
 Starts one replica (``octacloud serve``) and, side by side in front of it, two gateways (separate processes):
 one with the per-deployment in-flight bound (``GatewayLimits.max_inflight_per_replica``, 503 + Retry-After
@@ -36,6 +36,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from octacloud.cluster.gateway.limits import GatewayLimits
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -346,7 +348,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--concurrency", type=int, default=1024)
     parser.add_argument("--overload", type=float, default=1.5, help="open-loop rate / bounded capacity")
-    parser.add_argument("--bound", type=int, default=16, help="in-flight requests per replica (bounded gateway)")
+    parser.add_argument(
+        "--bound",
+        type=int,
+        default=GatewayLimits().max_inflight_per_replica,
+        help="in-flight requests per replica (bounded gateway); default: the gateway's own default",
+    )
     parser.add_argument("--refused-pause", type=float, default=None, help="default: the answer's Retry-After")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--gateway", nargs=5, help=argparse.SUPPRESS)
