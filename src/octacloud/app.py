@@ -260,7 +260,7 @@ class Cloud:
                 check = await asyncio.to_thread(daemon.check)
                 if check.clients_lost:
                     why = "MPS control daemon restarted" if check.daemon_restarted else "MPS server exited"
-                    self.store.add_event("node", node, f"{why}: GPU replicas restart ({daemon.mode.value})")
+                    self.controller.store.add_event("node", node, f"{why}: GPU replicas restart ({daemon.mode.value})")
                     self.controller.restart_gpu_replicas(node, why)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), interval)
@@ -269,7 +269,7 @@ class Cloud:
         """Start (or adopt) each GPU node's MPS daemon before any replica starts; say how cards are shared."""
         for node, daemon in self.mps.items():
             mode = await asyncio.to_thread(daemon.start)
-            self.store.add_event("node", node, f"GPU sharing: {mode.value} ({daemon.reason})")
+            self.controller.store.add_event("node", node, f"GPU sharing: {mode.value} ({daemon.reason})")
             log.info("node %s shares its GPUs by %s (%s)", node, mode.value, daemon.reason)
 
     def _readmit(self, replica_id: str) -> None:
@@ -297,7 +297,7 @@ class Cloud:
             limits=config.limits,
             tls=config.tls,
             ready=self._ready,
-            on_event=lambda message: self.store.add_event("gateway", "workers", message),
+            on_event=lambda message: self.controller.store.add_event("gateway", "workers", message),
             internal_ca=self.internal_ca,
         )
         self.http_port, self.grpc_port = await self.gateway_workers.start(config.http_port, config.grpc_port)
@@ -329,7 +329,8 @@ class Cloud:
         if stop_replicas:  # all at once, in threads: each may take its grace period
             grace = self.config.controller.stop_grace_s
             stop = self.controller.launcher.stop
-            await asyncio.gather(*(asyncio.to_thread(stop, r.handle, grace) for r in self.store.replicas() if r.handle))
+            handles = [r.handle for r in self.controller.store.replicas() if r.handle]
+            await asyncio.gather(*(asyncio.to_thread(stop, handle, grace) for handle in handles))
         if self._fronts is not None:
             await self._fronts.stop(grace=1.0)
         if self.gateway_workers is not None:
@@ -344,6 +345,7 @@ class Cloud:
         if stop_replicas:  # replicas that keep running keep their MPS daemon (the next start adopts both)
             for daemon in self.mps.values():
                 await asyncio.to_thread(daemon.stop)
+        await asyncio.to_thread(self.controller.store.close)  # what is still queued is stored, then its thread ends
         self.store.close()
 
     async def serve_forever(self) -> None:
@@ -361,7 +363,8 @@ class Cloud:
         adopt: Callable[[str, str, str], None] = getattr(self.controller.launcher, "adopt_certificate", _no_op)
         while not self._stop.is_set():
             try:
-                ready = [r for r in self.store.replicas() if r.state is ReplicaState.READY and r.handle and r.host]
+                replicas = self.controller.store.replicas()
+                ready = [r for r in replicas if r.state is ReplicaState.READY and r.handle and r.host]
                 for r in ready:
                     adopt(r.handle, r.id, r.host)  # a no-op for the replicas this run launched
                 if renewed := renew():

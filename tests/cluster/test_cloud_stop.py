@@ -1,0 +1,33 @@
+"""A cloud that stops stores what it still had queued: events written in its last moments are not lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from octacloud.cluster.store import StateStore
+from tests.cluster.conftest import write_linear_model
+from tests.cluster.test_cloud_e2e import CloudThread, config
+
+
+def test_events_queued_while_stopping_are_stored(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    write_linear_model(repo)
+    cfg = config(tmp_path, repo)
+    c = CloudThread(cfg)
+    store = c.cloud.controller.store
+
+    close_monitoring = c.cloud.monitoring.close
+
+    async def late_writer() -> None:  # after the controller's loop has ended and flushed: the last writers
+        for i in range(200):
+            store.add_event("node", "n1", f"last words {i}")
+        await close_monitoring()
+
+    c.cloud.monitoring.close = late_writer  # type: ignore[method-assign]
+    c.stop(stop_replicas=True)
+    reopened = StateStore.at(cfg.state_dir / "octacloud.db")
+    try:
+        messages = {str(e["message"]) for e in reopened.events(limit=1000)}
+    finally:
+        reopened.close()
+    assert {f"last words {i}" for i in range(200)} <= messages
