@@ -223,11 +223,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * TICK_S
 
 
-def inferences(http_port: int, model: str, secret: str) -> int:
-    """What the replica counted (asked directly, with the cloud's internal secret)."""
+def inferences(http_port: int, model: str, secret: str) -> tuple[int, int]:
+    """What the replica counted (asked directly, with the cloud's internal secret): inferences and executions
+    (batches run), whose ratio over a point is the average batch the replica formed."""
     req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v2/models/{model}/stats", headers={HEADER: secret})
     with urllib.request.urlopen(req, timeout=10) as r:
-        return sum(int(s["inference_count"]) for s in json.loads(r.read())["model_stats"])
+        stats = json.loads(r.read())["model_stats"]
+    return sum(int(s["inference_count"]) for s in stats), sum(int(s["execution_count"]) for s in stats)
 
 
 def measure(
@@ -244,16 +246,18 @@ def measure(
         )  # fmt: skip
     load = os.getloadavg()[0]
     cpu0 = {k: cpu_s(p) for k, p in pids.items()}
-    n0 = inferences(replica_http, model, secret)
+    n0, e0 = inferences(replica_http, model, secret)
     if protocol == "http":
         res: dict[str, Any] = run_pa(pa, model, target, c, args.seconds, shape, header)
     else:
         res = run_loadgen(target, model, c, args.seconds, shape, header)
-    n = max(1, inferences(replica_http, model, secret) - n0)
+    n1, e1 = inferences(replica_http, model, secret)
+    n = max(1, n1 - n0)
     if spy is not None:
         spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled and exits
         spy.wait(timeout=30)
     res["load"] = load
+    res["batch"] = n / max(1, e1 - e0)
     for k, p in pids.items():
         res[f"{k}_us"] = (cpu_s(p) - cpu0[k]) / n * 1e6
     return res
@@ -372,7 +376,7 @@ def main() -> None:
                         print(
                             f"  {layout:6} {protocol:4} c={c} {where:7}: {r['throughput']:7.0f} infer/s  "
                             f"p50 {r['p50_ms']:6.2f}  p99 {r['p99_ms']:6.2f} ms  gateway {r['gateway_us']:4.0f} "
-                            f"replica {r['replica_us']:4.0f} us/inf  load {r['load']:4.1f}",
+                            f"replica {r['replica_us']:4.0f} us/inf  batch {r['batch']:4.1f}  load {r['load']:4.1f}",
                             flush=True,
                         )
                     rows.append((layout, protocol, c, res["direct"], res["gateway"]))
