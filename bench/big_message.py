@@ -29,15 +29,9 @@ import grpc
 import httpx
 from tritonclient.grpc import service_pb2 as pb
 
+from benchutil import free_port
+
 GIB = 1 << 30
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def peak_rss_mib(pid: int) -> float:

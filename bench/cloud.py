@@ -38,7 +38,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,15 +46,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from benchutil import cpu_s, find_replica_pid, free_port
 from octacloud.cluster.internal_auth import FILE_NAME, HEADER
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 CONFIG = """name: "{name}"
@@ -65,7 +59,6 @@ input [ {{ name: "{i}" data_type: TYPE_FP32 dims: [ {dim} ] }} ]
 output [ {{ name: "{o}" data_type: TYPE_FP32 dims: [ 10 ] }} ]
 dynamic_batching {{ max_queue_delay_microseconds: 2000 }}
 """
-TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
 def build_mlp(repo: Path, name: str = "mlp") -> None:
@@ -172,20 +165,6 @@ def run_pa(
     }
 
 
-def find_replica_pid(http_port: int) -> int:
-    """The local replica process serving ``http_port`` (its command line names the port)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"serve" in argv and str(http_port).encode() in argv:
-            return int(entry)
-    raise SystemExit(f"no local replica process serving port {http_port}")
-
-
 def _pin(pid: int, cpus: set[int]) -> None:
     """Pin every thread of a process (new threads inherit from the one that starts them)."""
     for task in os.listdir(f"/proc/{pid}/task"):
@@ -215,12 +194,6 @@ def run_loadgen(target: str, model: str, c: int, seconds: float, shape: str, hea
         return {"throughput": float("nan"), "p50_ms": float("nan"), "p99_ms": float("nan")}
     result: dict[str, float] = json.loads(run.stdout)
     return result
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process (all its threads; not its children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * TICK_S
 
 
 def inferences(http_port: int, model: str, secret: str) -> tuple[int, int]:

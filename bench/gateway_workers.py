@@ -30,7 +30,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,8 +40,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from benchutil import cpu_s as process_cpu_s
+from benchutil import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 MODEL = "tiny"
 WIDTH = 16
 CONFIG = f"""name: "{MODEL}"
@@ -52,12 +53,6 @@ input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]
 output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ {WIDTH} ] }} ]
 dynamic_batching {{ max_queue_delay_microseconds: 0 }}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def build_model(repo: Path) -> None:
@@ -78,11 +73,11 @@ def build_model(repo: Path) -> None:
 
 
 def cpu_s(pid: int) -> float:
+    """As :func:`benchutil.cpu_s`, 0 for a process that is gone (a worker restarted during a point)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return process_cpu_s(pid)
     except FileNotFoundError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) * TICK_S
 
 
 def switches(pid: int) -> int:

@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,22 +32,10 @@ from pathlib import Path
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 
+from benchutil import cpu_s, free_port
 from octacloud.cluster import internal_auth
 from octacloud.cluster.gateway.upstream import UpstreamPool
 from octacloud.cluster.internal_tls import InternalCa, InternalClientTls
-
-TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * TICK_S  # utime + stime
 
 
 @dataclass

@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,9 @@ import urllib.request
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from benchutil import cpu_s as process_cpu_s
+from benchutil import find_replica_pid, free_port, proc_stat
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -56,12 +58,6 @@ def _openloop() -> ModuleType:
 
 
 ol = _openloop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def admin(url: str, key: str, method: str, path: str, body: dict[str, object] | None = None) -> Any:
@@ -152,20 +148,13 @@ class Cloud:
         return out
 
 
-TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-
-
-def _stat(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
 def tree(root: int, without: int) -> list[int]:
     """``root`` and its descendants (gateway worker processes, if any), less ``without`` and its own."""
     parent = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                parent[int(entry)] = int(_stat(int(entry))[1])
+                parent[int(entry)] = int(proc_stat(int(entry))[1])
             except (OSError, IndexError, ValueError):
                 pass
     out = []
@@ -184,25 +173,10 @@ def cpu_s(pids: list[int]) -> float:
     total = 0.0
     for pid in pids:
         try:
-            fields = _stat(pid)
+            total += process_cpu_s(pid)
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) * TICK_S
     return total
-
-
-def find_replica_pid(http_port: int) -> int:
-    """The local replica process serving ``http_port`` (its command line names the port)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"serve" in argv and str(http_port).encode() in argv:
-            return int(entry)
-    raise SystemExit(f"no local replica process serving port {http_port}")
 
 
 class Meter:

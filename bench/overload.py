@@ -27,7 +27,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,17 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchutil import free_port
 from octacloud.cluster.gateway.limits import GatewayLimits
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 HEADER = "x-octacloud-internal"  # what replicas of a cloud require (octacloud.protocols.internal.HEADER)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, timeout: float = 120.0, headers: dict[str, str] | None = None) -> None:

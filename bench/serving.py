@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,11 +45,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchutil import TICK_S, free_port
+
 HERE = Path(__file__).resolve().parent
 PEERS = Path(os.environ.get("OCTACLOUD_PEERS", Path.home() / ".cache" / "octacloud-peers"))
 PERF_ANALYZER = PEERS / "perf_analyzer" / "run-perf_analyzer"
 TRITONSERVER = PEERS / "triton" / "run-tritonserver"
-TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 MERGE_AFTER = 4  # octacloud's default without a preferred size: dispatch once more than 3 requests wait
 
 
@@ -112,12 +112,6 @@ class Server:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/models/{model}/config", timeout=10) as r:
             config: dict[str, object] = json.loads(r.read())
             return config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def mlp_folder(work: Path, seed: int) -> Path:
