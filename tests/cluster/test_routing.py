@@ -7,7 +7,14 @@ import random
 import pytest
 
 from octacloud.cluster.gateway.grpc_proxy import model_name
-from octacloud.cluster.gateway.routing import MAX_CONSECUTIVE_FAILURES, Endpoint, OutlierPolicy, RouteTable
+from octacloud.cluster.gateway.routing import (
+    MAX_CONSECUTIVE_FAILURES,
+    Endpoint,
+    NotAdmitted,
+    OutlierPolicy,
+    Owner,
+    RouteTable,
+)
 
 
 class FakeClock:
@@ -146,3 +153,32 @@ def test_the_in_flight_bound_scales_with_ready_replicas_and_can_be_set_per_deplo
     table.inflight_per_replica["m"] = 128
     assert table.inflight_bound("m", 16) == 256
     assert table.inflight_bound("m", 0) == 256 and table.inflight_bound("none", 16) == 0
+
+
+def test_admit_is_one_decision_for_both_fronts() -> None:
+    """Unknown and invisible read the same; a deployment without ready replicas and one at its bound are told
+    apart; a refusal at the bound is counted as shed and takes no slot."""
+    table = RouteTable()
+    table.owners["mine"] = Owner("a")
+    table.owners["theirs"] = Owner("b")
+    table.update("mine", [Endpoint("r1", "127.0.0.1", 1, 2)])
+    table.update("theirs", [Endpoint("r2", "127.0.0.1", 3, 4)])
+    table.owners["empty"] = Owner("a")
+
+    def as_a(owner: str, published: bool) -> bool:
+        return owner == "a" or published
+
+    unknown, invisible = table.admit("nope", as_a, 2), table.admit("theirs", as_a, 2)
+    assert isinstance(unknown, NotAdmitted) and isinstance(invisible, NotAdmitted)
+    assert (unknown.why, invisible.why) == ("unknown", "unknown")
+    assert invisible.message == "unknown model or deployment 'theirs'"
+    assert not isinstance(table.admit("theirs", None, 2), NotAdmitted)  # no keys: everything is visible
+    empty = table.admit("empty", as_a, 2)
+    assert isinstance(empty, NotAdmitted) and empty.why == "no replica"
+    counters = table.admit("mine", as_a, 2)
+    assert not isinstance(counters, NotAdmitted) and counters.outstanding == 0  # the caller takes the slot
+    counters.outstanding = 2  # one replica × 2 per replica
+    full = table.admit("mine", as_a, 2)
+    assert isinstance(full, NotAdmitted) and full.why == "at capacity" and "2 requests in flight" in full.message
+    assert counters.shed == 1 and counters.outstanding == 2
+    assert not isinstance(table.admit("mine", as_a, 0), NotAdmitted)  # 0: no bound

@@ -36,7 +36,7 @@ from octacloud import __version__
 from octacloud.cluster.auth import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import MAX_ATTEMPTS, SERVER_EXTENSIONS
-from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, RouteTable, TenantTraffic
+from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable, TenantTraffic
 from octacloud.cluster.gateway.stats import merge_model_statistics
 from octacloud.cluster.internal_auth import HEADER, TENANT_HEADER
 from octacloud.protocols.grpc.h2 import CallContext, Metadata, Method, Refusal, metadata_block
@@ -197,26 +197,12 @@ class GrpcGateway:
             return grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {exc}", ()
         if not self.ready():
             return grpc.StatusCode.UNAVAILABLE, "the cloud is starting; retry shortly", ()
-        routes = self.routes
-        owner = routes.owners.get(deployment)
-        visible = (
-            (owner is not None or deployment in routes.routes)
-            if self.guard is None
-            else (owner is not None and principal.may_see(owner.tenant, owner.published))
-        )
-        if not visible:
-            return grpc.StatusCode.NOT_FOUND, f"unknown model or deployment '{deployment}'", ()
-        if not routes.routes.get(deployment):
-            return grpc.StatusCode.UNAVAILABLE, f"deployment '{deployment}' has no ready replica yet", ()
-        counters = routes.counter(deployment)
-        bound = routes.inflight_bound(deployment, self.limits.max_inflight_per_replica)
-        if bound and counters.outstanding >= bound:
-            counters.shed += 1
-            return (
-                grpc.StatusCode.UNAVAILABLE,
-                f"deployment '{deployment}' is at capacity ({bound} requests in flight)",
-                _RETRY_SOON,
-            )
+        may_see = None if self.guard is None else principal.may_see
+        counters = self.routes.admit(deployment, may_see, self.limits.max_inflight_per_replica)
+        if isinstance(counters, NotAdmitted):
+            if counters.why == "unknown":
+                return grpc.StatusCode.NOT_FOUND, counters.message, ()
+            return grpc.StatusCode.UNAVAILABLE, counters.message, _RETRY_SOON if counters.why == "at capacity" else ()
         counters.outstanding += 1
         return Admitted(principal, deployment, counters)
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from octacloud import __version__
 from octacloud.cluster.auth import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
 from octacloud.cluster.gateway.limits import GatewayLimits
-from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, RouteTable, TenantTraffic
+from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable, TenantTraffic
 from octacloud.cluster.gateway.stats import merge_model_statistics
 from octacloud.cluster.gateway.upstream import HOP_BY_HOP, Response, UpstreamError, UpstreamPool
 from octacloud.cluster.internal_auth import HEADER_BYTES, TENANT_HEADER_BYTES
@@ -201,28 +201,16 @@ class RestGateway:
             return None
         return principal
 
-    def _visible(self, deployment: str, principal: Principal) -> bool:
-        owner = self.routes.owners.get(deployment)
-        if self.guard is None:
-            return owner is not None or deployment in self.routes.routes
-        return owner is not None and principal.may_see(owner.tenant, owner.published)
-
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str, principal: Principal) -> None:
         deployment = path[len("/v2/models/") :].split("/", 1)[0]
         if not self.ready():
             raise HttpError(503, "the cloud is starting; retry shortly", [(b"retry-after", b"1")])
-        if not self._visible(deployment, principal):
-            raise HttpError(404, f"unknown model or deployment '{deployment}'")
-        endpoints = self.routes.routes.get(deployment, [])
-        if not endpoints:
-            raise HttpError(503, f"deployment '{deployment}' has no ready replica yet", [(b"retry-after", b"1")])
-        counters = self.routes.counter(deployment)
-        bound = self.routes.inflight_bound(deployment, self.limits.max_inflight_per_replica)
-        if bound and counters.outstanding >= bound:
-            counters.shed += 1
-            raise HttpError(
-                503, f"deployment '{deployment}' is at capacity ({bound} requests in flight)", [(b"retry-after", b"1")]
-            )
+        may_see = None if self.guard is None else principal.may_see
+        counters = self.routes.admit(deployment, may_see, self.limits.max_inflight_per_replica)
+        if isinstance(counters, NotAdmitted):
+            if counters.why == "unknown":
+                raise HttpError(404, counters.message)
+            raise HttpError(503, counters.message, [(b"retry-after", b"1")])
         content_length(scope["headers"], self.limits.max_body_bytes)
         started = time.perf_counter()
         counters.outstanding += 1

@@ -65,6 +65,16 @@ class Owner:
     published: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class NotAdmitted:
+    """Why a request for a deployment does not go on, the same for REST and gRPC: ``unknown`` (not there, or
+    not the caller's to see: one answer for both), ``no replica`` (none ready yet) or ``at capacity`` (its
+    in-flight bound reached); ``message`` is what the caller is told."""
+
+    why: str
+    message: str
+
+
 MAX_CONSECUTIVE_FAILURES = 3
 
 
@@ -176,6 +186,28 @@ class RouteTable:
         """How many requests ``deployment`` may have in flight now (0: no bound)."""
         per_replica = self.inflight_per_replica.get(deployment, default_per_replica)
         return per_replica * len(self.routes.get(deployment, ()))
+
+    def admit(
+        self, deployment: str, may_see: Callable[[str, bool], bool] | None, default_per_replica: int
+    ) -> DeploymentCounters | NotAdmitted:
+        """Whether a request for ``deployment`` goes on: its counters, or why not. ``may_see(tenant, published)``
+        is the caller's visibility (None: no keys, every deployment is visible). A refusal at the in-flight
+        bound is counted in ``shed``; the caller takes the slot (``outstanding``) once the request goes on."""
+        owner = self.owners.get(deployment)
+        if may_see is None:
+            visible = owner is not None or deployment in self.routes
+        else:
+            visible = owner is not None and may_see(owner.tenant, owner.published)
+        if not visible:
+            return NotAdmitted("unknown", f"unknown model or deployment '{deployment}'")
+        if not self.routes.get(deployment):
+            return NotAdmitted("no replica", f"deployment '{deployment}' has no ready replica yet")
+        counters = self.counter(deployment)
+        bound = self.inflight_bound(deployment, default_per_replica)
+        if bound and counters.outstanding >= bound:
+            counters.shed += 1
+            return NotAdmitted("at capacity", f"deployment '{deployment}' is at capacity ({bound} requests in flight)")
+        return counters
 
     def retry_after(self, deployment: str) -> int:
         """Whole seconds until the first ejected endpoint of ``deployment`` may be tried again (at least 1)."""
