@@ -68,6 +68,33 @@ def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     return _HEADER.pack(n >> 16, n & 0xFFFF, kind, flags, stream) + payload
 
 
+class FrameTooLarge(ValueError):
+    """A frame longer than the receiver allows (a connection error, FRAME_SIZE_ERROR)."""
+
+
+def read_frames(buf: bytearray, max_length: int, on_frame: Callable[[int, int, int, bytes], None]) -> int:
+    """Hand each whole frame at the start of ``buf`` to ``on_frame(kind, flags, stream, payload)``, in order;
+    returns how many bytes they took (the caller drops them; a partial frame stays). Raises
+    :class:`FrameTooLarge` for a frame over ``max_length``, and whatever ``on_frame`` raises."""
+    pos, end = 0, len(buf)
+    view = memoryview(buf)
+    try:
+        while end - pos >= 9:
+            length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
+            if length > max_length:
+                raise FrameTooLarge(f"a frame of {length} bytes")
+            if end - pos < 9 + length:
+                break
+            kind, flags = buf[pos + 3], buf[pos + 4]
+            stream = _U32.unpack_from(buf, pos + 5)[0] & MAX_WINDOW
+            payload = bytes(view[pos + 9 : pos + 9 + length])
+            pos += 9 + length
+            on_frame(kind, flags, stream, payload)
+    finally:
+        view.release()  # before the caller resizes the buffer
+    return pos
+
+
 def _literal(name: bytes, value: bytes) -> bytes:
     """A header field as a literal without indexing, new name, no Huffman (RFC 7541 6.2.2)."""
     return b"\x00" + _int7(len(name)) + name + _int7(len(value)) + value
@@ -255,26 +282,15 @@ class Http2Connection(asyncio.Protocol):
                 return
             del buf[: len(PREFACE)]
             self._preface = True
-        pos, end = 0, len(buf)
-        view = memoryview(buf)
         try:
-            while end - pos >= 9:
-                length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
-                if length > self._server.max_frame_in:
-                    raise _ConnectionError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
-                if end - pos < 9 + length:
-                    break
-                kind, flags = buf[pos + 3], buf[pos + 4]
-                stream = _U32.unpack_from(buf, pos + 5)[0] & MAX_WINDOW
-                payload = bytes(view[pos + 9 : pos + 9 + length])
-                pos += 9 + length
-                self._frame(kind, flags, stream, payload)
+            consumed = read_frames(buf, self._server.max_frame_in, self._frame)
+        except FrameTooLarge as e:
+            self._goaway(FRAME_SIZE_ERROR, str(e))
+            return
         except _ConnectionError as e:
-            view.release()
             self._goaway(e.code, str(e))
             return
-        view.release()
-        del buf[:pos]
+        del buf[:consumed]
         if self._received >= 2**20:
             self._write(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._received)))
             self._received = 0

@@ -51,6 +51,7 @@ from octacloud.protocols.grpc.h2 import (
     WINDOW_UPDATE,
     _int7,
     frame,
+    read_frames,
 )
 
 _U32 = struct.Struct(">I")
@@ -134,23 +135,12 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buf = self._buffer
         buf += data
-        pos, end = 0, len(buf)
-        try:
-            while end - pos >= 9:
-                length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
-                if length > DEFAULT_FRAME:  # we never allow larger frames (no SETTINGS_MAX_FRAME_SIZE sent)
-                    raise ValueError(f"a frame of {length} bytes")
-                if end - pos < 9 + length:
-                    break
-                kind, flags = buf[pos + 3], buf[pos + 4]
-                sid = _U32.unpack_from(buf, pos + 5)[0] & MAX_WINDOW
-                payload = bytes(buf[pos + 9 : pos + 9 + length])
-                pos += 9 + length
-                self._frame(kind, flags, sid, payload)
+        try:  # we never allow frames over the default size (no SETTINGS_MAX_FRAME_SIZE sent)
+            consumed = read_frames(buf, DEFAULT_FRAME, self._frame)
         except (ValueError, struct.error, hpack.HPACKError) as e:
             self._abandon(f"{self._channel.label} broke HTTP/2: {e}")
             return
-        del buf[:pos]
+        del buf[:consumed]
         if self._received >= 2**20:
             self._write(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._received)))
             self._received = 0
