@@ -182,3 +182,39 @@ def test_admit_is_one_decision_for_both_fronts() -> None:
     assert isinstance(full, NotAdmitted) and full.why == "at capacity" and "2 requests in flight" in full.message
     assert counters.shed == 1 and counters.outstanding == 2
     assert not isinstance(table.admit("mine", as_a, 0), NotAdmitted)  # 0: no bound
+
+
+async def test_an_answer_is_billed_before_it_leaves_the_gateway() -> None:
+    """The meter may close an interval the moment a client holds its answer: the request is in it already."""
+    from octacloud.cluster.gateway.rest import RestGateway
+    from octacloud.cluster.gateway.upstream import Response
+
+    class Pool:
+        def forget(self, host: str, port: int) -> None: ...
+
+        async def request(self, *args: object, **kwargs: object) -> Response:
+            return Response(200, [(b"content-type", b"application/json")], b'{"outputs": []}')
+
+    table = RouteTable()
+    table.update("m", [Endpoint("a", "127.0.0.1", 1, 2)])
+    gateway = RestGateway(table, pool=Pool())  # type: ignore[arg-type]
+    seen: list[tuple[int, int, int]] = []
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: dict[str, object]) -> None:
+        if message["type"] == "http.response.body":
+            t = table.tenant_traffic("admin", "m")  # the tenant of a gateway without a guard
+            seen.append((t.requests, t.bytes_in, t.bytes_out))
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v2/models/m/infer",
+        "raw_path": b"/v2/models/m/infer",
+        "query_string": b"",
+        "headers": [(b"content-length", b"2")],
+    }
+    await gateway(scope, receive, send)  # type: ignore[arg-type]
+    assert seen == [(1, 2, len(b'{"outputs": []}'))]

@@ -282,12 +282,13 @@ class RestGateway:
             finally:
                 endpoint.outstanding -= 1
             self.routes.succeeded(endpoint)
-            sent = await _relay(send, response, head=method == "HEAD")
+            sent = len(response.body)
             counters.bytes_out += sent
             if response.status >= 400:
                 counters.failures += 1
-            if response.status < 500:
+            if response.status < 500:  # billed before the answer leaves: a client that has it finds it metered
                 _bill(usage, len(body), sent)
+            await _relay(send, response, head=method == "HEAD")
             return
         counters.failures += 1
         retry = str(self.routes.retry_after(deployment)).encode()
