@@ -3,6 +3,7 @@ every replica by path, and sent by the gateway (checked in tests/reliability/tes
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,12 @@ def test_local_replicas_get_the_secret_file_and_bind_loopback(tmp_path: Path) ->
     launched = launcher.launch(LaunchSpec("r1", "linear", repo / "linear", "", {}, 1))
     try:
         assert launched.address is not None and launched.address.host == "127.0.0.1"
-        environ = Path(f"/proc/{launched.handle}/environ").read_bytes().split(b"\0")
+        # posix_spawn returns once the child has left the parent's memory, a moment before the kernel has set up
+        # the new program's environment: until then /proc/PID/environ reads empty
+        deadline = time.monotonic() + 10
+        while not (raw := Path(f"/proc/{launched.handle}/environ").read_bytes()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        environ = raw.split(b"\0")
         assert f"{internal_auth.ENV_VAR}={secret_file}".encode() in environ
     finally:
         launcher.stop(launched.handle, 2.0)
