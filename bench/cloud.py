@@ -119,6 +119,35 @@ def io_of(onnx_path: Path) -> tuple[str, list[int], str]:
     return i.name, [d if isinstance(d, int) else 1 for d in i.shape[1:]], o.name
 
 
+def set_preferred_batch(config_file: Path, n: int) -> None:
+    """Rewrite a model's config with ``dynamic_batching { preferred_batch_size: [n] }`` (its delay kept)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    if n < 1:
+        raise SystemExit(f"--preferred-batch must be at least 1, got {n}")
+    config = text_format.Parse(config_file.read_text(), mc.ModelConfig())
+    if not config.HasField("dynamic_batching") or n > config.max_batch_size:
+        raise SystemExit(f"{config_file}: --preferred-batch {n} needs dynamic batching and max_batch_size >= {n}")
+    config.dynamic_batching.preferred_batch_size[:] = [n]
+    config_file.write_text(text_format.MessageToString(config))
+
+
+def batching_rule(config_file: Path) -> str:
+    """The replica's effective batching rule, read back from the model's config."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    config = text_format.Parse(config_file.read_text(), mc.ModelConfig())
+    if not config.HasField("dynamic_batching"):
+        return "no dynamic batching"
+    db = config.dynamic_batching
+    delay = f"{db.max_queue_delay_microseconds} us"
+    if db.preferred_batch_size:
+        return f"a batch goes once {max(db.preferred_batch_size)} rows wait, or after {delay} (preferred_batch_size)"
+    return f"a batch goes once more than 3 requests wait, or after {delay} (octacloud's default)"
+
+
 def perf_analyzer_path() -> str:
     out = subprocess.run(
         ["bash", str(ROOT / "bench/peers/setup.sh"), "perf_analyzer"], check=True, capture_output=True, text=True
@@ -245,6 +274,14 @@ def main() -> None:
     parser.add_argument("--layout", choices=["shared", "split", "both"], default="both", help="CPU layouts to run.")
     parser.add_argument("--protocols", nargs="+", default=["http", "grpc"], choices=["http", "grpc"])
     parser.add_argument(
+        "--preferred-batch",
+        type=int,
+        metavar="N",
+        help="set the model's preferred_batch_size to [N] (Triton's option: a batch goes once N requests wait, "
+        "else after the queue delay), for both rows alike. With N = the concurrency the replica forms whole "
+        "batches however the requests' arrivals are spread, so the rows differ by the gateway alone.",
+    )
+    parser.add_argument(
         "--py-spy",
         type=Path,
         metavar="DIR",
@@ -263,6 +300,8 @@ def main() -> None:
     else:
         build_mlp(repo)
         model = "mlp"
+    if args.preferred_batch is not None:
+        set_preferred_batch(repo / model / "config.pbtxt", args.preferred_batch)
     if args.shape is None:
         onnx_file = next((repo / model).glob("*/model.onnx"))
         name, dims, _ = io_of(onnx_file)
@@ -308,6 +347,7 @@ def main() -> None:
                 raise SystemExit(f"replica not ready; see {work}")
             time.sleep(0.3)
         print(f"replica {replica['id']} on {replica['node']} cards {replica['gpus']} ({cores} cores on this machine)")
+        print(f"batching rule (both rows): {batching_rule(repo / model / 'config.pbtxt')}")
         layouts = ["shared", "split"] if args.layout == "both" else [args.layout]
         if "split" in layouts and cores < 2:
             print("(split layout skipped: it needs at least 2 cores)")
@@ -356,13 +396,14 @@ def main() -> None:
             place("shared", up.pid, replica_pid, cores)
         print(f"\nload now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         print(f"{'layout':6} {'protocol':8} {'conc':>4}  {'direct inf/s':>12} {'p50':>7} {'p99':>7}  "
-              f"{'gateway inf/s':>13} {'p50':>7} {'p99':>7}  {'gw/direct':>9}  {'gw cpu us/inf':>13}")  # fmt: skip
+              f"{'gateway inf/s':>13} {'p50':>7} {'p99':>7}  {'gw/direct':>9}  {'gw cpu us/inf':>13}  "
+              f"{'batch d/gw':>10}")  # fmt: skip
         for layout, protocol, c, d_res, g_res in rows:
             print(
                 f"{layout:6} {protocol:8} {c:>4}  {d_res['throughput']:>12.1f} {d_res['p50_ms']:>7.2f} "
                 f"{d_res['p99_ms']:>7.2f}  {g_res['throughput']:>13.1f} {g_res['p50_ms']:>7.2f} "
                 f"{g_res['p99_ms']:>7.2f}  {g_res['throughput'] / d_res['throughput']:>9.3f}  "
-                f"{g_res['gateway_us']:>13.0f}"
+                f"{g_res['gateway_us']:>13.0f}  {d_res['batch']:>4.1f}/{g_res['batch']:<4.1f}"
             )
         print("\n(latencies in ms; gw/direct is the gateway's throughput as a share of the direct replica's;")
         print(" gw cpu: the gateway process's CPU per inference through it;")

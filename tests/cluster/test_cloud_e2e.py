@@ -74,12 +74,12 @@ class CloudThread:
         return data
 
 
-def wait_until(what: str, predicate: Callable[[], bool], timeout: float = 90.0) -> None:
+def wait_until(what: str, predicate: Callable[[], bool], timeout: float = 90.0, interval: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.2)
+        time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 

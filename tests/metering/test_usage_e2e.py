@@ -140,10 +140,10 @@ def free_port() -> int:
 
 
 class UpProcess:
-    def __init__(self, repo: Path, state: Path, http: int, grpc: int, log: Path) -> None:
+    def __init__(self, repo: Path, state: Path, http: int, grpc: int, log: Path, extra: tuple[str, ...] = ()) -> None:
         argv = [sys.executable, "-m", "octacloud", "up", "--repository", str(repo), "--state-dir", str(state),
                 "--http-port", str(http), "--grpc-port", str(grpc),
-                "--interval", "0.5", "--meter-interval", "1"]  # fmt: skip
+                "--interval", "0.5", "--meter-interval", "1", *extra]  # fmt: skip
         self.log = log
         with log.open("w") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
