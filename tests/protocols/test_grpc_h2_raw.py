@@ -105,6 +105,23 @@ def test_raw_methods_answer_bytes_with_trailing_metadata_through_the_client() ->
     run(go)
 
 
+def test_a_message_of_tens_of_megabytes_goes_both_ways_whole() -> None:
+    """Thousands of DATA frames each way, within the windows, every byte in place (how long it takes is
+    measured by ``bench/big_message.py``, gateway against direct)."""
+
+    async def go() -> None:
+        async with serving(max_message_bytes=64 * 2**20) as (_, _, port):
+            channel = Channel("127.0.0.1", port)
+            big = bytes(range(256)) * (40 * 2**12)  # 40 MiB
+            answer = await channel.call(PATH, GOOD, big, 20)
+            assert answer.code is grpc.StatusCode.OK, answer.details
+            assert answer.message == big[::-1]
+            assert answer.trailing == (("x-seen", str(len(big))),)
+            channel.close()
+
+    run(go)
+
+
 def test_a_refused_key_ends_the_call_before_the_message_is_read() -> None:
     async def go() -> None:
         async with (

@@ -609,21 +609,21 @@ class Http2Connection(asyncio.Protocol):
         self._flush(s, out)
 
     def _flush(self, s: _Stream, out: bytes = b"") -> None:
+        if out:
+            self._write(out)
         pending = s.pending
-        while pending:
+        while pending:  # each frame joins this loop turn's one write (a bytearray: linear in the message's size)
             n = min(len(pending), self._max_frame, self._send_window, s.send_window)
             if n <= 0:
                 break
-            out += frame(DATA, 0, s.id, bytes(pending[:n]))
+            self._write(frame(DATA, 0, s.id, bytes(pending[:n])))
             del pending[:n]
             self._send_window -= n
             s.send_window -= n
         done = not pending and s.pending_trailers is not None
         if done:
-            out += frame(HEADERS, END_HEADERS | END_STREAM, s.id, s.pending_trailers)  # type: ignore[operator, arg-type]
+            self._write(frame(HEADERS, END_HEADERS | END_STREAM, s.id, s.pending_trailers))  # type: ignore[arg-type]
             s.pending_trailers = None
-        if out:
-            self._write(out)
         if done:  # after the write: a connection going away closes once its last stream is finished
             self._finished(s)
 

@@ -309,18 +309,18 @@ class _Connection(asyncio.Protocol):
         return c
 
     def _send(self, c: _Call, out: bytes = b"") -> None:
+        if out:
+            self._write(out)
         pending = c.pending
-        while pending:
+        while pending:  # each frame joins this loop turn's one write (a bytearray: linear in the message's size)
             n = min(len(pending), self._max_frame, self._send_window, c.send_window)
             if n <= 0:
                 break
             last = n == len(pending)
-            out += frame(DATA, END_STREAM if last else 0, c.id, bytes(pending[:n]))
+            self._write(frame(DATA, END_STREAM if last else 0, c.id, bytes(pending[:n])))
             del pending[:n]
             self._send_window -= n
             c.send_window -= n
-        if out:
-            self._write(out)
 
     def cancel(self, c: _Call) -> None:
         if self.calls.pop(c.id, None) is not None:
