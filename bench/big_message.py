@@ -8,7 +8,9 @@ the first on its metadata / headers before the body is read (UNAUTHENTICATED / 4
 its declared size (RESOURCE_EXHAUSTED from the gRPC length prefix / 413 from Content-Length), so its peak
 resident memory (``VmHWM`` of the ``up`` process) should not move by anything near the message's size.
 Prints, per case: the answer, seconds to it, and the gateway's peak RSS before and after; then checks that
-a normal inference still works. The client holds the message in memory (about twice its size).
+a normal inference still works. The client holds the message in memory (about twice its size). Last, a
+message under the bounds (``--forward-mib``, 48 MiB) is carried whole to the replica, directly and through the
+gateway: the time per message by each path and their ratio.
 """
 
 from __future__ import annotations
@@ -17,9 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,7 +28,8 @@ import grpc
 import httpx
 from tritonclient.grpc import service_pb2 as pb
 
-from benchutil import free_port
+from benchutil import LocalCloud
+from octacloud.cluster.internal_auth import HEADER
 
 GIB = 1 << 30
 
@@ -58,12 +58,6 @@ def row(case: str, answer: str, started: float, peak_before: float, pid: int) ->
     }
 
 
-def admin(url: str, key: str, method: str, path: str, body: object = None) -> object:
-    r = httpx.request(method, f"{url}/admin{path}", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
-    r.raise_for_status()
-    return r.json()
-
-
 def chunks(total: int, size: int = 4 << 20) -> Iterator[bytes]:
     block = b"\0" * size
     sent = 0
@@ -73,51 +67,63 @@ def chunks(total: int, size: int = 4 << 20) -> Iterator[bytes]:
         sent += n
 
 
+def forwarded(args: argparse.Namespace, key: str, secret: str, gateway: int, direct: int, pid: int) -> None:
+    """A message under the bounds, carried whole: the replica reads all of it, then refuses its contents (one raw
+    input for a model whose request names none) — the same answer by either path, so the time is the transport."""
+    size = int(args.forward_mib * (1 << 20))
+    message = pb.ModelInferRequest(model_name=args.model, raw_input_contents=[b"\0" * size]).SerializeToString()
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    paths = {
+        "direct": (direct, ((HEADER, secret),)),
+        "gateway": (gateway, (("authorization", f"Bearer {key}"),)),
+    }
+    seconds: dict[str, list[float]] = {where: [] for where in paths}
+    answers: set[str] = set()
+    for i in range(6):
+        where = ("direct", "gateway")[(i + i // 2) % 2]  # direct, gateway, gateway, direct, direct, gateway
+        port, metadata = paths[where]
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            t = time.monotonic()
+            try:
+                call(message, metadata=metadata, timeout=300)
+                answers.add("OK")
+            except grpc.RpcError as e:
+                answers.add(e.code().name)
+            seconds[where].append(time.monotonic() - t)
+    best = {where: min(v) for where, v in seconds.items()}
+    print(
+        f"a {args.forward_mib:g} MiB gRPC message carried whole (answers {sorted(answers)}): direct "
+        f"{best['direct']:.3f} s, gateway {best['gateway']:.3f} s (best of 3 each; "
+        f"{size / best['gateway'] / 2**20:.0f} MiB/s); gateway / direct {best['gateway'] / best['direct']:.2f}; "
+        f"gateway peak RSS {peak_rss_mib(pid):.0f} MiB"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--repository", type=Path, default=Path(os.environ.get("OCTACLOUD_MODELS", "models")))
     p.add_argument("--model", default="mlp")
+    p.add_argument(
+        "--forward-mib",
+        type=float,
+        default=48.0,
+        help="then a gRPC message of this size, under the bounds, sent to the replica directly and through the "
+        "gateway (interleaved, 3 times each): seconds per message and the ratio",
+    )
     args = p.parse_args()
     size = int(args.gib * GIB)
-    work = Path(tempfile.mkdtemp(prefix="octacloud-bench-big-"))
-    repo = work / "models"
+    models = Path(tempfile.mkdtemp(prefix="octacloud-bench-big-models-"))
+    repo = models / "models"
     repo.mkdir()
     shutil.copytree(args.repository / args.model, repo / args.model)
-    fleet = work / "fleet.yaml"
-    fleet.write_text(
-        "nodes:\n  - name: bench\n    cpu_milli: 2000\n    memory_mib: 16384\n"
-        "    gpu_count: 1\n    gpu_model: cpu\n    gpu_memory_mib: 8192\n"
-    )
-    http_port, grpc_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{http_port}"
-    log = (work / "up.log").open("w")
-    up = subprocess.Popen(
-        [sys.executable, "-m", "octacloud", "up", "--repository", str(repo), "--fleet", str(fleet), "--state-dir",
-         str(work / "var"), "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--interval", "1"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    cloud = LocalCloud(repo, prefix="octacloud-bench-big-", cpu_milli=2000)
     try:
-        deadline = time.monotonic() + 90
-        key = ""
-        while True:
-            try:
-                key = (work / "var" / "admin.key").read_text().strip()
-                admin(url, key, "GET", "/deployments")
-                break
-            except (OSError, httpx.HTTPError):
-                if time.monotonic() > deadline or up.poll() is not None:
-                    raise SystemExit(f"octacloud up did not start; see {work / 'up.log'}") from None
-                time.sleep(0.3)
-        admin(url, key, "POST", "/deployments", {"name": args.model, "model": args.model, "octants": 4})
-        while True:
-            d = admin(url, key, "GET", f"/deployments/{args.model}")
-            if any(r["state"] == "ready" for r in d["instances"]):  # type: ignore[index]
-                break
-            if time.monotonic() > deadline + 60:
-                raise SystemExit("the deployment did not become ready")
-            time.sleep(0.3)
-        print(f"gateway pid {up.pid}: RSS {rss_mib(up.pid):.0f} MiB, peak {peak_rss_mib(up.pid):.0f} MiB")
+        cloud.start()
+        key, url, grpc_port = cloud.key, cloud.url, cloud.grpc_port
+        cloud.deploy({"name": args.model, "model": args.model, "octants": 4})
+        print(f"gateway pid {cloud.pid}: RSS {rss_mib(cloud.pid):.0f} MiB, peak {peak_rss_mib(cloud.pid):.0f} MiB")
         print(f"message: {size / GIB:g} GiB")
         rows: list[dict[str, object]] = []
 
@@ -126,21 +132,21 @@ def main() -> None:
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=options) as channel:
             call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
             for label, metadata in (("gRPC, no key", ()), ("gRPC, valid key", (("authorization", f"Bearer {key}"),))):
-                before = peak_rss_mib(up.pid)
+                before = peak_rss_mib(cloud.pid)
                 t = time.monotonic()
                 try:
                     call(message, metadata=metadata, timeout=120)
                     answer = "OK"
                 except grpc.RpcError as e:
                     answer = f"{e.code().name}: {e.details()}"
-                rows.append(row(label, answer, t, before, up.pid))
+                rows.append(row(label, answer, t, before, cloud.pid))
         del message
 
         for label, headers in (
             ("REST, no key", {}),
             ("REST, valid key", {"Authorization": f"Bearer {key}"}),
         ):
-            before = peak_rss_mib(up.pid)
+            before = peak_rss_mib(cloud.pid)
             t = time.monotonic()
             try:
                 r = httpx.post(
@@ -152,22 +158,18 @@ def main() -> None:
                 answer = f"{r.status_code}: {r.text[:80]}"
             except httpx.HTTPError as e:
                 answer = f"{type(e).__name__}: {e}"
-            rows.append(row(label, answer, t, before, up.pid))
+            rows.append(row(label, answer, t, before, cloud.pid))
 
         for r_ in rows:
             print(json.dumps(r_))
+        replica = cloud.admin("GET", f"/deployments/{args.model}")["instances"][0]
+        forwarded(args, key, cloud.secret, grpc_port, int(replica["grpc_port"]), cloud.pid)
         body = {"inputs": [{"name": "input", "shape": [1, 256], "datatype": "FP32", "data": [0.0] * 256}]}
         r = httpx.post(f"{url}/v2/models/{args.model}/infer", json=body, headers={"Authorization": f"Bearer {key}"})
-        print(f"a normal inference afterwards: {r.status_code}; gateway RSS {rss_mib(up.pid):.0f} MiB")
+        print(f"a normal inference afterwards: {r.status_code}; gateway RSS {rss_mib(cloud.pid):.0f} MiB")
     finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            up.kill()
-        subprocess.run([sys.executable, "-m", "octacloud", "down", "--state-dir", str(work / "var")],
-                       capture_output=True, timeout=60, check=False)  # fmt: skip
-        shutil.rmtree(work, ignore_errors=True)
+        cloud.stop()
+        shutil.rmtree(models, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -41,13 +41,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchutil import cpu_s, find_replica_pid, free_port
-from octacloud.cluster.internal_auth import FILE_NAME, HEADER
+from benchutil import LocalCloud, cpu_s, find_replica_pid
+from octacloud.cluster.internal_auth import HEADER
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -153,15 +152,6 @@ def perf_analyzer_path() -> str:
         ["bash", str(ROOT / "bench/peers/setup.sh"), "perf_analyzer"], check=True, capture_output=True, text=True
     ).stdout
     return out.strip().split(": ", 1)[1]
-
-
-def admin(url: str, key: str, method: str, path: str, body: dict[str, object] | None = None) -> dict[str, object]:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
-    req = urllib.request.Request(f"{url}/admin{path}", data=data, method=method, headers=headers)
-    with urllib.request.urlopen(req, timeout=30) as response:
-        result: dict[str, object] = json.loads(response.read())
-        return result
 
 
 def run_pa(
@@ -291,7 +281,7 @@ def main() -> None:
     args = parser.parse_args()
 
     pa = perf_analyzer_path()
-    work = Path(tempfile.mkdtemp(prefix="octacloud-bench-cloud-"))
+    work = Path(tempfile.mkdtemp(prefix="octacloud-bench-models-"))
     repo = work / "models"
     if args.model_dir:
         repo.mkdir()
@@ -307,58 +297,25 @@ def main() -> None:
         name, dims, _ = io_of(onnx_file)
         args.shape = f"{name}:{','.join(map(str, dims))}"
     cores = os.cpu_count() or 1
-    fleet = work / "fleet.yaml"
-    fleet.write_text(
-        f"nodes:\n  - name: bench\n    cpu_milli: {cores * 1000}\n    memory_mib: 16384\n"
-        "    gpu_count: 1\n    gpu_model: cpu\n    gpu_memory_mib: 8192\n"
-    )
-    http_port, grpc_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{http_port}"
-    log = (work / "up.log").open("w")
-    up = subprocess.Popen(
-        [sys.executable, "-m", "octacloud", "up", "--repository", str(repo), "--fleet", str(fleet), "--state-dir",
-         str(work / "var"), "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--interval", "1",
-         "--limit", "max_inflight_per_replica=0"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    cloud = LocalCloud(repo, prefix="octacloud-bench-cloud-", extra=["--limit", "max_inflight_per_replica=0"])
     try:
-        deadline = time.monotonic() + 60
-        key_file = work / "var" / "admin.key"
-        key = ""
-        while True:
-            try:
-                key = key_file.read_text().strip()
-                admin(url, key, "GET", "/deployments")
-                break
-            except OSError:
-                if time.monotonic() > deadline or up.poll() is not None:
-                    raise SystemExit(f"octacloud up did not start; see {work / 'up.log'}") from None
-                time.sleep(0.3)
+        cloud.start(60)
+        key, http_port, grpc_port = cloud.key, cloud.http_port, cloud.grpc_port
         # a whole card on a one-card fleet: past the 80 % failover rule, which priority >= 100 may cross
-        spec = {"name": model, "model": model, "octants": 8, "priority": 100}
-        admin(url, key, "POST", "/deployments", spec)
-        replica: dict[str, object] = {}
-        while not replica:
-            d = admin(url, key, "GET", f"/deployments/{model}")
-            ready = [r for r in d["instances"] if r["state"] == "ready"]  # type: ignore[union-attr, index, attr-defined]
-            if ready:
-                replica = ready[0]
-            elif time.monotonic() > deadline + 60:
-                raise SystemExit(f"replica not ready; see {work}")
-            time.sleep(0.3)
+        replica = cloud.deploy({"name": model, "model": model, "octants": 8, "priority": 100})
         print(f"replica {replica['id']} on {replica['node']} cards {replica['gpus']} ({cores} cores on this machine)")
         print(f"batching rule (both rows): {batching_rule(repo / model / 'config.pbtxt')}")
         layouts = ["shared", "split"] if args.layout == "both" else [args.layout]
         if "split" in layouts and cores < 2:
             print("(split layout skipped: it needs at least 2 cores)")
             layouts.remove("split")
-        secret = (work / "var" / FILE_NAME).read_text().strip()  # the replica serves only its cloud's callers
+        secret = cloud.secret  # the replica serves only its cloud's callers
         replica_pid = find_replica_pid(int(replica["http_port"]))  # type: ignore[call-overload]
         rows = []
-        pids = {"gateway": up.pid, "replica": replica_pid}
+        pids = {"gateway": cloud.pid, "replica": replica_pid}
         replica_http = int(replica["http_port"])  # type: ignore[call-overload]
         for layout in layouts:
-            place(layout, up.pid, replica_pid, cores)
+            place(layout, cloud.pid, replica_pid, cores)
             for protocol in args.protocols:
                 direct = f"127.0.0.1:{replica['http_port' if protocol == 'http' else 'grpc_port']}"
                 gateway = f"127.0.0.1:{http_port if protocol == 'http' else grpc_port}"
@@ -393,7 +350,7 @@ def main() -> None:
                             flush=True,
                         )
                     rows.append((layout, protocol, c, res["direct"], res["gateway"]))
-            place("shared", up.pid, replica_pid, cores)
+            place("shared", cloud.pid, replica_pid, cores)
         print(f"\nload now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         print(f"{'layout':6} {'protocol':8} {'conc':>4}  {'direct inf/s':>12} {'p50':>7} {'p99':>7}  "
               f"{'gateway inf/s':>13} {'p50':>7} {'p99':>7}  {'gw/direct':>9}  {'gw cpu us/inf':>13}  "
@@ -410,12 +367,7 @@ def main() -> None:
         print(" shared: all processes on all cores; split: gateway on core 0, replica and client on the rest;")
         print(" HTTP: perf_analyzer; gRPC: this script's grpc.aio load generator, which sends authorization metadata)")
     finally:
-        try:
-            admin(url, key, "DELETE", f"/deployments/{model}")  # stops the replica; its slice returns to the pool
-        except OSError as exc:
-            print(f"warning: could not undeploy {model}: {exc}", file=sys.stderr)
-        up.send_signal(signal.SIGTERM)
-        up.wait(timeout=30)
+        cloud.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -29,22 +29,16 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from benchutil import LocalCloud, find_replica_pid, proc_stat
 from benchutil import cpu_s as process_cpu_s
-from benchutil import find_replica_pid, free_port, proc_stat
 
 HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
 INTERNAL_HEADER = "x-octacloud-internal"  # octacloud.cluster.internal_auth.HEADER
 
 
@@ -60,77 +54,18 @@ def _openloop() -> ModuleType:
 ol = _openloop()
 
 
-def admin(url: str, key: str, method: str, path: str, body: dict[str, object] | None = None) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
-    req = urllib.request.Request(f"{url}/admin{path}", data=data, method=method, headers=headers)
-    with urllib.request.urlopen(req, timeout=30) as response:
-        return json.loads(response.read())
-
-
-class Cloud:
-    """``octacloud up`` with one replica of ``model``; stopped (and the replica with it) on exit."""
+class Cloud(LocalCloud):
+    """``octacloud up`` with one replica of ``model`` on the whole card; stopped (and the replica with it) on exit."""
 
     def __init__(self, repository: Path, model: str, limits: list[str]) -> None:
-        self.work = Path(tempfile.mkdtemp(prefix="octacloud-knee-"))
+        super().__init__(repository, prefix="octacloud-knee-", extra=[a for item in limits for a in ("--limit", item)])
         self.model = model
-        cores = os.cpu_count() or 1
-        fleet = self.work / "fleet.yaml"
-        fleet.write_text(
-            f"nodes:\n  - name: bench\n    cpu_milli: {cores * 1000}\n    memory_mib: 16384\n"
-            "    gpu_count: 1\n    gpu_model: cpu\n    gpu_memory_mib: 8192\n"
-        )
-        self.http_port, self.grpc_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.http_port}"
-        limit_args = [a for item in limits for a in ("--limit", item)]
-        env = {**os.environ, "PYTHONPATH": str(SRC)}
-        self.log = (self.work / "up.log").open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "octacloud", "up", "--repository", str(repository.resolve()), "--fleet",
-             str(fleet), "--state-dir", str(self.work / "var"), "--http-port", str(self.http_port), "--grpc-port",
-             str(self.grpc_port), "--interval", "1", *limit_args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-        self.key = ""
         self.replica: dict[str, Any] = {}
 
-    def start(self) -> None:
-        deadline = time.monotonic() + 90
-        key_file = self.work / "var" / "admin.key"
-        while True:
-            try:
-                self.key = key_file.read_text().strip()
-                admin(self.url, self.key, "GET", "/deployments")
-                break
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit(f"octacloud up did not start; see {self.work / 'up.log'}") from None
-                time.sleep(0.3)
+    def start(self, timeout: float = 90.0) -> None:
+        super().start(timeout)
         # a whole card on a one-card fleet: past the 80 % failover rule, which priority >= 100 may cross
-        spec = {"name": self.model, "model": self.model, "octants": 8, "priority": 100}
-        admin(self.url, self.key, "POST", "/deployments", spec)
-        while not self.replica:
-            d = admin(self.url, self.key, "GET", f"/deployments/{self.model}")
-            ready = [r for r in d["instances"] if r["state"] == "ready"]
-            if ready:
-                self.replica = ready[0]
-            elif time.monotonic() > deadline + 90:
-                raise SystemExit(f"the replica did not become ready; see {self.work}")
-            time.sleep(0.3)
-        self.secret = (self.work / "var" / "internal.secret").read_text().strip()
-
-    def stop(self) -> None:
-        try:
-            admin(self.url, self.key, "DELETE", f"/deployments/{self.model}")
-        except OSError as exc:
-            print(f"warning: could not undeploy {self.model}: {exc}", file=sys.stderr)
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-        shutil.rmtree(self.work, ignore_errors=True)
+        self.replica = self.deploy({"name": self.model, "model": self.model, "octants": 8, "priority": 100})
 
     def targets(self, shape: str) -> dict[tuple[str, str], Any]:
         message = ol.infer_message(self.model, shape)
