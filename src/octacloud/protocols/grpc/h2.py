@@ -486,7 +486,8 @@ class Http2Connection(asyncio.Protocol):
         if server.calls >= server.max_calls:
             self._fail(s, grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {server.max_calls} calls in progress")
             return
-        message = bytes(data[5:])
+        with memoryview(data) as view:
+            message = bytes(view[5:])  # one copy (a slice of the bytearray first would be two)
         s.data = bytearray()
         gate = server.gate
         if gate is not None:
@@ -668,9 +669,9 @@ class Http2Connection(asyncio.Protocol):
         self._out += data
 
     def _flush_out(self) -> None:
-        if self._out and self._transport is not None:
-            self._transport.write(bytes(self._out))
-        self._out.clear()
+        out, self._out = self._out, bytearray()  # handed over whole, never changed after: no copy of it
+        if out and self._transport is not None:
+            self._transport.write(out)
 
     def _goaway(self, code: int, reason: str) -> None:
         log.info("closing an HTTP/2 connection from %s: %s", self._peer, reason)

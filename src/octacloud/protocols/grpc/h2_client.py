@@ -279,7 +279,8 @@ class _Connection(asyncio.Protocol):
             if len(data) < 5 or data[0] or _U32.unpack_from(data, 1)[0] != len(data) - 5:
                 code, details = grpc.StatusCode.INTERNAL, "the replica's answer is not exactly one plain message"
             else:
-                message = bytes(data[5:])
+                with memoryview(data) as view:
+                    message = bytes(view[5:])  # one copy (a slice of the bytearray first would be two)
         c.pending.clear()  # the replica answered: what we had not sent yet is no longer wanted
         self._settle(c, Answer(code, details, tuple(trailing), message))
         self._maybe_close()
@@ -296,7 +297,9 @@ class _Connection(asyncio.Protocol):
         self._next += 2
         if self._next > MAX_WINDOW:
             self.going_away = True  # stream ids exhausted: new calls go on a new connection
-        c = _Call(sid, future, self._initial_window, bytearray(b"\x00" + _U32.pack(len(message)) + message))
+        pending = bytearray(b"\x00" + _U32.pack(len(message)))
+        pending += message  # one copy of the message (concatenating first would make two)
+        c = _Call(sid, future, self._initial_window, pending)
         self.calls[sid] = c
         n, limit = len(head), self._max_frame
         if n <= limit:
@@ -345,9 +348,9 @@ class _Connection(asyncio.Protocol):
         self._out += data
 
     def _flush(self) -> None:
-        if self._out and self.transport is not None:
-            self.transport.write(bytes(self._out))
-        self._out.clear()
+        out, self._out = self._out, bytearray()  # handed over whole, never changed after: no copy of it
+        if out and self.transport is not None:
+            self.transport.write(out)
 
     def _maybe_close(self) -> None:
         if self.going_away and not self.calls:
