@@ -322,3 +322,68 @@ def test_eight_card_requests_waiting_in_the_queue_raise_the_cost_of_breaking_a_w
     assert 0.9 * 8000 < cost <= 8000
     plugin.observe_queue([req("one", 1000), req("other-models", 1000, 8, cpu=16_000, models=["V100"])])
     assert plugin.whole_card_costs(plenty) == ()  # nothing of the class waits any more
+
+
+def _churn_state() -> ClusterState:
+    # 'a' is idle but a CPU-only pod holds 40 of its 96 cores: 56 cores host three 16-core one-card tasks, so
+    # five of its eight cards are stranded for that shape, and a light pod there "rescues" one of them (S falls by
+    # ~1000 × p). 'b' has one card left beside seven busy ones. 'a' still hosts a 32-core eight-card task.
+    state = ClusterState([node("a", 8, cpu=96_000), node("b", 8, cpu=96_000)])
+    place(state, req("cpu-only", 0, cpu=40_000), "a")
+    for k in range(7):
+        place(state, req(f"busy{k}", 1000), "b", (k,))
+    return state
+
+
+CHURN_WORKLOAD = TargetWorkload.from_requests(
+    [req(f"w{k}", 1000, cpu=16_000) for k in range(40)] + [req(f"e{k}", 1000, 8, cpu=32_000) for k in range(2)]
+)
+
+
+def _return_capacity(scheduler: Scheduler, state: ClusterState) -> None:
+    """A one-card pod starts on 'a' and leaves again (a decision sees it, the next sees it gone)."""
+    place(state, req("brief", 1000), "a", (7,))
+    scheduler.decide(req("look", 1000))
+    state.release("brief")
+
+
+def test_once_capacity_comes_back_a_whole_node_is_not_broken_for_the_stranding_it_rescues(tmp_path: Path) -> None:
+    # Filling a trace (nothing ever leaves) the stranding credit sends a light pod to the idle node 'a', as before.
+    # Under churn 'a''s CPU comes back as its work leaves, while its eight whole cards, once broken, come back only
+    # when all of it has left: after capacity has come back once, the pod goes beside the busy cards on 'b'.
+    off = tmp_path / "off.yaml"
+    off.write_text(PROFILE_WITH_M.replace("multi-card-scarcity: true", "churn-aware: false"))
+    for seed in SEEDS:
+        state = _churn_state()
+        scheduler = Scheduler(state, build_profile("octacloud", seed=seed, workload=CHURN_WORKLOAD))
+        first = scheduler.decide(req("p", 1000))
+        assert first.placement is not None and first.placement.node == "a"
+        _return_capacity(scheduler, state)
+        again = scheduler.decide(req("p", 1000))
+        assert again.placement is not None and again.placement.node == "b", again.explain()
+        state = _churn_state()
+        unaware = Scheduler(state, build_profile(str(off), seed=seed, workload=CHURN_WORKLOAD))
+        _return_capacity(unaware, state)
+        kept = unaware.decide(req("p", 1000))
+        assert kept.placement is not None and kept.placement.node == "a"
+        check_invariants(state)
+
+
+def test_once_capacity_comes_back_a_share_no_longer_pairs_for_its_leftover() -> None:
+    # The pairing scenario above: D sends the 320 beside the 320 ('b'); once capacity has come back, the 470 next
+    # to 'a''s remainder is expected to leave too, and the 320 goes where F and S put it ('a'), as FGD does.
+    state = ClusterState([node("a", 1), node("b", 1), node("c", 1)])
+    place(state, req("x", 470), "a", (0,))
+    place(state, req("y", 320), "b", (0,))
+    plugin = ConsolidatingFragmentation(PAIRS)
+    pod = req("p", 320)
+    ctx = CycleContext(state, pod)
+    before = plugin.normalize(ctx, plugin.score(ctx, [0, 1]))
+    assert before[1] > before[0] and not plugin.capacity_returned(state)
+    place(state, req("z", 650), "c", (0,))
+    plugin.score(CycleContext(state, req("look", 100)), [2])
+    state.release("z")
+    ctx = CycleContext(state, pod)
+    after = plugin.normalize(ctx, plugin.score(ctx, [0, 1]))
+    assert after[0] > after[1] and plugin.capacity_returned(state)
+    assert plugin.capacity_returned(ClusterState([node("a", 1)])) is False  # a new state starts unaware

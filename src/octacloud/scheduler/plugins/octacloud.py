@@ -27,6 +27,14 @@ already spent); then the run's node order (the runner's).
 
 The card for a share follows the same rule: least ``Δ``, near-equal cards broken toward the least dead-space growth,
 then the fullest card.
+
+Once capacity has come back (the allocated GPU fell between two decisions: work departed, was undeployed or
+moved away), ``S`` and ``D`` stop assuming that what runs on a node stays there (``churn-aware``, on by default):
+``D`` is no longer counted (a remainder's neighbour leaves and the card becomes whole again, so pairing for the
+leftover's sake no longer pays), and a placement that removes a copy of a multi-card class gets no credit for the
+stranded GPU it puts to use (the node's CPU and memory come back as its work leaves; breaking its whole cards
+costs the multi-card requests until the node has drained completely). A placement that only fills the trace (the
+published protocol, the suite) never sees capacity come back and is decided as before.
 Results are cached per (request shape, node signature) and per node version, as in ``fgd``.
 """
 
@@ -47,10 +55,11 @@ from octacloud.scheduler.framework.state import ClusterState, NodeSignature
 from octacloud.scheduler.plugins.fit import cards_that_fit
 from octacloud.scheduler.registry import Args, PluginContext
 
-_Shape = tuple[int, int, int]
-_Eval = tuple[float, int, int, tuple[int, ...], tuple[int, ...]]
+_Shape = tuple[int, int, int, bool]
+_Eval = tuple[float, int, int, tuple[int, ...], tuple[int, ...], float]
 """(Δ unusable idle milli-GPU, growth of the share's card's dead space, free milli-GPU left on the node after the
-placement, the card for a share, copies of each multi-card class the placement removes from the node)."""
+placement, the card for a share, copies of each multi-card class the placement removes from the node, the part of
+``ΔS`` below zero: the stranded idle GPU the placement puts to use)."""
 _Class = tuple[int, int, frozenset[str], int, float]
 _NEGLIGIBLE = 1e-4
 """A chance below this is no cost (saves the per-node pass while multi-card capacity is plentiful)."""
@@ -80,6 +89,9 @@ class ConsolidatingFragmentation:
     whole_cards: bool = True
     """Count the multi-card demand a placement leaves without whole cards (``M``); off (profile argument
     ``multi-card-scarcity: false``) leaves ``F + S + D + R``."""
+    churn_aware: bool = True
+    """Once capacity has come back, no ``D`` and no stranding credit for breaking multi-card capacity (module
+    docstring); off (profile argument ``churn-aware: false``): decide as if nothing ever left."""
     model: FragmentationModel = field(init=False)
     _gpu_shapes: list[tuple[float, int, int, int, frozenset[str], int]] = field(default_factory=list, init=False)
     _strand_cache: dict[tuple[str, int, int, tuple[int, ...]], float] = field(default_factory=dict, init=False)
@@ -100,6 +112,10 @@ class ConsolidatingFragmentation:
     _by_node: dict[_Shape, tuple[list[int], list[_Eval | None]]] = field(default_factory=dict, init=False)
     _state: ClusterState | None = field(default=None, init=False)
     _size: int = field(default=0, init=False)
+    _returns_state: ClusterState | None = field(default=None, init=False)
+    _last_allocated: int = field(default=0, init=False)
+    _returned: bool = field(default=False, init=False)
+    """Capacity has come back on the state decided on (:meth:`capacity_returned`)."""
 
     def __post_init__(self) -> None:
         if not self.tolerance >= 0:
@@ -120,7 +136,11 @@ class ConsolidatingFragmentation:
 
     def score(self, ctx: CycleContext, nodes: Sequence[int]) -> list[float]:
         """Raw score: −Δ (the evaluations stay in the cycle's scratch for :meth:`normalize`)."""
+        returned = self.capacity_returned(ctx.state)
         evaluations = self._evaluations(ctx, nodes)
+        if returned and self._multi and ctx.request.total_gpu_milli:
+            # no credit for stranded GPU put to use where the placement breaks multi-card capacity
+            evaluations = [(e[0] - e[5], *e[1:]) if any(e[4]) else e for e in evaluations]  # type: ignore[misc]
         if self._restricted and ctx.request.total_gpu_milli:
             costs = self.scarcity_costs(ctx.state)
             if costs:
@@ -153,6 +173,20 @@ class ConsolidatingFragmentation:
         last = len(order) - 1
         return [MAX_NODE_SCORE * (last - rank[k]) / last for k in keys]
 
+    def capacity_returned(self, state: ClusterState) -> bool:
+        """Whether capacity has come back on ``state``: its allocated GPU was lower at some decision than at the one
+        before (work departed, was undeployed or moved away). Always ``False`` with ``churn_aware`` off, and for a
+        placement that only fills the cluster (the trace protocol)."""
+        if not self.churn_aware:
+            return False
+        allocated = state.allocated_gpu_milli
+        if state is not self._returns_state:
+            self._returns_state, self._returned = state, False
+        elif allocated < self._last_allocated:
+            self._returned = True
+        self._last_allocated = allocated
+        return self._returned
+
     # ---- cards -----------------------------------------------------------------------------------------
 
     def select_cards(self, ctx: CycleContext, node: int) -> tuple[int, ...] | None:
@@ -171,7 +205,7 @@ class ConsolidatingFragmentation:
             self._cache.clear()
             self._by_node.clear()
             self._size = 0
-        shape = (r.cpu_milli, r.gpu_milli, r.num_gpu)
+        shape = (r.cpu_milli, r.gpu_milli, r.num_gpu, self._returned)
         cache = self._cache.get(shape)
         if cache is None:
             cache = self._cache[shape] = {}
@@ -198,31 +232,36 @@ class ConsolidatingFragmentation:
         memory_after = memory - r.memory_mib
         left = sum(free) - r.total_gpu_milli
         strand = self.stranded
-        before = frag(gpu_model, cpu_left, free) + strand(gpu_model, cpu_left, free, memory)
+        frag_before = frag(gpu_model, cpu_left, free)
+        strand_before = strand(gpu_model, cpu_left, free, memory)
+        pairing = not self._returned  # D assumes a share's neighbour stays
         if r.is_sharing:
             best: tuple[float, int, int, int] | None = None
+            credit = 0.0
             for g in cards_that_fit(state, r, node):
                 after = list(free)
                 after[g] -= r.gpu_milli
-                growth = frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after, memory_after) - before
-                dead = self.dead_space(after[g]) - self.dead_space(free[g])
+                stranding = strand(gpu_model, cpu_after, after, memory_after) - strand_before
+                growth = frag(gpu_model, cpu_after, after) - frag_before + stranding
+                dead = self.dead_space(after[g]) - self.dead_space(free[g]) if pairing else 0
                 candidate = (growth + dead, dead, after[g], g)
                 if best is None or _better(candidate, best, self.tolerance):
-                    best = candidate
+                    best, credit = candidate, min(stranding, 0.0)
             if best is None:
-                return (float("inf"), 0, left, (), ())
+                return (float("inf"), 0, left, (), (), 0.0)
             after = list(free)
             after[best[3]] -= r.gpu_milli
             lost = self._lost(state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after)))
-            return (best[0], best[1], left, (best[3],), lost)
+            return (best[0], best[1], left, (best[3],), lost, credit)
         after = list(free)
         if r.num_gpu:
             whole = [g for g in cards_that_fit(state, r, node) if free[g] == MILLI_PER_GPU][: r.num_gpu]
             for g in whole:
                 after[g] = 0
-        growth = frag(gpu_model, cpu_after, after) + strand(gpu_model, cpu_after, after, memory_after) - before
+        stranding = strand(gpu_model, cpu_after, after, memory_after) - strand_before
+        growth = frag(gpu_model, cpu_after, after) - frag_before + stranding
         lost = self._lost(state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after)))
-        return (growth, 0, left, (), lost)
+        return (growth, 0, left, (), lost, min(stranding, 0.0))
 
     # ---- M: whole cards for the multi-card requests -----------------------------------------------------
 
@@ -447,5 +486,8 @@ def build(name: str, args: Args, ctx: PluginContext) -> ConsolidatingFragmentati
     pairing = args.flag("share-pairing", True)
     scarcity = args.flag("gpu-scarcity", True)
     whole_cards = args.flag("multi-card-scarcity", True)
+    churn_aware = args.flag("churn-aware", True)
     args.finish()
-    return ConsolidatingFragmentation(ctx.workload, name, tolerance, stranding, pairing, scarcity, whole_cards)
+    return ConsolidatingFragmentation(
+        ctx.workload, name, tolerance, stranding, pairing, scarcity, whole_cards, churn_aware
+    )
