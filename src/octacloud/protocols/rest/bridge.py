@@ -49,7 +49,7 @@ class AsgiBridge:
 
 
 class _Exchange:
-    __slots__ = ("close", "done", "headers", "length", "request", "status")
+    __slots__ = ("close", "done", "ended", "headers", "length", "request", "status")
 
     def __init__(self, request: Http1Request) -> None:
         self.request = request
@@ -58,10 +58,14 @@ class _Exchange:
         self.close = False
         self.length: int | None = None
         self.done = False
+        self.ended = False
+        """The body's end was delivered: a further ``receive`` waits for the client to go (ASGI's contract)."""
 
     async def receive(self) -> Message:
         request = self.request
-        if self.done or (request.disconnected and not request.complete):
+        if self.ended and not self.done:
+            await request.wait_disconnect()
+        if self.done or self.ended or (request.disconnected and not request.complete):
             return {"type": "http.disconnect"}
         try:
             body, more = await request.receive()
@@ -69,6 +73,7 @@ class _Exchange:
             if request.too_large:
                 raise
             return {"type": "http.disconnect"}
+        self.ended = not more
         return {"type": "http.request", "body": body, "more_body": more}
 
     async def send(self, message: Message) -> None:

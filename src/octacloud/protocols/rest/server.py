@@ -181,6 +181,15 @@ class Http1Request:
         finally:
             self._waiter = None
 
+    async def wait_disconnect(self) -> None:
+        """Until the client goes away."""
+        while not self.disconnected:
+            self._waiter = self._conn.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
     async def read_body(self, timeout: float) -> bytes:
         """The whole body within ``timeout`` seconds (``TimeoutError`` after it); :class:`HttpError` 413 past the
         server's ``max_body_bytes``, 400 when the client goes away before its end."""
@@ -316,7 +325,7 @@ class Http1Connection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         for request in (self.current, *self.pipeline):
-            if request is not None and not request.complete:
+            if request is not None:
                 request.disconnected = True
                 request._wake()
         self.server.idle_changed()
