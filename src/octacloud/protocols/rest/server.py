@@ -112,6 +112,7 @@ class Http1Request:
         "chunked",
         "closing",
         "complete",
+        "deadline",
         "disconnected",
         "expect_continue",
         "headers",
@@ -122,6 +123,7 @@ class Http1Request:
         "raw_path",
         "size",
         "started",
+        "timed_out",
         "too_large",
         "version",
     )
@@ -142,6 +144,9 @@ class Http1Request:
         self.complete = False
         self.too_large = False
         self.disconnected = False
+        self.deadline = 0.0
+        """While the handler waits for the body: when its time runs out (the connection's timer checks it)."""
+        self.timed_out = False
         self.size = 0
         self._chunks: list[bytes] = []
         self._waiter: asyncio.Future[None] | None = None
@@ -194,9 +199,14 @@ class Http1Request:
         """The whole body within ``timeout`` seconds (``TimeoutError`` after it); :class:`HttpError` 413 past the
         server's ``max_body_bytes``, 400 when the client goes away before its end."""
         if not self.complete:
-            async with asyncio.timeout(timeout):
-                while not (self.complete or self.too_large or self.disconnected):
-                    await self._wait()
+            conn = self._conn
+            self.deadline = conn.loop.time() + timeout  # no timer of its own: the connection's checks it
+            conn.body_deadline(self.deadline)
+            while not (self.complete or self.too_large or self.disconnected or self.timed_out):
+                await self._wait()
+            self.deadline = 0.0
+            if self.timed_out and not self.complete:
+                raise TimeoutError
         if self.too_large:
             raise HttpError(413, f"request body is over the limit of {self._conn.server.max_body_bytes} bytes")
         if not self.complete:
@@ -533,6 +543,15 @@ class Http1Connection(asyncio.Protocol):
         """No request is being answered and none has begun arriving."""
         return self.current is None and not self._in_head and self.parsing is None
 
+    def body_deadline(self, deadline: float) -> None:
+        """Make the connection's timer fire by ``deadline`` (it usually does already: no timer is made)."""
+        timer = self._timer
+        if timer is not None and timer.when() <= deadline:
+            return
+        if timer is not None:
+            timer.cancel()
+        self._timer = self.loop.call_at(deadline, self._check_timers)
+
     def _check_timers(self) -> None:
         """One timer per connection, re-armed lazily: the header clock and the keep-alive clock."""
         self._timer = None
@@ -540,8 +559,15 @@ class Http1Connection(asyncio.Protocol):
             return
         server = self.server
         now = self.loop.time()
-        if self.current is not None and not (self.task is None and not self.current.complete):
-            due = now + server.keep_alive_s  # a request is being answered: nothing to bound here
+        current = self.current
+        if current is not None and not (self.task is None and not current.complete):
+            due = now + server.keep_alive_s  # a request is being answered: only its body's time is bounded here
+            if current.deadline:
+                if now >= current.deadline:
+                    current.timed_out = True
+                    current._wake()
+                else:
+                    due = min(due, current.deadline)
         elif self._in_head or self.parsing is not None:
             due = self._since + server.header_timeout_s
         else:
