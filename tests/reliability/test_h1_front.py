@@ -162,3 +162,22 @@ async def test_stop_lets_an_answer_in_progress_finish_and_closes_idle_connection
     assert answers(await task) == [(200, b"done")]
     assert await read(idle_reader, lambda _: False) == b""
     idle.close()
+
+
+async def test_a_silent_connection_is_on_the_header_clock_an_answered_one_on_the_keep_alive_clock() -> None:
+    gw = await gateway(GatewayLimits(header_timeout_s=1.0, keep_alive_s=0.3))
+    try:
+        silent_reader, silent = await asyncio.open_connection("127.0.0.1", gw.port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        started = time.monotonic()
+        writer.write(INFER % (2, b"ok"))
+        assert answers(await read(reader, complete(1))) == [(200, b"ko")]
+        assert await read(reader, lambda _: False) == b""  # idle after its answer: closed after keep_alive_s
+        kept_alive = time.monotonic() - started
+        assert await read(silent_reader, lambda _: False) == b""  # never sent a byte: closed after header_timeout_s
+        silent_for = time.monotonic() - started
+        assert 0.2 < kept_alive < 0.8 and 0.9 < silent_for < 1.8, (kept_alive, silent_for)
+        silent.close()
+        writer.close()
+    finally:
+        await gw.close()

@@ -311,6 +311,8 @@ class Http1Connection(asyncio.Protocol):
         self._broken = False
         self._upgraded = False
         self._failure: bytes | None = None
+        self._answered = False
+        """An answer has left: from now on an idle connection is on the keep-alive clock."""
         self.closed = False
 
     # ---- asyncio protocol -------------------------------------------------------------------------------
@@ -495,6 +497,7 @@ class Http1Connection(asyncio.Protocol):
 
     def _next(self) -> None:
         self.current = None
+        self._answered = True
         self._since = self.loop.time()
         failure = self._failure
         if self.pipeline:
@@ -570,8 +573,10 @@ class Http1Connection(asyncio.Protocol):
                     due = min(due, current.deadline)
         elif self._in_head or self.parsing is not None:
             due = self._since + server.header_timeout_s
-        else:
+        elif self._answered:
             due = self._since + server.keep_alive_s
+        else:  # no request yet: a new connection is on the header clock, as uvicorn's bound had it
+            due = self._since + server.header_timeout_s
         if now >= due:
             self.close()
             return
