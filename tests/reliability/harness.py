@@ -10,7 +10,7 @@ from typing import Any
 
 import uvicorn
 
-from octacloud.cluster.gateway.http_server import bounded_protocol
+from octacloud.cluster.gateway.fronts import RestFront
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import Endpoint, OutlierPolicy, Owner, RouteTable
@@ -69,12 +69,12 @@ async def stop(server: uvicorn.Server) -> None:
 class Gateway:
     routes: RouteTable
     app: RestGateway
-    server: uvicorn.Server
+    server: RestFront
     port: int
     replicas: list[tuple[FakeReplica, uvicorn.Server, int]]
 
     async def close(self) -> None:
-        await stop(self.server)
+        await self.server.stop(1)
         for _, server, _ in self.replicas:
             await stop(server)
         await self.app.pool.close()
@@ -98,10 +98,9 @@ async def gateway(
     routes.update("m", [Endpoint(f"r{i}", "127.0.0.1", port, 0) for i, (_, _, port) in enumerate(started)])
     routes.owners["m"] = Owner("t")
     app = RestGateway(routes, ready=ready, limits=limits, internal_secret=SECRET, request_timeout=request_timeout)
-    server, port = await serve(
-        app, http=bounded_protocol(limits), timeout_keep_alive=max(1, round(limits.keep_alive_s))
-    )
-    return Gateway(routes, app, server, port, started)
+    front = RestFront(app, limits)  # the gateway's own front, as `octacloud up` serves it
+    port = await front.start("127.0.0.1", 0, reuse_port=False)
+    return Gateway(routes, app, front, port, started)
 
 
 async def exchange(port: int, data: bytes, read_until: Callable[[bytes], bool], timeout: float = 5.0) -> bytes:

@@ -1,5 +1,5 @@
-"""The gateway's front servers: the REST app under uvicorn and the gRPC gateway on octacloud's HTTP/2 server, built
-in one place.
+"""The gateway's front servers, built in one place: the REST gateway on octacloud's HTTP/1.1 server and the gRPC
+gateway on octacloud's HTTP/2 server.
 
 The single-process cloud and each gateway worker process (``gateway.workers``) start their fronts here, so both
 serve with the same bounds, TLS and options. Each front has the same small shape: ``await start(host, port,
@@ -10,21 +10,19 @@ kernel spreads new connections over them.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import socket
 import ssl
 from dataclasses import dataclass
 from typing import Protocol
 
-import uvicorn
-
 from octacloud.cluster.gateway.grpc_proxy import MAX_STREAMS, GrpcGateway
-from octacloud.cluster.gateway.http_server import bounded_protocol, connection_cap
+from octacloud.cluster.gateway.http_server import connection_cap
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.tls import TlsConfig
 from octacloud.protocols.asgi import ASGIApp
 from octacloud.protocols.grpc.h2 import Http2Server, server_ssl_context
+from octacloud.protocols.rest.bridge import AsgiBridge, Lifespan, end_lifespan, run_lifespan
+from octacloud.protocols.rest.server import Http1Server
 
 BACKLOG = 2048
 
@@ -60,52 +58,63 @@ def bind_socket(host: str, port: int, reuse_port: bool, reuse_addr: bool = True)
 
 
 class RestFront:
-    """An ASGI app (the REST gateway) under uvicorn with the gateway's connection bounds and TLS."""
+    """The REST gateway on octacloud's HTTP/1.1 server (``protocols/rest/server.py``) with the gateway's bounds
+    and TLS. An app with a native ``serve_http1`` handler (``RestGateway``) answers inference without the ASGI
+    cycle; any other ASGI app (the admin API of a worker hub) runs through :class:`AsgiBridge`. The app's ASGI
+    lifespan runs as uvicorn's ``lifespan="on"`` did: startup before the port serves, shutdown after it stops."""
 
     def __init__(self, app: ASGIApp, limits: GatewayLimits, tls: TlsConfig | None = None) -> None:
         self.app = app
         self.limits = limits
         self.tls = tls
-        self._server: uvicorn.Server | None = None
-        self._task: asyncio.Task[None] | None = None
+        self.server: Http1Server | None = None
+        self._lifespan: Lifespan | None = None
 
     async def start(self, host: str, port: int, reuse_port: bool) -> int:
         sock = bind_socket(host, port, reuse_port)
-        sock.listen(BACKLOG)
-        limits, tls = self.limits, self.tls
-        config = uvicorn.Config(
-            self.app,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-            http=bounded_protocol(limits),
-            proxy_headers=False,  # clients reach the gateway directly; its per-request middleware costs 2 % CPU
-            server_header=False,
-            timeout_keep_alive=max(1, round(limits.keep_alive_s)),
-            backlog=BACKLOG,
-            **(tls.uvicorn_options() if tls is not None else {}),
-        )
-        server = self._server = uvicorn.Server(config)
-        server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the process owns signals
-        self._task = asyncio.create_task(server.serve(sockets=[sock]))
         try:
-            while not server.started:
-                if self._task.done():
-                    self._task.result()  # raises why the server could not start
-                    raise OSError(f"the REST front on {host}:{port} stopped while starting")
-                await asyncio.sleep(0.02)
+            sock.listen(BACKLOG)
+            limits = self.limits
+            handler = getattr(self.app, "serve_http1", None) or AsgiBridge(self.app)
+            server = Http1Server(
+                handler,
+                max_connections=connection_cap(limits),
+                max_header_bytes=limits.max_header_bytes,
+                max_body_bytes=limits.max_body_bytes,
+                header_timeout_s=limits.header_timeout_s,
+                keep_alive_s=limits.keep_alive_s,
+            )
+            self._lifespan = await run_lifespan(self.app)
+            bound = await server.start(sock, ssl=rest_ssl_context(self.tls), backlog=BACKLOG)
         except BaseException:
             sock.close()  # on success the server owns it
+            if self._lifespan is not None:
+                await end_lifespan(self._lifespan)
+                self._lifespan = None
             raise
-        bound: int = server.servers[0].sockets[0].getsockname()[1]
+        self.server = server
         return bound
 
     async def stop(self, grace: float) -> None:
-        if self._server is None or self._task is None:
-            return
-        self._server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-            await asyncio.wait_for(self._task, grace + 10)
+        if self.server is not None:
+            await self.server.stop(grace)
+            self.server = None
+        if self._lifespan is not None:
+            await end_lifespan(self._lifespan)
+            self._lifespan = None
+
+
+def rest_ssl_context(tls: TlsConfig | None) -> ssl.SSLContext | None:
+    """The REST front's TLS context for the cloud's certificate (client certificates when the cloud requires them)."""
+    if tls is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(tls.certfile), str(tls.keyfile))
+    if tls.client_ca is not None:
+        context.load_verify_locations(str(tls.client_ca))
+        context.verify_mode = ssl.CERT_REQUIRED
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 class GrpcFront:

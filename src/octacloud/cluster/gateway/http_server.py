@@ -1,4 +1,8 @@
-"""The gateway's HTTP/1.1 connections: uvicorn's httptools protocol with the bounds a proxy facing strangers needs.
+"""uvicorn's httptools protocol with the bounds a proxy facing strangers needs, and the gateway's connection cap.
+
+The gateway's own REST front no longer runs on uvicorn (``fronts.RestFront`` serves ``protocols/rest/server.py``,
+which enforces the same bounds itself); ``connection_cap`` sizes both, and ``bounded_protocol`` stays for tools
+that serve the gateway's ASGI app under uvicorn (``bench/overload.py``).
 
 uvicorn parses and frames requests (and answers ``Expect: 100-continue`` itself when the app first reads the
 body, that is after the gateway checked the key on the headers). It has a keep-alive timeout but no bound on

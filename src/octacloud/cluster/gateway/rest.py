@@ -34,6 +34,7 @@ from octacloud.cluster.gateway.upstream import HOP_BY_HOP, Response, UpstreamErr
 from octacloud.cluster.internal_auth import HEADER_BYTES, TENANT_HEADER_BYTES
 from octacloud.protocols.asgi import (
     ASGIApp,
+    Headers,
     HttpError,
     Receive,
     Scope,
@@ -45,6 +46,8 @@ from octacloud.protocols.asgi import (
     lifespan,
     read_body,
 )
+from octacloud.protocols.rest.bridge import AsgiBridge
+from octacloud.protocols.rest.server import Http1Request, encode_headers
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,8 @@ _DROPPED_ANSWER = frozenset(
 )
 """Not passed on from a replica's answer: its framing, and what the gateway's own server adds (``date``)."""
 _CLOSE = (b"connection", b"close")
+_UNAUTHORIZED = (b"www-authenticate", b'Bearer realm="octacloud"')
+_JSON_LINE = b"content-type: application/json\r\n"
 _SMALL_UNREAD = 64 * 1024
 """A refused request's unread body up to this size is read and dropped by the server (keep-alive kept);
 a larger one, or one the client holds back for ``100 Continue``, closes the connection instead."""
@@ -76,9 +81,27 @@ async def _relay(send: Send, response: Response, head: bool = False) -> int:
     return len(response.body)
 
 
+def _relay_native(request: Http1Request, response: Response, head: bool) -> None:
+    """``_relay`` on the native server: the replica's end-to-end headers and body in one write."""
+    lines = [b"%b: %b\r\n" % (k, v) for k, v in response.headers if k.lower() not in _DROPPED_ANSWER]
+    if head:
+        lines += [b"%b: %b\r\n" % (k, v) for k, v in response.headers if k.lower() == b"content-length"]
+    request.respond(response.status, b"".join(lines), response.body, has_length=head)
+
+
+def _refuse(request: Http1Request, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
+    """An error answer in the gateway's shape; ``connection: close`` among ``headers`` closes the connection."""
+    close = _CLOSE in headers
+    lines = _JSON_LINE + encode_headers([h for h in headers if h != _CLOSE])
+    request.respond(status, lines, json.dumps({"error": message}).encode(), close=close)
+
+
 def _unread_body_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
     """``Connection: close`` for an answer sent before the body was read, unless that body is small and coming."""
-    headers = scope["headers"]
+    return _unread_body(scope["headers"])
+
+
+def _unread_body(headers: Headers) -> list[tuple[bytes, bytes]]:
     if header(headers, b"expect") is not None:
         return [_CLOSE]  # the client waits for 100 Continue that will not come: the body's end is unknowable
     if header(headers, b"transfer-encoding") is not None:
@@ -132,6 +155,128 @@ class RestGateway:
         self._internal = [(HEADER_BYTES, internal_secret.encode())] if internal_secret else []
         """Added to every request forwarded to a replica: it proves the request comes from this cloud."""
         routes.on_drop.append(lambda e: self.pool.forget(e.host, e.http_port))
+        self._bridge = AsgiBridge(self)
+
+    async def serve_http1(self, request: Http1Request) -> None:
+        """The native handler (``protocols/rest/server.py``): inference and the other per-model routes without the
+        ASGI cycle; every other path (and a model's ``/stats``, which asks every replica) through the ASGI app."""
+        path = request.path
+        if not path.startswith("/v2/models/") or (request.method == b"GET" and path.endswith("/stats")):
+            await self._bridge(request)
+            return
+        headers = request.headers
+        if self.guard is None:
+            principal = ANONYMOUS_ADMIN
+        else:
+            try:
+                principal = self.guard.authorize(headers)
+                self.guard.admit(principal)
+            except AuthError as exc:
+                _refuse(request, 401, str(exc), [_UNAUTHORIZED, *_unread_body(headers)])
+                return
+            except RateLimitedError as exc:
+                _refuse(
+                    request, 429, str(exc), [(b"retry-after", str(exc.retry_after).encode()), *_unread_body(headers)]
+                )
+                return
+        try:
+            await self._proxy_native(request, path, principal)
+        except HttpError as exc:
+            _refuse(
+                request,
+                exc.status,
+                str(exc),
+                [*exc.headers, *(_unread_body(headers) if exc.status != 408 else [_CLOSE])],
+            )
+
+    async def _proxy_native(self, request: Http1Request, path: str, principal: Principal) -> None:
+        deployment = path[11:].split("/", 1)[0]  # len("/v2/models/")
+        if not self.ready():
+            raise HttpError(503, "the cloud is starting; retry shortly", [(b"retry-after", b"1")])
+        may_see = None if self.guard is None else principal.may_see
+        counters = self.routes.admit(deployment, may_see, self.limits.max_inflight_per_replica)
+        if isinstance(counters, NotAdmitted):
+            if counters.why == "unknown":
+                raise HttpError(404, counters.message)
+            raise HttpError(503, counters.message, [(b"retry-after", b"1")])
+        content_length(request.headers, self.limits.max_body_bytes)
+        started = time.perf_counter()
+        counters.outstanding += 1
+        try:
+            try:
+                body = await request.read_body(self.limits.body_timeout_s)
+            except TimeoutError:
+                raise HttpError(
+                    408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s"
+                ) from None
+            target = request.raw_path
+            if request.query:
+                target += b"?" + request.query
+            headers_out = [(k, v) for k, v in request.headers if k not in _DROPPED_REQUEST]
+            headers_out += self._internal
+            headers_out.append((TENANT_HEADER_BYTES, principal.tenant.encode()))
+            method = request.method
+            response = await self._attempts(deployment, counters, method, target, headers_out, body)
+            sent = len(response.body)
+            counters.bytes_out += sent
+            if response.status >= 400:
+                counters.failures += 1
+            if response.status < 500:  # billed before the answer leaves: a client that has it finds it metered
+                _bill(self.routes.tenant_traffic(principal.tenant, deployment), len(body), sent)
+            _relay_native(request, response, method == b"HEAD")
+        finally:
+            counters.outstanding -= 1
+            counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
+
+    async def _attempts(
+        self,
+        deployment: str,
+        counters: DeploymentCounters,
+        method: bytes,
+        target: bytes,
+        headers_out: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> Response:
+        """The first replica's answer, up to ``MAX_ATTEMPTS`` replicas tried; HttpError 503/504 when none answers."""
+        counters.requests += 1
+        counters.bytes_in += len(body)
+        tried: list[str] = []
+        why = f"deployment '{deployment}' has no ready replica"
+        for _ in range(MAX_ATTEMPTS):
+            endpoint = self.routes.choose(deployment, tried)
+            if endpoint is None:
+                break
+            tried.append(endpoint.replica_id)
+            endpoint.outstanding += 1
+            try:
+                response = await self.pool.request(
+                    endpoint.host,
+                    endpoint.http_port,
+                    method,
+                    target,
+                    headers_out,
+                    body,
+                    self.request_timeout,
+                    filtered=True,
+                )
+            except UpstreamError as exc:
+                self.routes.failed(endpoint)
+                log.warning("deployment %s: replica %s: %s", deployment, endpoint.replica_id, exc)
+                why = f"deployment '{deployment}': {len(tried)} replica(s) tried, none answered"
+                continue
+            except TimeoutError:
+                self.routes.failed(endpoint)
+                counters.failures += 1
+                raise HttpError(
+                    504, f"deployment '{deployment}': no answer within {self.request_timeout:g} s"
+                ) from None
+            finally:
+                endpoint.outstanding -= 1
+            self.routes.succeeded(endpoint)
+            return response
+        counters.failures += 1
+        retry = str(self.routes.retry_after(deployment)).encode()
+        raise HttpError(503, why, [(b"retry-after", retry)])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":

@@ -175,20 +175,29 @@ class _Connection(asyncio.Protocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_exception(exc)
 
-    async def exchange(self, request: bytes, head_only: bool) -> Response:
-        """Send ``request`` (head and body) and return the final answer to it."""
+    async def exchange(self, request: bytes, head_only: bool, timeout: float | None = None) -> Response:
+        """Send ``request`` (head and body) and return the final answer to it; ``TimeoutError`` after ``timeout``
+        seconds (a plain timer on the loop: no task, no context manager)."""
         assert self.transport is not None
         loop = asyncio.get_running_loop()
-        self._waiter = loop.create_future()
+        waiter: asyncio.Future[Response] = loop.create_future()
+        self._waiter = waiter
         self._parser = httptools.HttpResponseParser(self)
         self._head_only = head_only
         self._status = 0
         self._done = self._extra = self._keep_alive = False
+        timer = loop.call_later(timeout, self._timed_out) if timeout is not None else None
         try:
             self.transport.write(request)  # one send: head and body together
-            return await self._waiter
+            return await waiter
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _timed_out(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(TimeoutError())
 
     @property
     def reusable(self) -> bool:
@@ -305,8 +314,7 @@ class UpstreamPool:
         self, key: tuple[str, int], conn: _Connection, wire: bytes, head_only: bool, timeout: float | None
     ) -> Response:
         try:
-            async with asyncio.timeout(timeout):  # a timer, not the task asyncio.wait_for would make
-                response = await conn.exchange(wire, head_only)
+            response = await conn.exchange(wire, head_only, timeout)
         except BaseException:  # failed, timed out or cancelled: the answer's end is unknown
             conn.close()
             raise
