@@ -8,7 +8,8 @@ import asyncio
 import time
 
 from octacloud.cluster.gateway.limits import GatewayLimits
-from octacloud.protocols.rest.server import Http1Request, Http1Server
+from octacloud.protocols.rest.request import Http1Request
+from octacloud.protocols.rest.server import Http1Server
 from tests.reliability.harness import answers, complete, exchange, gateway, parse, read
 
 INFER = b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%b"

@@ -47,7 +47,7 @@ from octacloud.protocols.asgi import (
     read_body,
 )
 from octacloud.protocols.rest.bridge import AsgiBridge
-from octacloud.protocols.rest.server import Http1Request, encode_headers
+from octacloud.protocols.rest.request import Http1Request, encode_headers
 
 log = logging.getLogger(__name__)
 

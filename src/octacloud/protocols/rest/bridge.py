@@ -14,7 +14,7 @@ import contextlib
 from typing import Any
 
 from octacloud.protocols.asgi import ASGIApp, HttpError, Message, Scope
-from octacloud.protocols.rest.server import Http1Request, encode_headers
+from octacloud.protocols.rest.request import Http1Request, encode_headers
 
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 Lifespan = tuple[asyncio.Task[None], asyncio.Queue[Message], asyncio.Queue[Message]]
