@@ -61,13 +61,14 @@ def wait_http(url: str, timeout: float = 120.0, headers: dict[str, str] | None =
 
 def run_gateway(port: int, replica_port: int, bound: int, secret_file: str, model: str) -> None:
     sys.path.insert(0, str(SRC))
-    import uvicorn
+    import contextvars
 
-    from octacloud.cluster.gateway.http_server import bounded_protocol
+    from octacloud.cluster.gateway.fronts import RestFront
     from octacloud.cluster.gateway.limits import GatewayLimits
     from octacloud.cluster.gateway.rest import RestGateway
     from octacloud.cluster.gateway.routing import Endpoint, Owner, RouteTable
     from octacloud.cluster.internal_auth import read_secret
+    from octacloud.protocols.rest.request import Http1Request
     from octacloud.protocols.server import new_event_loop
 
     limits = GatewayLimits(max_inflight_per_replica=bound)
@@ -76,36 +77,42 @@ def run_gateway(port: int, replica_port: int, bound: int, secret_file: str, mode
     routes.owners[model] = Owner("bench")
     gateway = RestGateway(routes, limits=limits, internal_secret=read_secret(Path(secret_file)))
     seen: list[float] = []
+    status: contextvars.ContextVar[int] = contextvars.ContextVar("status", default=0)  # each request is a task
+    attempts = gateway._attempts
 
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """The gateway, timing each admitted answer from its parsed request to its last byte handed to the
-        transport (the gateway's view: no client event-loop lag, no accept queue); ``/bench/seen`` answers them
-        as JSON and starts a new phase."""
-        if scope["type"] == "http" and scope["path"] == "/bench/seen":
-            body = json.dumps(seen).encode()
-            seen.clear()
-            await send(
-                {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]}
-            )
-            await send({"type": "http.response.body", "body": body})
-            return
-        started = time.perf_counter()
-        status = [0]
+    async def answered(*args: Any) -> Any:
+        response = await attempts(*args)
+        status.set(response.status)
+        return response
 
-        async def timed(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
+    gateway._attempts = answered  # type: ignore[method-assign]
 
-        await gateway(scope, receive, timed)
-        if status[0] == 200:
-            seen.append(time.perf_counter() - started)
+    class Timed:
+        """The gateway on its own front, timing each admitted answer from its parsed request to its last byte
+        handed to the transport (the gateway's view: no client event-loop lag, no accept queue);
+        ``/bench/seen`` answers them as JSON and starts a new phase."""
 
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, http=bounded_protocol(limits), log_level="warning", access_log=False
-    )
+        async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+            await gateway(scope, receive, send)  # the lifespan
+
+        async def serve_http1(self, request: Http1Request) -> None:
+            if request.path == "/bench/seen":
+                request.respond(200, b"", json.dumps(seen).encode())
+                seen.clear()
+                return
+            started = time.perf_counter()
+            status.set(0)
+            await gateway.serve_http1(request)
+            if status.get() == 200:
+                seen.append(time.perf_counter() - started)
+
+    async def serve() -> None:
+        front = RestFront(Timed(), limits)
+        await front.start("127.0.0.1", port, reuse_port=False)
+        await asyncio.Event().wait()  # until SIGTERM ends the process
+
     loop = new_event_loop()
-    loop.run_until_complete(uvicorn.Server(config).serve())
+    loop.run_until_complete(serve())
 
 
 # ---- the client ---------------------------------------------------------------------------------------

@@ -10,13 +10,13 @@ kernel spreads new connections over them.
 
 from __future__ import annotations
 
+import resource
 import socket
 import ssl
 from dataclasses import dataclass
 from typing import Protocol
 
 from octacloud.cluster.gateway.grpc_proxy import MAX_STREAMS, GrpcGateway
-from octacloud.cluster.gateway.http_server import connection_cap
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.tls import TlsConfig
 from octacloud.protocols.asgi import ASGIApp
@@ -25,6 +25,17 @@ from octacloud.protocols.rest.bridge import AsgiBridge, Lifespan, end_lifespan, 
 from octacloud.protocols.rest.server import Http1Server
 
 BACKLOG = 2048
+FD_RESERVE = 512
+"""File descriptors kept for what is not a client connection (replica connections, the store, logs)."""
+
+
+def connection_cap(limits: GatewayLimits) -> int:
+    """``max_connections``, or fewer when the process's file limit would run out first: a connection over it is
+    closed as soon as it is accepted."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return limits.max_connections
+    return max(16, min(limits.max_connections, soft - FD_RESERVE))
 
 
 class Front(Protocol):
