@@ -10,9 +10,10 @@ gateway/direct ratio, the 1-minute load average and the CPU each process spent p
 (``/proc/PID/stat`` over the point ÷ the inferences the replica counted).
 
 Clients: HTTP is Triton's perf_analyzer (binary tensors, ``-H "Authorization: Bearer <key>"``). perf_analyzer
-2.51 sends ``-H`` headers over HTTP only, so gRPC is driven by a small closed-loop load generator in its own
-process (``bench/loadgen.py``: ``grpc.aio``, pre-serialised requests, ``authorization`` metadata), for the
-direct and the gateway rows alike.
+2.51 sends ``-H`` headers over HTTP only, so gRPC is driven by a closed loop in its own process, for the direct
+and the gateway rows alike: ``bench/openloop.py``'s raw HTTP/2 client (requests encoded once, ``authorization``
+metadata; the default) or, with ``--grpc-client loadgen``, ``bench/loadgen.py`` (``grpc.aio``, which costs the
+core it shares with the replica several times as much per call).
 
 Two CPU layouts, both measured by default (``--layout``):
 
@@ -202,6 +203,20 @@ def place(layout: str, gateway_pid: int, replica_pid: int, cores: int) -> None:
     os.sched_setaffinity(0, rest)
 
 
+def run_openloop(target: str, model: str, c: int, seconds: float, shape: str, header: str) -> dict[str, float]:
+    """bench/openloop.py's gRPC client (raw HTTP/2, requests encoded once) as a closed loop of ``c`` calls with
+    ``header`` as metadata, in its own process."""
+    import openloop as ol
+
+    name, _, value = header.partition(":")
+    host, _, port = target.rpartition(":")
+    load = ol.Target("grpc", host, int(port), ol.infer_message(model, shape), ((name.lower(), value),))
+    res = ol.run_load(load, seconds=seconds, concurrency=c, procs=1, warmup_s=0.5).summary()
+    if res["errors"] or res["refused_per_s"]:
+        print(f"  (on {target}: errors {res['errors']}, refused {res['refused_per_s']}/s)", flush=True)
+    return {"throughput": res["ok_per_s"], "p50_ms": res["p50_ms"], "p99_ms": res["p99_ms"]}
+
+
 def run_loadgen(target: str, model: str, c: int, seconds: float, shape: str, header: str) -> dict[str, float]:
     """bench/loadgen.py (closed loop of ``c`` calls with ``header`` as metadata) in its own process."""
     name, _, value = header.partition(":")
@@ -241,6 +256,8 @@ def measure(
     n0, e0 = inferences(replica_http, model, secret)
     if protocol == "http":
         res: dict[str, Any] = run_pa(pa, model, target, c, args.seconds, shape, header)
+    elif args.grpc_client == "openloop":
+        res = run_openloop(target, model, c, args.seconds, shape, header)
     else:
         res = run_loadgen(target, model, c, args.seconds, shape, header)
     n1, e1 = inferences(replica_http, model, secret)
@@ -263,6 +280,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--layout", choices=["shared", "split", "both"], default="both", help="CPU layouts to run.")
     parser.add_argument("--protocols", nargs="+", default=["http", "grpc"], choices=["http", "grpc"])
+    parser.add_argument(
+        "--grpc-client",
+        choices=["openloop", "loadgen"],
+        default="openloop",
+        help="the gRPC load: bench/openloop.py's raw HTTP/2 client (default; 30-50 us of CPU per call, as "
+        "perf_analyzer is over HTTP) or bench/loadgen.py (grpc.aio, several times that, on the replica's cores)",
+    )
     parser.add_argument(
         "--preferred-batch",
         type=int,
@@ -365,7 +389,7 @@ def main() -> None:
         print("\n(latencies in ms; gw/direct is the gateway's throughput as a share of the direct replica's;")
         print(" gw cpu: the gateway process's CPU per inference through it;")
         print(" shared: all processes on all cores; split: gateway on core 0, replica and client on the rest;")
-        print(" HTTP: perf_analyzer; gRPC: this script's grpc.aio load generator, which sends authorization metadata)")
+        print(f" HTTP: perf_analyzer; gRPC: {args.grpc_client} (bench/{args.grpc_client}.py), authorization metadata)")
     finally:
         cloud.stop()
         shutil.rmtree(work, ignore_errors=True)
