@@ -387,57 +387,21 @@ class RestGateway:
         headers_out = [(k, v) for k, v in scope["headers"] if k not in _DROPPED_REQUEST]  # ASGI names are lowercase
         headers_out += self._internal
         headers_out.append((TENANT_HEADER_BYTES, principal.tenant.encode()))  # per-tenant batches (protocols/internal)
-        counters.requests += 1
-        counters.bytes_in += len(body)
         method = scope["method"]
         if method == "GET" and path.endswith("/stats"):
+            counters.requests += 1
+            counters.bytes_in += len(body)
             sent = await self._statistics(send, deployment, target, headers_out)
             _bill(usage, len(body), sent)
             return
-        tried: list[str] = []
-        why = f"deployment '{deployment}' has no ready replica"
-        for _ in range(MAX_ATTEMPTS):
-            endpoint = self.routes.choose(deployment, tried)
-            if endpoint is None:
-                break
-            tried.append(endpoint.replica_id)
-            endpoint.outstanding += 1
-            try:
-                response = await self.pool.request(
-                    endpoint.host,
-                    endpoint.http_port,
-                    method.encode(),
-                    target,
-                    headers_out,
-                    body,
-                    self.request_timeout,
-                    filtered=True,
-                )
-            except UpstreamError as exc:
-                self.routes.failed(endpoint)
-                log.warning("deployment %s: replica %s: %s", deployment, endpoint.replica_id, exc)
-                why = f"deployment '{deployment}': {len(tried)} replica(s) tried, none answered"
-                continue
-            except TimeoutError:
-                self.routes.failed(endpoint)
-                counters.failures += 1
-                raise HttpError(
-                    504, f"deployment '{deployment}': no answer within {self.request_timeout:g} s"
-                ) from None
-            finally:
-                endpoint.outstanding -= 1
-            self.routes.succeeded(endpoint)
-            sent = len(response.body)
-            counters.bytes_out += sent
-            if response.status >= 400:
-                counters.failures += 1
-            if response.status < 500:  # billed before the answer leaves: a client that has it finds it metered
-                _bill(usage, len(body), sent)
-            await _relay(send, response, head=method == "HEAD")
-            return
-        counters.failures += 1
-        retry = str(self.routes.retry_after(deployment)).encode()
-        raise HttpError(503, why, [(b"retry-after", retry)])
+        response = await self._attempts(deployment, counters, method.encode(), target, headers_out, body)
+        sent = len(response.body)
+        counters.bytes_out += sent
+        if response.status >= 400:
+            counters.failures += 1
+        if response.status < 500:  # billed before the answer leaves: a client that has it finds it metered
+            _bill(usage, len(body), sent)
+        await _relay(send, response, head=method == "HEAD")
 
     async def _statistics(self, send: Send, deployment: str, target: bytes, headers: list[tuple[bytes, bytes]]) -> int:
         """Ask every ready replica of ``deployment`` and answer with the sum (see ``gateway.stats``)."""
