@@ -47,6 +47,13 @@ def replica_processes(state: Path) -> set[int]:
     return found
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:300]
+    except OSError:
+        return "(gone)"
+
+
 @pytest.mark.parametrize("after_s", [0.0, 0.8, 1.6])
 def test_kill_9_in_the_middle_of_a_move(tmp_path: Path, after_s: float) -> None:
     """``after_s``: the kill comes that long after the move's first event, so it finds the move in other phases."""
@@ -121,6 +128,7 @@ def test_kill_9_in_the_middle_of_a_move(tmp_path: Path, after_s: float) -> None:
                 f"replicas {[(n, r['id'], r['state'], r['pid']) for n, rs in now.items() for r in rs]}",
                 f"transitions {open_transitions}",
                 f"processes {sorted(found)} serving {sorted(pids)}",
+                *(f"unknown {pid}: {cmdline(pid)}" for pid in found - pids),
             ]
             return (
                 sorted(now) == sorted([*stay, "big"])

@@ -189,8 +189,10 @@ class RestGateway:
                 [*exc.headers, *(_unread_body(headers) if exc.status != 408 else [_CLOSE])],
             )
 
-    async def _proxy_native(self, request: Http1Request, path: str, principal: Principal) -> None:
-        deployment = path[11:].split("/", 1)[0]  # len("/v2/models/")
+    def _admit(self, deployment: str, principal: Principal, headers: list[tuple[bytes, bytes]]) -> DeploymentCounters:
+        """The deployment's counters if this request may go on (on its headers alone), else HttpError: the cloud
+        starting, a deployment the caller may not see (404), no ready replica or its bound reached (503), a body
+        announced over the limit (413)."""
         if not self.ready():
             raise HttpError(503, "the cloud is starting; retry shortly", [(b"retry-after", b"1")])
         may_see = None if self.guard is None else principal.may_see
@@ -199,7 +201,12 @@ class RestGateway:
             if counters.why == "unknown":
                 raise HttpError(404, counters.message)
             raise HttpError(503, counters.message, [(b"retry-after", b"1")])
-        content_length(request.headers, self.limits.max_body_bytes)
+        content_length(headers, self.limits.max_body_bytes)
+        return counters
+
+    async def _proxy_native(self, request: Http1Request, path: str, principal: Principal) -> None:
+        deployment = path[11:].split("/", 1)[0]  # len("/v2/models/")
+        counters = self._admit(deployment, principal, request.headers)
         started = time.perf_counter()
         counters.outstanding += 1
         try:
@@ -348,15 +355,7 @@ class RestGateway:
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str, principal: Principal) -> None:
         deployment = path[len("/v2/models/") :].split("/", 1)[0]
-        if not self.ready():
-            raise HttpError(503, "the cloud is starting; retry shortly", [(b"retry-after", b"1")])
-        may_see = None if self.guard is None else principal.may_see
-        counters = self.routes.admit(deployment, may_see, self.limits.max_inflight_per_replica)
-        if isinstance(counters, NotAdmitted):
-            if counters.why == "unknown":
-                raise HttpError(404, counters.message)
-            raise HttpError(503, counters.message, [(b"retry-after", b"1")])
-        content_length(scope["headers"], self.limits.max_body_bytes)
+        counters = self._admit(deployment, principal, scope["headers"])
         started = time.perf_counter()
         counters.outstanding += 1
         try:
