@@ -53,6 +53,9 @@ class FakeLauncher:
         self.stopped.append((handle, grace))
         self.running.pop(handle, None)
 
+    def handles(self) -> list[str]:
+        return list(self.running)
+
     def crash(self, replica_id: str) -> None:
         for handle, spec in list(self.running.items()):
             if spec.replica_id == replica_id:

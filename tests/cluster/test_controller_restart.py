@@ -11,6 +11,7 @@ import pytest
 
 from octacloud.cluster.controller.state import ControllerStore
 from octacloud.cluster.deployments import Replica, ReplicaState
+from octacloud.cluster.launcher import Launched, LaunchSpec
 from octacloud.cluster.store import Transition
 
 from .controller_fakes import Harness
@@ -187,3 +188,37 @@ async def test_undeploying_in_the_middle_of_a_rolling_update_leaves_no_replaceme
     await h.settle()
     assert h.replicas() == [] and h.store.transitions() == [] and h.controller.w.transitions == {}
     assert h.launcher.ids() == set() and not list(h.controller.scheduler.state)
+
+
+async def test_a_replica_launched_just_before_the_controller_died_is_stopped_at_restart(tmp_path: Path) -> None:
+    """The launch returned, the controller died before the store had the replica's handle: the process runs and
+    no record names it. The next controller finds it through the launcher and stops it, then starts the replica
+    as usual: one process per replica, none unaccounted for."""
+    h = Harness(tmp_path)
+    h.wrap = KillAt
+    h.controller = h.make()
+    h.deploy("a", octants=4)
+    await h.reconcile()
+    await h.health()
+    assert h.ready("a")
+    real = h.launcher.launch
+
+    def dying(spec: LaunchSpec) -> Launched:
+        real(spec)  # the process is started
+        raise Killed("after the launch, before its handle is stored")
+
+    h.launcher.launch = dying  # type: ignore[method-assign]
+    h.deploy("late", octants=2)
+    with pytest.raises(Killed):
+        await h.reconcile()  # places and launches "late"
+    stray = [handle for handle, spec in h.launcher.running.items() if spec.serve_as == "late"]
+    assert len(stray) == 1 and not any(r.handle == stray[0] for r in h.replicas())
+    h.launcher.launch = real  # type: ignore[method-assign]
+    await _restart(h)
+    for _ in range(4):
+        await h.reconcile()
+        await h.health()
+    await h.settle()
+    assert stray[0] not in h.launcher.running and h.events("stray replica stopped")
+    check_invariants(h)
+    assert h.ready("late")

@@ -122,6 +122,9 @@ async def test_decisions_equal_octacloud_up(tmp_path: Path, http: httpx.AsyncCli
         def stop(self, handle: str, grace: float = 5.0) -> None:
             pass
 
+        def handles(self) -> None:
+            return None
+
     (tmp_path / "repo" / "m").mkdir(parents=True)
     cloud = Cloud(
         CloudConfig(repository=tmp_path / "repo", state_dir=tmp_path / "state"),

@@ -88,6 +88,13 @@ class ReplicaLauncher(Protocol):
 
     def stop(self, handle: str, grace: float = 5.0) -> None: ...
 
+    def handles(self) -> list[str] | None:
+        """The handles of every replica of this cloud that runs now, found on the machines themselves (not from
+        what this launcher remembers), or None where the launcher cannot tell its cloud's replicas from others'.
+        A restarted controller stops those its store does not know: a replica launched the moment before a
+        ``kill -9``, whose handle the store never received."""
+        ...
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -241,6 +248,22 @@ class LocalProcessLauncher:
                 credentials.write(self.workdir / replica_id, "replica")
                 renewed += 1
         return renewed
+
+    def handles(self) -> list[str]:
+        """PIDs of the live ``octacloud serve`` processes whose repository is under this launcher's folder."""
+        root = str(self.workdir.resolve()).encode() + b"/"
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue  # gone meanwhile, or not ours to read
+            if state != "Z" and b"serve" in argv[2:4] and any(a.startswith(root) for a in argv):
+                found.append(entry)
+        return found
 
     def stop(self, handle: str, grace: float = 5.0) -> None:
         self._addresses.pop(handle, None)

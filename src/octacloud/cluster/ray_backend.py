@@ -286,6 +286,11 @@ class RayLauncher:
         result: dict[str, Any] = ray.get(actor.placement.remote(), timeout=30)
         return result
 
+    def handles(self) -> None:
+        """None: several clouds may share a Ray cluster and its ``octacloud`` namespace, and an actor's name does not
+        say whose it is, so a restarted controller must not stop actors its store does not know."""
+        return None
+
     def _actor(self, handle: str) -> Any:
         actor = self._actors.get(handle)
         if actor is not None:

@@ -308,6 +308,23 @@ class Controller:
             w.route(d.spec.name)
         for t in carry_on:
             self._carry_on(t)
+        self._stop_strays()
+
+    def _stop_strays(self) -> None:
+        """Stop the replicas that run but that the store does not know: launched the moment before the previous
+        controller died, their handle never stored (the launcher finds them on the machine; a launcher that
+        cannot tell its cloud's replicas from others' finds none)."""
+        w = self.w
+        running = w.launcher.handles()
+        if not running:
+            return
+        known = {r.handle for r in w.store.replicas() if r.handle}
+        known |= {str(r.pid) for r in w.store.replicas() if r.pid is not None}  # records from before handles
+        for handle in running:
+            if handle not in known:
+                log.warning("replica process %s runs but no replica of the store has it: stopping it", handle)
+                self.executor.kill(handle)
+                w.event("stray replica stopped", handle, "it ran without a record (launched just before a restart)")
 
     def _undo_unfinished(self) -> tuple[list[Transition], set[str]]:
         """Sort the replacements a restart interrupted: one whose replacement is not READY (or no longer runs)
