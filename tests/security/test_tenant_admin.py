@@ -35,6 +35,9 @@ class PlacingOnly:
     def stop(self, handle: str, grace: float = 5.0) -> None:
         return None
 
+    def handles(self) -> None:
+        return None
+
 
 class PlacingCloud(CloudThread):
     async def _make(self, cfg: Any) -> Cloud:
