@@ -351,7 +351,7 @@ def _deploy_once(cloud: Any, model: str, max_replicas: int) -> None:
 
     log = logging.getLogger("octacloud.up")
     try:
-        existing = cloud.store.get_deployment(model)
+        existing = cloud.controller.store.get_deployment(model)  # its writes reach SQLite a moment later
     except NotFoundError:
         pass
     else:
@@ -379,10 +379,12 @@ def _print_fleet_summary(cloud: Any) -> None:
 
 
 def _print_sample(cloud: Any, deploy: list[str], base: str, grpc: str, key_file: Path) -> None:
-    names = [*deploy, *(d.spec.name for d in cloud.store.deployments())]
+    """The first deployment's sample requests, from the controller's own view of the deployments (what it has
+    just created may not be in SQLite yet: its store thread writes a moment later)."""
+    names = [*deploy, *(d.spec.name for d in cloud.controller.store.deployments())]
     for name in names:
         try:
-            d = cloud.store.get_deployment(name)
+            d = cloud.controller.store.get_deployment(name)
         except Exception:  # not deployed after all (refused above)
             continue
         inputs = sample_inputs(cloud.config.repository / d.spec.model)
