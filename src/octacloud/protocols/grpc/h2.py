@@ -68,6 +68,31 @@ def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     return _HEADER.pack(n >> 16, n & 0xFFFF, kind, flags, stream) + payload
 
 
+class TurnOutput:
+    """What one loop turn queues for a connection, sent in one ``write`` at the turn's end. The buffer is handed
+    to the transport whole and never changed after (no copy of it); nothing is queued once ``transport()`` is
+    None (the connection is gone)."""
+
+    __slots__ = ("_buffer", "_transport")
+
+    def __init__(self, transport: Callable[[], asyncio.Transport | None]) -> None:
+        self._buffer = bytearray()
+        self._transport = transport
+
+    def write(self, data: bytes) -> None:
+        if self._transport() is None:
+            return
+        if not self._buffer:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._buffer += data
+
+    def flush(self) -> None:
+        out, self._buffer = self._buffer, bytearray()
+        transport = self._transport()
+        if out and transport is not None:
+            transport.write(out)
+
+
 class FrameTooLarge(ValueError):
     """A frame longer than the receiver allows (a connection error, FRAME_SIZE_ERROR)."""
 
@@ -239,7 +264,7 @@ class Http2Connection(asyncio.Protocol):
         self._continuation: _Stream | None = None
         self._going_away = False
         self._peer = "unknown"
-        self._out = bytearray()  # frames to send at the end of this loop turn
+        self._out = TurnOutput(lambda: self._transport)  # frames to send at the end of this loop turn
         self._opened = 0.0  # loop time of the connection's start
         self._idle_since = 0.0  # loop time since which no stream is open
         self.pings = 0  # PINGs since the server's last sweep
@@ -662,16 +687,7 @@ class Http2Connection(asyncio.Protocol):
 
     def _write(self, data: bytes) -> None:
         """Queue ``data``; everything queued in one loop turn (the responses of one batch) is one write."""
-        if self._transport is None:
-            return
-        if not self._out:
-            asyncio.get_running_loop().call_soon(self._flush_out)
-        self._out += data
-
-    def _flush_out(self) -> None:
-        out, self._out = self._out, bytearray()  # handed over whole, never changed after: no copy of it
-        if out and self._transport is not None:
-            self._transport.write(out)
+        self._out.write(data)
 
     def _goaway(self, code: int, reason: str) -> None:
         log.info("closing an HTTP/2 connection from %s: %s", self._peer, reason)
@@ -680,7 +696,7 @@ class Http2Connection(asyncio.Protocol):
 
     def _close(self) -> None:
         if self._transport is not None:
-            self._flush_out()
+            self._out.flush()
             self._transport.close()
 
     def shut_down(self) -> None:

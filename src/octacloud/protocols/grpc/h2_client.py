@@ -49,6 +49,7 @@ from octacloud.protocols.grpc.h2 import (
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
+    TurnOutput,
     _int7,
     frame,
     read_frames,
@@ -114,7 +115,7 @@ class _Connection(asyncio.Protocol):
         self._orphan_block: bytearray | None = None  # a header block of a stream we no longer track
         self.going_away = False
         self.closed = False
-        self._out = bytearray()
+        self._out = TurnOutput(lambda: self.transport)
 
     # ---- asyncio.Protocol --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -341,16 +342,7 @@ class _Connection(asyncio.Protocol):
     # ---- output ------------------------------------------------------------------------------------------
     def _write(self, data: bytes) -> None:
         """Queue ``data``; what this loop turn queues goes out in one write."""
-        if self.transport is None:
-            return
-        if not self._out:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._out += data
-
-    def _flush(self) -> None:
-        out, self._out = self._out, bytearray()  # handed over whole, never changed after: no copy of it
-        if out and self.transport is not None:
-            self.transport.write(out)
+        self._out.write(data)
 
     def _maybe_close(self) -> None:
         if self.going_away and not self.calls:
@@ -366,7 +358,7 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         self.going_away = True
         if self.transport is not None and not self.transport.is_closing():
-            self._flush()
+            self._out.flush()
             self.transport.close()
 
     def goodbye(self) -> None:
