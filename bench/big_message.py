@@ -122,7 +122,7 @@ def main() -> None:
     try:
         cloud.start()
         key, url, grpc_port = cloud.key, cloud.url, cloud.grpc_port
-        cloud.deploy({"name": args.model, "model": args.model, "octants": 4})
+        replica = cloud.deploy({"name": args.model, "model": args.model, "octants": 4})
         print(f"gateway pid {cloud.pid}: RSS {rss_mib(cloud.pid):.0f} MiB, peak {peak_rss_mib(cloud.pid):.0f} MiB")
         print(f"message: {size / GIB:g} GiB")
         rows: list[dict[str, object]] = []
@@ -162,7 +162,6 @@ def main() -> None:
 
         for r_ in rows:
             print(json.dumps(r_))
-        replica = cloud.admin("GET", f"/deployments/{args.model}")["instances"][0]
         forwarded(args, key, cloud.secret, grpc_port, int(replica["grpc_port"]), cloud.pid)
         body = {"inputs": [{"name": "input", "shape": [1, 256], "datatype": "FP32", "data": [0.0] * 256}]}
         r = httpx.post(f"{url}/v2/models/{args.model}/infer", json=body, headers={"Authorization": f"Bearer {key}"})
