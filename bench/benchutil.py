@@ -41,6 +41,13 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) * TICK_S
 
 
+def syscalls(pid: int) -> tuple[int, int]:
+    """The read and write system calls one process has made so far (``/proc/PID/io``'s ``syscr`` and ``syscw``,
+    all its threads). Raises OSError when the process is gone."""
+    counts = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(counts["syscr"]), int(counts["syscw"])
+
+
 def find_replica_pid(http_port: int) -> int:
     """The local replica process serving ``http_port`` (its command line names the port)."""
     for entry in os.listdir("/proc"):

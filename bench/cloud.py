@@ -46,7 +46,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchutil import LocalCloud, cpu_s, find_replica_pid
+from benchutil import LocalCloud, cpu_s, find_replica_pid, syscalls
 from octacloud.cluster.internal_auth import HEADER
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,6 +253,7 @@ def measure(
         )  # fmt: skip
     load = os.getloadavg()[0]
     cpu0 = {k: cpu_s(p) for k, p in pids.items()}
+    io0 = {k: syscalls(p) for k, p in pids.items()}
     n0, e0 = inferences(replica_http, model, secret)
     if protocol == "http":
         res: dict[str, Any] = run_pa(pa, model, target, c, args.seconds, shape, header)
@@ -269,6 +270,8 @@ def measure(
     res["batch"] = n / max(1, e1 - e0)
     for k, p in pids.items():
         res[f"{k}_us"] = (cpu_s(p) - cpu0[k]) / n * 1e6
+        reads, writes = syscalls(p)
+        res[f"{k}_io"] = ((reads - io0[k][0]) / n, (writes - io0[k][1]) / n)
     return res
 
 
@@ -370,7 +373,9 @@ def main() -> None:
                         print(
                             f"  {layout:6} {protocol:4} c={c} {where:7}: {r['throughput']:7.0f} infer/s  "
                             f"p50 {r['p50_ms']:6.2f}  p99 {r['p99_ms']:6.2f} ms  gateway {r['gateway_us']:4.0f} "
-                            f"replica {r['replica_us']:4.0f} us/inf  batch {r['batch']:4.1f}  load {r['load']:4.1f}",
+                            f"replica {r['replica_us']:4.0f} us/inf  batch {r['batch']:4.1f}  load {r['load']:4.1f}  "
+                            f"reads/writes per inf: gateway {r['gateway_io'][0]:.2f}/{r['gateway_io'][1]:.2f} "
+                            f"replica {r['replica_io'][0]:.2f}/{r['replica_io'][1]:.2f}",
                             flush=True,
                         )
                     rows.append((layout, protocol, c, res["direct"], res["gateway"]))
