@@ -6,6 +6,7 @@ that go away."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import time
@@ -376,6 +377,31 @@ def test_kept_header_blocks_decode_as_a_fresh_decoder_would() -> None:
         block = encoder.encode(headers)
         want = reference.decode(block)
         assert conn._decode(block) == want == headers, step
+
+
+def test_each_call_gets_its_own_path_and_metadata_when_header_blocks_repeat() -> None:
+    """A grpc.aio client indexes its headers, so its calls repeat header blocks, which the server reads once
+    while they are kept: every call must still be admitted with exactly the path and metadata it sent,
+    through new values, repeats and a key that changes between calls."""
+
+    async def go() -> None:
+        async with serving() as (echo, _, port):
+            sent: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for i in range(40):
+                    path = PATH if i % 3 else "/t.T/Fail"
+                    key = "Bearer good" if i % 5 else "Bearer bad"
+                    metadata = (("authorization", key), ("x-n", str(i % 4)))
+                    call = channel.unary_unary(path)
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await call(b"m", metadata=metadata, timeout=5)
+                    sent.append((path, metadata))
+            admitted = [
+                (path, tuple((k, v) for k, v in md if k in ("authorization", "x-n"))) for path, md in echo.admitted
+            ]
+            assert admitted == sent
+
+    run(go)
 
 
 def test_the_gate_refuses_in_the_frame_handling_and_release_follows_every_admitted_call() -> None:

@@ -237,6 +237,7 @@ class GrpcGateway:
     def _forwarder(self, method: str) -> Callable[[bytes, CallContext], Any]:
         path = f"/{SERVICE}/{method}"
         internal = metadata_block(self._internal)
+        blocks: dict[tuple[Metadata, str], bytes] = {}
 
         async def forward(request: bytes, context: CallContext) -> bytes:
             held = context.state
@@ -249,9 +250,15 @@ class GrpcGateway:
             principal, deployment, counters = held.principal, held.deployment, held.counters
             routes = self.routes
             usage = routes.tenant_traffic(principal.tenant, deployment)
-            forwarded = [(k, v) for k, v in context.invocation_metadata() if k not in _DROPPED]
-            forwarded.append((TENANT_HEADER, principal.tenant))  # per-tenant batches (protocols/internal.py)
-            metadata = metadata_block(forwarded) + internal
+            received = context.invocation_metadata()
+            metadata = blocks.get((received, principal.tenant))
+            if metadata is None:  # a client's calls repeat their metadata: the forwarded block is encoded once
+                forwarded = [(k, v) for k, v in received if k not in _DROPPED]
+                forwarded.append((TENANT_HEADER, principal.tenant))  # per-tenant batches (protocols/internal.py)
+                metadata = metadata_block(forwarded) + internal
+                if len(blocks) >= 1024:
+                    blocks.clear()
+                blocks[(received, principal.tenant)] = metadata
             started = time.perf_counter()
             counters.requests += 1
             counters.bytes_in += len(request)

@@ -366,6 +366,11 @@ class _Connection(asyncio.Protocol):
         self.close()
 
 
+def _expire(future: asyncio.Future[Answer]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
+
+
 class Channel:
     """HTTP/2 connections to one gRPC server (``host:port``), opened as calls need them."""
 
@@ -400,20 +405,19 @@ class Channel:
             raw = path.encode()
             head = self._paths[path] = self._prefix + b"\x04" + _int7(len(raw)) + raw  # :path (static 4)
         conn = self._usable() or await self._connect()
-        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Answer] = loop.create_future()
         c = conn.start(head + metadata, message, future)
-        if timeout is None:
-            try:
-                return await future
-            except asyncio.CancelledError:
-                conn.cancel(c)
-                raise
+        # The deadline is a plain loop timer that fails the future: no timeout context, no task lookup per call.
+        timer = None if timeout is None else loop.call_later(timeout, _expire, future)
         try:
-            async with asyncio.timeout(timeout):
-                return await future
+            return await future
         except (TimeoutError, asyncio.CancelledError):
             conn.cancel(c)
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def _usable(self) -> _Connection | None:
         for conn in self._connections:
