@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import struct
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 import hpack
+import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from octacloud.cluster.gateway.fronts import GrpcFront
@@ -228,5 +230,62 @@ def test_a_call_over_the_in_flight_bound_gets_one_trailers_only_frame_and_never_
             await front.stop(0.5)
             for r in replicas:
                 await r.server.stop(0)
+
+    run(go)
+
+
+def test_two_tenants_on_one_connection_each_reach_the_replica_as_themselves(tmp_path: Path) -> None:
+    """Calls of two tenants, interleaved on one connection with repeated metadata (the gateway reads a repeated
+    header block once and encodes the forwarded metadata once per caller): every call reaches the replica with
+    its own verified tenant and never a client's claim; a key revoked between calls is refused at once."""
+    from sqlalchemy import create_engine
+
+    from octacloud.cluster.auth import Guard
+    from octacloud.cluster.auth.keys import KeyStore, Role
+    from octacloud.cluster.gateway.routing import Owner
+    from octacloud.core.clock import ManualClock
+
+    keys = KeyStore(create_engine(f"sqlite:///{tmp_path / 'keys.db'}"), b"k" * 32, ManualClock(), cache_s=0.0)
+    secrets = {}
+    for tenant in ("alice", "bob"):
+        keys.create_tenant(tenant)
+        info, secrets[tenant] = keys.create_key(tenant, Role.TENANT)
+        if tenant == "bob":
+            bob_key = info.id
+
+    async def go() -> None:
+        seen: list[str] = []
+
+        async def infer(message: bytes, context: h2.CallContext) -> bytes:
+            [tenant] = [v for k, v in context.invocation_metadata() if k == "x-octacloud-tenant"]
+            seen.append(str(tenant))
+            return message
+
+        replica = h2.Http2Server({INFER: h2.Method(None, infer, streaming=False)})
+        port = await replica.start("127.0.0.1", 0)
+        routes = RouteTable()
+        routes.update("lin", [Endpoint("r", "127.0.0.1", 1, port)])
+        routes.owners["lin"] = Owner("alice", published=True)
+        limits = GatewayLimits(max_inflight_per_replica=0)
+        front = GrpcFront(GrpcGateway(routes, guard=Guard(keys), limits=limits, internal_secret="s" * 32), limits)
+        gw = await front.start("127.0.0.1", 0, reuse_port=False)
+        try:
+            sent: list[str] = []
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gw}") as channel:
+                infer_call = channel.unary_unary(INFER)
+                for i in range(30):
+                    tenant = "alice" if i % 3 else "bob"
+                    metadata = (("authorization", f"Bearer {secrets[tenant]}"), ("x-octacloud-tenant", "alice"))
+                    assert await infer_call(request(str(i)), metadata=metadata, timeout=5) == request(str(i))
+                    sent.append(tenant)
+                assert seen == sent
+                keys.revoke_key(bob_key)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await infer_call(request("x"), metadata=(("authorization", f"Bearer {secrets['bob']}"),), timeout=5)
+                assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+                assert len(seen) == 30
+        finally:
+            await front.stop(0.5)
+            await replica.stop(0.5)
 
     run(go)
