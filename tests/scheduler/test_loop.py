@@ -265,8 +265,8 @@ def test_pairing_is_make_before_break_and_rolled_back_when_nothing_can_start() -
     # needs more CPU than a freed node has: the move would free a card for nothing, so none is made
     assert loop.run_pass(0.0, [req("hungry", 1000, cpu=9000)]).moves == []
     assert {a.request.name: a.placement for a in state} == before
-    # a waiting share is not helped by a whole card (it fits a remainder or nothing): no pairing for it
-    assert loop.run_pass(5.0, [req("share", 600)]).moves == []
+    # nothing waits that takes GPU: no move
+    assert loop.run_pass(5.0, [req("cpu-only", 0, cpu=99_000)]).moves == []
     # switched off, or no budget left: nothing moves
     assert (
         _loop(state, reservations=0, moves_per_request=0, pair_shares=False).run_pass(0.0, [req("p", 1000)]).moves == []
@@ -310,7 +310,15 @@ def test_a_pairing_move_holds_its_destination_before_it_leaves_its_source() -> N
     check_invariants(state)
 
 
-def test_pairing_leaves_pinned_shares_and_reserved_nodes() -> None:
+def test_pairing_frees_a_card_for_a_waiting_share_that_fits_no_remainder() -> None:
+    state = _lone_shares()
+    report = _loop(state, reservations=0, moves_per_request=0).run_pass(0.0, [req("big-share", 810)])
+    (move,) = report.moves
+    assert report.placed["big-share"].node == move.source.node
+    check_invariants(state)
+
+
+def test_pairing_leaves_pinned_shares() -> None:
     state = ClusterState([node("a", 1, cpu=8000), node("b", 1, cpu=8000), node("c", 1, cpu=8000)])
     place(state, req("x", 470, pinned=True), "a", (0,))
     place(state, req("y", 470, pinned=True), "b", (0,))

@@ -337,7 +337,8 @@ class ReevaluationLoop:
         rolled back. Largest shares first (they fit the fewest remainders); reserved nodes are neither sources nor
         destinations. At most ``budget`` moves."""
         scheduler, state = self.scheduler, self.scheduler.state
-        wanting = [r for r in waiting if r.num_gpu >= 1 and not r.is_sharing and r.name not in report.placed]
+        unplaced = [r for r in waiting if r.num_gpu >= 1 and r.name not in report.placed]
+        wanting = [r for r in unplaced if not r.is_sharing] + [r for r in unplaced if r.is_sharing]
         if not wanting:
             return waiting
         allow_pinned = self.settings.allow_pinned
