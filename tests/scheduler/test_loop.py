@@ -325,3 +325,14 @@ def test_pairing_leaves_pinned_shares() -> None:
     place(state, req("w", 1000), "c", (0,))
     loop = _loop(state, reservations=0, moves_per_request=0)
     assert loop.run_pass(0.0, [req("p", 1000)]).moves == []
+
+
+def test_pairing_moves_no_share_for_a_request_of_lower_priority() -> None:
+    state = ClusterState([node("a", 1, cpu=8000), node("b", 1, cpu=8000), node("c", 1, cpu=8000)])
+    place(state, req("x", 470, priority=5), "a", (0,))
+    place(state, req("y", 470, priority=5), "b", (0,))
+    place(state, req("w", 1000), "c", (0,))
+    loop = _loop(state, reservations=0, moves_per_request=0, preempt=False)
+    assert loop.run_pass(0.0, [req("p", 1000)]).moves == []
+    assert loop.run_pass(5.0, [req("q", 1000, priority=5)]).moves != []
+    check_invariants(state)

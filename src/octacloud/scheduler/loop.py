@@ -393,7 +393,7 @@ class ReevaluationLoop:
                 started = None
                 tried: set[tuple[object, ...]] = set()
                 for w in wanting:
-                    if w.name in placed_names or _shape(w) in tried:
+                    if w.name in placed_names or _shape(w) in tried or w.priority < r.priority:
                         continue
                     decision = scheduler.decide(w, [i])
                     if decision.placement is not None:
