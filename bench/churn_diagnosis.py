@@ -8,7 +8,8 @@ what ``octacloud simulate --arrivals ... --queue`` runs) with two probes:
 * every arrival inside the window is also decided (not committed) by ``--shadow`` on the same state; for one-card
   requests and shares the probe counts the decisions where the policy takes a node with at least ``--big`` whole
   free cards and the shadow does not, and prints the first ``--show`` of them with octacloud's terms on both
-  nodes: ``dF`` (fragmentation), ``dS`` (stranding), ``M`` (multi-card scarcity), whole cards, CPU left.
+  nodes: ``dF`` (fragmentation), ``dS`` (stranding), ``M`` (multi-card scarcity), whole cards, CPU left; for
+  shares the two put on different cards, what each leaves on its card (below 200 milli-GPU, or 200-999).
 
     .venv/bin/python bench/churn_diagnosis.py --nodes FLEET.csv --pods TRACE.csv --policy octacloud --rate 3.13
 """
@@ -123,6 +124,11 @@ def main() -> None:
                 counts[f"{kind(r)}: other node than {a.shadow}"] += i != j
                 counts[f"{kind(r)}: policy breaks a big node"] += whole(state, i) >= a.big
                 counts[f"{kind(r)}: {a.shadow} breaks a big node"] += whole(state, j) >= a.big
+                if r.is_sharing and (i, mine.gpus) != (j, theirs.gpus):
+                    # where the two put a share on different cards: what each leaves on its card
+                    for who, where, card in (("policy", i, mine.gpus[0]), (a.shadow, j, theirs.gpus[0])):
+                        left = state.free_gpu[where][card] - r.gpu_milli
+                        counts[f"share, other card: {who} leaves {'< 200' if left < 200 else '200-999'}"] += 1
                 if whole(state, i) >= a.big > whole(state, j):
                     counts[f"{kind(r)}: policy breaks a big node, {a.shadow} does not"] += 1
                     if shown < a.show:

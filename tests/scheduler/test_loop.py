@@ -231,3 +231,108 @@ def test_invalid_reservation_settings() -> None:
         LoopSettings(reservations=-1)
     with pytest.raises(InvalidSpecError, match="reservation_passes"):
         LoopSettings(reservation_passes=0)
+
+
+def _lone_shares() -> ClusterState:
+    """Nodes a, b, c of one card each: a 470 alone on a and on b, a whole-card replica on c. No card is whole."""
+    state = ClusterState([node("a", 1, cpu=8000), node("b", 1, cpu=8000), node("c", 1, cpu=8000)])
+    place(state, req("x", 470), "a", (0,))
+    place(state, req("y", 470), "b", (0,))
+    place(state, req("w", 1000), "c", (0,))
+    return state
+
+
+def test_pairing_two_lone_shares_frees_a_card_for_a_waiting_whole_card_request() -> None:
+    state = _lone_shares()
+    # the per-request plans may move nothing (moves_per_request=0); the pairing step alone moves a share
+    loop = _loop(state, reservations=0, moves_per_request=0)
+    report = loop.run_pass(0.0, [req("p", 1000)])
+    (move,) = report.moves
+    assert move.request.name in ("x", "y") and move.destination.gpus == (0,)
+    assert report.placed["p"].node == move.source.node  # the freed card
+    assert report.operations[-1].after == (move.request.name,)  # type: ignore[union-attr]
+    assert sorted(a.request.name for a in state.on_node[state.node_index(move.destination.node)].values()) == [
+        "x",
+        "y",
+    ]
+    check_invariants(state)
+
+
+def test_pairing_is_make_before_break_and_rolled_back_when_nothing_can_start() -> None:
+    state = _lone_shares()
+    before = {a.request.name: a.placement for a in state}
+    loop = _loop(state, reservations=0, moves_per_request=0)
+    # needs more CPU than a freed node has: the move would free a card for nothing, so none is made
+    assert loop.run_pass(0.0, [req("hungry", 1000, cpu=9000)]).moves == []
+    assert {a.request.name: a.placement for a in state} == before
+    # nothing waits that takes GPU: no move
+    assert loop.run_pass(5.0, [req("cpu-only", 0, cpu=99_000)]).moves == []
+    # switched off, or no budget left: nothing moves
+    assert (
+        _loop(state, reservations=0, moves_per_request=0, pair_shares=False).run_pass(0.0, [req("p", 1000)]).moves == []
+    )
+    assert _loop(state, reservations=0, moves_per_pass=0).run_pass(0.0, [req("p", 1000)]).moves == []
+    assert {a.request.name: a.placement for a in state} == before
+    check_invariants(state)
+
+
+class RecordingReserver:
+    """A reserve plugin that records every reserve and unreserve, in order."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+
+    def reserve(self, ctx: CycleContext, node: int, cards: tuple[int, ...]) -> None:
+        self.log.append(("reserve", ctx.request.name))
+
+    def unreserve(self, ctx: CycleContext, node: int, cards: tuple[int, ...]) -> None:
+        self.log.append(("unreserve", ctx.request.name))
+
+
+def test_a_pairing_move_holds_its_destination_before_it_leaves_its_source() -> None:
+    state = _lone_shares()
+    scheduler = Scheduler(state, build_profile("bestfit", seed=2))
+    recording = RecordingReserver()
+    scheduler.profile.reservers.append(recording)
+    loop = ReevaluationLoop(scheduler, LoopSettings(reservations=0, moves_per_request=0))
+    (move,) = loop.run_pass(0.0, [req("p", 1000)]).moves
+    name = move.request.name
+    committed = recording.log[-5:]  # trials that rolled back come before; the committed plan is the last steps
+    assert committed == [
+        ("reserve", name + "@move"),
+        ("unreserve", name),
+        ("unreserve", name + "@move"),
+        ("reserve", name),
+        ("reserve", "p"),
+    ]
+    check_invariants(state)
+
+
+def test_pairing_frees_a_card_for_a_waiting_share_that_fits_no_remainder() -> None:
+    state = _lone_shares()
+    report = _loop(state, reservations=0, moves_per_request=0).run_pass(0.0, [req("big-share", 810)])
+    (move,) = report.moves
+    assert report.placed["big-share"].node == move.source.node
+    check_invariants(state)
+
+
+def test_pairing_leaves_pinned_shares() -> None:
+    state = ClusterState([node("a", 1, cpu=8000), node("b", 1, cpu=8000), node("c", 1, cpu=8000)])
+    place(state, req("x", 470, pinned=True), "a", (0,))
+    place(state, req("y", 470, pinned=True), "b", (0,))
+    place(state, req("w", 1000), "c", (0,))
+    loop = _loop(state, reservations=0, moves_per_request=0)
+    assert loop.run_pass(0.0, [req("p", 1000)]).moves == []
+
+
+def test_pairing_moves_no_share_for_a_request_of_lower_priority() -> None:
+    state = ClusterState([node("a", 1, cpu=8000), node("b", 1, cpu=8000), node("c", 1, cpu=8000)])
+    place(state, req("x", 470, priority=5), "a", (0,))
+    place(state, req("y", 470, priority=5), "b", (0,))
+    place(state, req("w", 1000), "c", (0,))
+    loop = _loop(state, reservations=0, moves_per_request=0, preempt=False)
+    assert loop.run_pass(0.0, [req("p", 1000)]).moves == []
+    assert loop.run_pass(5.0, [req("q", 1000, priority=5)]).moves != []
+    check_invariants(state)

@@ -387,3 +387,26 @@ def test_once_capacity_comes_back_a_share_no_longer_pairs_for_its_leftover() -> 
     after = plugin.normalize(ctx, plugin.score(ctx, [0, 1]))
     assert after[0] > after[1] and plugin.capacity_returned(state)
     assert plugin.capacity_returned(ClusterState([node("a", 1)])) is False  # a new state starts unaware
+
+
+def test_once_capacity_comes_back_near_equal_nodes_are_told_apart_by_the_share_cards_remainder() -> None:
+    # 'a' (one card, 600 free) and 'b' (520 free beside a whole card) are within the tolerance for a 500 share.
+    # Filling, the fuller node wins (consolidation: 'a', 100 left on its card); once capacity has come back (D is
+    # off), the card the share fills best does ('b', 20 left), as FGD's measure tends to.
+    workload = TargetWorkload.from_requests(
+        [req(f"s{k}", 500) for k in range(10)] + [req(f"w{k}", 1000) for k in range(10)]
+    )
+    state = ClusterState([node("a", 1), node("b", 2)])
+    place(state, req("x", 400), "a", (0,))
+    place(state, req("y", 480), "b", (0,))
+    plugin = ConsolidatingFragmentation(workload)
+    ctx = CycleContext(state, req("p", 500))
+    assert plugin.normalize(ctx, plugin.score(ctx, [0, 1])) == [100.0, 0.0]
+    place(state, req("z", 1000), "b", (1,))
+    plugin.score(CycleContext(state, req("look", 100)), [0])
+    state.release("z")
+    ctx = CycleContext(state, req("p", 500))
+    assert plugin.normalize(ctx, plugin.score(ctx, [0, 1])) == [0.0, 100.0] and plugin.capacity_returned(state)
+    unaware = ConsolidatingFragmentation(workload, churn_aware=False)
+    ctx = CycleContext(state, req("p", 500))
+    assert unaware.normalize(ctx, unaware.score(ctx, [0, 1])) == [100.0, 0.0]

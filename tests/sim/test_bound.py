@@ -101,3 +101,64 @@ def test_exhaustive_optimum_is_never_below_the_bound() -> None:
             best = max(best, sum(load))
     optimum = 100.0 - 100.0 * best / 2000
     assert packing_bound(fleet, pods).unallocated_pct <= optimum + 1e-9
+
+
+def test_churn_bound_of_one_card() -> None:
+    from octacloud.sim.bound import churn_bound
+
+    card = [_node("a", 1)]
+    # two running on average (rate 1/s × 2 s): 810s cannot share the card, so one runs at most
+    only_810 = churn_bound(card, [_share("s", 810)], rate=1.0, mean_lifetime=2.0)
+    assert only_810.offered_pct == pytest.approx(162.0)
+    assert only_810.any_pct == pytest.approx(81.0) and only_810.proportional_pct == pytest.approx(81.0)
+    # one whole card and one 810 on average: a discipline that lets the 810s wait fills the card; serving both
+    # alike, each gets half of its arrivals through: (1000 + 810) / 2
+    mixed = churn_bound(card, [Request("w", num_gpu=1, gpu_milli=1000), _share("s", 810)], 1.0, 2.0)
+    assert mixed.any_pct == pytest.approx(100.0)
+    assert mixed.proportional_pct == pytest.approx(90.5) and mixed.served_fraction == pytest.approx(0.5)
+    # below capacity everything fits: the bounds are the offered load
+    light = churn_bound([_node("a", 4)], [_share("s", 470), Request("w", num_gpu=1, gpu_milli=1000)], 1.0, 2.0)
+    assert light.any_pct == light.proportional_pct == pytest.approx(light.offered_pct)
+    assert light.served_fraction == pytest.approx(1.0)
+
+
+def test_churn_bound_ignores_a_class_no_node_fits_when_serving_alike() -> None:
+    from octacloud.sim.bound import churn_bound
+
+    shapes = [Request("w", num_gpu=1, gpu_milli=1000), Request("big", num_gpu=4, gpu_milli=1000)]
+    bound = churn_bound([_node("a", 2)], shapes, rate=1.0, mean_lifetime=2.0)
+    assert bound.any_pct == pytest.approx(50.0) and bound.proportional_pct == pytest.approx(50.0)
+
+
+def test_no_churn_run_allocates_more_than_its_bound() -> None:
+    from octacloud.scheduler.framework import ClusterState, Scheduler
+    from octacloud.scheduler.loop import LoopSettings, ReevaluationLoop
+    from octacloud.scheduler.policies import build_profile
+    from octacloud.sim.bound import churn_bound
+    from octacloud.sim.churn import ChurnSimulation
+    from octacloud.sim.reevaluate import LoopHook
+    from octacloud.sim.synthetic import Lifetime, PoissonArrivals, synthetic_arrivals
+
+    fleet = [_node(f"n{i}", cards, cpu=16_000) for i, cards in enumerate((1, 2, 2, 4))]
+    shapes = [_share("a", 810), _share("b", 470), _share("c", 320), Request("w", num_gpu=1, gpu_milli=1000)]
+    shapes.append(Request("m", num_gpu=2, gpu_milli=1000, cpu_milli=4000))
+    rate, lifetime = 0.28, Lifetime("exponential", 40.0)  # offered ~ 115 %: the queue never empties
+    bound = churn_bound(fleet, shapes, rate, lifetime.mean)
+    assert bound.offered_pct > 110 and bound.proportional_pct < bound.any_pct < 100
+    workload = TargetWorkload.from_requests(shapes)
+    for policy in ("fgd", "octacloud"):
+        state = ClusterState(fleet)
+        scheduler = Scheduler(state, build_profile(policy, seed=1, workload=workload))
+        loop = ReevaluationLoop(scheduler, LoopSettings(period=5.0, moves_per_pass=4))
+        arrivals = synthetic_arrivals(shapes, PoissonArrivals(rate), lifetime, seed=3, until=8_000.0)
+        sim = ChurnSimulation(
+            scheduler,
+            arrivals,
+            until=8_000.0,
+            queue=True,
+            hooks=[LoopHook(loop)],
+            warmup=1_000.0,
+            admission=loop.admit,
+        )
+        achieved = sim.run().time_avg_allocated_pct
+        assert 50 < achieved <= bound.any_pct + 0.5, (policy, achieved, bound)

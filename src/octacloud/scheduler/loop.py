@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, replace
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Placement, Request
-from octacloud.scheduler.actions.defragment import DEFAULT_MAX_MOVES, Move, defragment, move_off
+from octacloud.core.units import MILLI_PER_GPU
+from octacloud.scheduler.actions.defragment import DEFAULT_MAX_MOVES, Move, defragment, move_off, move_to, shadow_of
 from octacloud.scheduler.actions.preempt import preempt
 from octacloud.scheduler.actions.reservation import Reservation, choose, conflicts
 from octacloud.scheduler.framework.api import DemandObserver
@@ -65,6 +66,9 @@ class LoopSettings:
     plain greedy discipline: whatever fits is placed, in queue order)."""
     reservation_passes: int = DEFAULT_RESERVATION_PASSES
     """Passes a reservation lasts without coming closer (no blocker left its cards) before it is chosen again."""
+    pair_shares: bool = True
+    """With defragmentation: after the queue's own plans, move a share that is alone on its card into a remainder
+    on another node where it fits best, when that frees the card for a waiting whole-card request."""
 
     def __post_init__(self) -> None:
         if not self.period > 0:
@@ -322,7 +326,99 @@ class ReevaluationLoop:
             after = tuple(m.request.name for m in outcome.moves)
             report.operations.append(Start(outcome.request, outcome.placement, after))
             budget -= len(outcome.moves)
+        if s.pair_shares and budget > 0 and s.defrag_attempts > 0:
+            still = self._pair_shares(still, budget, report)
         return still
+
+    def _pair_shares(self, waiting: list[Request], budget: int, report: PassReport) -> list[Request]:
+        """Free whole cards for waiting whole-card requests by pairing shares: a share alone on its card moves
+        (make-before-break) into the remainder on another node that it fills best, and the oldest waiting
+        whole-card request that then fits on the freed card's node starts there; a move that lets nothing start is
+        rolled back. Largest shares first (they fit the fewest remainders); reserved nodes are neither sources nor
+        destinations. At most ``budget`` moves."""
+        scheduler, state = self.scheduler, self.scheduler.state
+        unplaced = [r for r in waiting if r.num_gpu >= 1 and r.name not in report.placed]
+        wanting = [r for r in unplaced if not r.is_sharing] + [r for r in unplaced if r.is_sharing]
+        if not wanting:
+            return waiting
+        allow_pinned = self.settings.allow_pinned
+        top = max(r.priority for r in wanting)
+        avoid = {res.node for res in self.reserved.values()}
+        occupants: dict[tuple[int, int], list[Allocation]] = {}
+        for i in range(len(state)):
+            if i in avoid or not state.node_usable[i]:
+                continue
+            for a in state.on_node[i].values():
+                for g in a.placement.gpus:
+                    occupants.setdefault((i, g), []).append(a)
+        remainders = {card: state.free_gpu[card[0]][card[1]] for card in occupants}
+        remainders = {card: f for card, f in remainders.items() if 0 < f < MILLI_PER_GPU}
+        lone = [
+            (card, group[0])
+            for card, group in occupants.items()
+            if len(group) == 1
+            and group[0].request.is_sharing
+            and (allow_pinned or not group[0].request.pinned)
+            and group[0].request.priority <= top
+        ]
+        lone.sort(key=lambda item: (-item[1].request.gpu_milli, item[1].request.name))
+        rank = scheduler.tie_rank
+        paired: set[tuple[int, int]] = set()
+        placed_names: set[str] = set()
+        for (i, g), a in lone:
+            if budget <= 0:
+                break
+            if (i, g) in paired or a.request.name not in state.allocations:
+                continue
+            r = a.request
+            best: tuple[tuple[int, int, int], tuple[int, int]] | None = None
+            for (j, h), free in remainders.items():
+                if j == i or free < r.gpu_milli:
+                    continue
+                if state.free_cpu[j] < r.cpu_milli or state.free_memory[j] < r.memory_mib:
+                    continue
+                if state.free_gpu_memory[j][h] < r.gpu_memory_mib or not r.allows_model(state.nodes[j].gpus[h].model):
+                    continue
+                if not state.card_usable(j, h):
+                    continue
+                key = (free - r.gpu_milli, rank[j], h)
+                if best is None or key < best[0]:
+                    best = (key, (j, h))
+            if best is None:
+                continue
+            j, h = best[1]
+            shadow = shadow_of(r)
+            with scheduler.transaction() as tx:
+                move = move_to(tx, a, shadow, Placement(shadow.name, state.nodes[j].name, (h,), r.gpu_milli))
+                started = None
+                tried: set[tuple[object, ...]] = set()
+                for w in wanting:
+                    if w.name in placed_names or _shape(w) in tried or w.priority < r.priority:
+                        continue
+                    decision = scheduler.decide(w, [i])
+                    if decision.placement is not None:
+                        tx.allocate(decision.request, decision.placement)
+                        started = decision
+                        break
+                    tried.add(_shape(w))
+                if started is None or started.placement is None:
+                    continue  # leaving the block without commit rolls the move back
+                tx.commit()
+            budget -= 1
+            placed_names.add(started.request.name)
+            report.moves.append(move)
+            report.operations.append(move)
+            report.placed[started.request.name] = started.placement
+            report.operations.append(Start(started.request, started.placement, (r.name,)))
+            paired.add((i, g))
+            remainders.pop((i, g), None)
+            left = state.free_gpu[j][h]
+            if 0 < left < MILLI_PER_GPU:
+                remainders[(j, h)] = left
+            else:
+                remainders.pop((j, h), None)
+            paired.add((j, h))
+        return [r for r in waiting if r.name not in placed_names]
 
     def _clear(self, holder: Request, res: Reservation, budget: int, report: PassReport) -> int:
         """Move every blocker off ``res``'s cards (smallest first, each to where the profile would place it off

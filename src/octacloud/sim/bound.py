@@ -73,33 +73,96 @@ def arrived_prefix(requests: Sequence[Request], capacity_milli: int, limit: floa
     return out
 
 
+PodClass = tuple[int, int, int, int, frozenset[str]]
+"""``(CPU milli, memory MiB, cards, milli-GPU per card, allowed models)``: pods the relaxation does not tell apart."""
+
+
+def pod_class(request: Request) -> PodClass:
+    return (request.cpu_milli, request.memory_mib, request.num_gpu, request.gpu_milli, request.gpu_models)
+
+
 def packing_bound(nodes: Sequence[Node], requests: Sequence[Request]) -> PackingBound:
     """The LP bound for ``requests`` (already the arrived prefix) on the empty fleet ``nodes``."""
+    capacity = sum(n.gpu_milli for n in nodes)
+    if capacity <= 0:
+        raise InvalidSpecError("packing bound: the fleet has no GPUs")
+    pods = Counter(pod_class(r) for r in requests if r.total_gpu_milli)
+    arrived = sum(r.total_gpu_milli for r in requests)
+    allocated = min(_max_allocated(nodes, dict(pods)), float(capacity), float(arrived))
+    kinds = {(n.gpu_model, n.gpu_count, n.cpu_milli, n.memory_mib) for n in nodes if n.gpu_count}
+    return PackingBound(
+        round(100.0 - 100.0 * allocated / capacity, 4), allocated, capacity, arrived, len(pods), len(kinds)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ChurnBound:
+    """Upper bounds on the time-averaged allocated GPU % of a churn workload in steady state (any policy)."""
+
+    offered_pct: float
+    """Mean GPU demand of the running work if every request started at once (Little's law), % of capacity."""
+    any_pct: float
+    """The most any discipline can allocate on time average, whatever classes it leaves waiting."""
+    proportional_pct: float
+    """The most it can allocate while serving every class the same fraction of its arrivals (none starved more
+    than another)."""
+    served_fraction: float
+    """That fraction (1: the whole offered load fits)."""
+
+
+def churn_bound(nodes: Sequence[Node], shapes: Sequence[Request], rate: float, mean_lifetime: float) -> ChurnBound:
+    """The LP of :func:`packing_bound` over the steady state of churn: requests drawn uniformly from ``shapes``
+    arrive at ``rate`` per second and run ``mean_lifetime`` seconds on average once started.
+
+    By Little's law the time-averaged number of class-``c`` requests running is at most its arrival rate times the
+    mean lifetime (a class cannot run more than arrives, whatever waits or moves); the time average of the running
+    sets is a convex combination of feasible packings, so it satisfies every constraint of the relaxation. The LP
+    with those means as class counts therefore bounds the time-averaged allocation of every policy, queue
+    discipline and defragmentation (up to the sampling noise of a finite run). With ``proportional``, each class
+    that fits some node is served the same fraction ``s`` of its arrivals, maximised.
+    """
+    capacity = sum(n.gpu_milli for n in nodes)
+    if capacity <= 0 or not shapes or rate <= 0 or mean_lifetime <= 0:
+        raise InvalidSpecError("churn bound: need a fleet with GPUs, shapes, rate > 0 and mean lifetime > 0")
+    per_shape = rate * mean_lifetime / len(shapes)
+    counts: Counter[PodClass] = Counter()
+    for r in shapes:
+        if r.total_gpu_milli:
+            counts[pod_class(r)] += 1
+    pods = {c: n * per_shape for c, n in counts.items()}
+    demand = sum(n * c[2] * c[3] for c, n in pods.items())
+    free = min(_max_allocated(nodes, pods), float(capacity), demand)
+    fraction = _max_allocated(nodes, pods, proportional=True)
+    return ChurnBound(
+        round(100.0 * demand / capacity, 4),
+        round(100.0 * free / capacity, 4),
+        round(100.0 * min(fraction * demand, free) / capacity, 4),
+        round(min(fraction, 1.0), 6),
+    )
+
+
+def _max_allocated(nodes: Sequence[Node], pods: dict[PodClass, float], *, proportional: bool = False) -> float:
+    """The LP optimum: milli-GPU placed (or, with ``proportional``, the fraction ``s`` of every class placed)."""
     import numpy as np
     from scipy.optimize import linprog
     from scipy.sparse import coo_matrix
 
-    capacity = sum(n.gpu_milli for n in nodes)
-    if capacity <= 0:
-        raise InvalidSpecError("packing bound: the fleet has no GPUs")
-    pods = Counter(
-        (r.cpu_milli, r.memory_mib, r.num_gpu, r.gpu_milli, r.gpu_models) for r in requests if r.total_gpu_milli
-    )
     kinds = Counter((n.gpu_model, n.gpu_count, n.cpu_milli, n.memory_mib) for n in nodes if n.gpu_count)
     pod_list, kind_list = list(pods.items()), list(kinds.items())
     rows: list[int] = []
     cols: list[int] = []
     vals: list[float] = []
-    bounds: list[float] = []
     gain: list[float] = []
     variables = 0
     pod_row0 = 0
     per_kind = 3 + DFF_ORDERS  # rows per node kind: CPU, memory, milli-GPU, then cards under each u_k
     kind_row0 = len(pod_list)
+    placeable: set[int] = set()
     for c, ((cpu, memory, num, milli, models), _count) in enumerate(pod_list):
         for t, ((model, cards, node_cpu, node_memory), _n) in enumerate(kind_list):
             if num > cards or cpu > node_cpu or memory > node_memory or (models and model not in models):
                 continue
+            placeable.add(c)
             base = kind_row0 + per_kind * t
             cards_used = [float(num) if milli >= MILLI_PER_GPU else dff(k, milli) for k in range(1, DFF_ORDERS + 1)]
             for row, value in (
@@ -113,22 +176,50 @@ def packing_bound(nodes: Sequence[Node], requests: Sequence[Request]) -> Packing
                     rows.append(row)
                     cols.append(variables)
                     vals.append(value)
-            gain.append(float(num * milli))
+            gain.append(0.0 if proportional else float(num * milli))
             variables += 1
     bounds = [float(n) for _, n in pod_list]
     for (_model, cards, node_cpu, node_memory), n in kind_list:
         bounds += [float(n * node_cpu), float(n * node_memory), float(n * cards * MILLI_PER_GPU)]
         bounds += [float(n * cards)] * DFF_ORDERS
-    arrived = sum(r.total_gpu_milli for r in requests)
     if variables == 0:
-        allocated = 0.0
+        return 0.0
+    if proportional:
+        # one more variable s: every placeable class places exactly s × its count (its row becomes an equality)
+        keep = sorted(placeable)
+        index = {c: j for j, c in enumerate(keep)}
+        pairs = [(index[r], col) for r, col in zip(rows, cols, strict=True) if r < kind_row0]
+        eq = coo_matrix(
+            (
+                [1.0] * len(pairs) + [-pod_list[c][1] for c in keep],
+                ([j for j, _ in pairs] + list(range(len(keep))), [col for _, col in pairs] + [variables] * len(keep)),
+            ),
+            shape=(len(keep), variables + 1),
+        ).tocsr()
+        ub = coo_matrix(
+            (
+                [v for v, r in zip(vals, rows, strict=True) if r >= kind_row0],
+                (
+                    [r - kind_row0 for r in rows if r >= kind_row0],
+                    [c for c, r in zip(cols, rows, strict=True) if r >= kind_row0],
+                ),
+            ),
+            shape=(len(bounds) - kind_row0, variables + 1),
+        ).tocsr()
+        cost = np.zeros(variables + 1)
+        cost[variables] = -1.0
+        result = linprog(
+            cost,
+            A_ub=ub,
+            b_ub=np.asarray(bounds[kind_row0:]),
+            A_eq=eq,
+            b_eq=np.zeros(len(keep)),
+            bounds=(0, None),
+            method="highs",
+        )
     else:
         matrix = coo_matrix((vals, (rows, cols)), shape=(len(bounds), variables)).tocsr()
         result = linprog(-np.asarray(gain), A_ub=matrix, b_ub=np.asarray(bounds), bounds=(0, None), method="highs")
-        if result.status != 0:
-            raise InvalidSpecError(f"packing bound: the LP solver failed ({result.message})")
-        allocated = float(-result.fun)
-    allocated = min(allocated, float(capacity), float(arrived))
-    return PackingBound(
-        round(100.0 - 100.0 * allocated / capacity, 4), allocated, capacity, arrived, len(pod_list), len(kind_list)
-    )
+    if result.status != 0:
+        raise InvalidSpecError(f"packing bound: the LP solver failed ({result.message})")
+    return float(-result.fun)

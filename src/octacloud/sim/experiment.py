@@ -26,7 +26,7 @@ from octacloud.scheduler.fragmentation import FragmentationTracker, TargetWorklo
 from octacloud.scheduler.framework import ClusterState, Decision, Scheduler
 from octacloud.scheduler.loop import DEFAULT_RESERVATIONS, LoopSettings, ReevaluationLoop
 from octacloud.scheduler.policies import POLICY_IDS, build_profile, policy_names
-from octacloud.sim.bound import arrived_prefix, packing_bound
+from octacloud.sim.bound import ChurnBound, arrived_prefix, churn_bound, packing_bound
 from octacloud.sim.churn import ChurnReport, ChurnSimulation, ReevaluationHook
 from octacloud.sim.metrics import Curve, RunRecorder, value_at
 from octacloud.sim.protocol import inflate, replay
@@ -333,8 +333,11 @@ class ChurnResult:
     moves: int = 0
     """Replica moves made by defragmentation (``defrag_moves`` > 0)."""
     moved_gpu_milli: int = 0
+    bound: ChurnBound | None = None
+    """Upper bounds on the time-averaged allocation of any policy for this workload (:func:`churn_bound`)."""
 
     def summary(self) -> dict[str, object]:
+        bound = self.bound
         return {
             "workload": self.spec.workload,
             "policy": self.spec.policy,
@@ -349,6 +352,8 @@ class ChurnResult:
             **self.report.as_dict(),
             "moves": self.moves,
             "moved_gpu_milli": self.moved_gpu_milli,
+            "bound_any_pct": bound.any_pct if bound is not None else None,
+            "bound_proportional_pct": bound.proportional_pct if bound is not None else None,
             "wall_seconds": round(self.wall_seconds, 2),
         }
 
@@ -387,14 +392,18 @@ def run_churn(spec: ChurnSpec, hooks: Sequence[ReevaluationHook] | None = None) 
     )
     report = simulation.run()
     load = offered_load(shapes, spec.arrivals, spec.lifetime, state.total_gpu_milli)
+    wall = time.perf_counter() - started
+    gpu_shapes = state.total_gpu_milli > 0 and any(s.total_gpu_milli for s in shapes)
+    bound = churn_bound(nodes, shapes, spec.arrivals.rate, spec.lifetime.mean) if gpu_shapes else None
     return ChurnResult(
         spec,
         report,
         100.0 * load,
         _sample_timeline(simulation.timeline, spec.duration, state.total_gpu_milli),
-        time.perf_counter() - started,
+        wall,
         loop_hook.moves if loop_hook is not None else 0,
         loop_hook.moved_gpu_milli if loop_hook is not None else 0,
+        bound,
     )
 
 

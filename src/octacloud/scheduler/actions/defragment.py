@@ -210,9 +210,22 @@ def move_off(scheduler: Scheduler, tx: Transaction, allocation: Allocation, excl
     decision = scheduler.decide(shadow, exclude=exclude)
     if decision.placement is None:
         return None
-    tx.allocate(decision.request, decision.placement)  # reserve the destination: make ...
+    return move_to(tx, allocation, decision.request, decision.placement)
+
+
+def move_to(tx: Transaction, allocation: Allocation, shadow: Request, destination: Placement) -> Move:
+    """Move ``allocation``'s replica to ``destination`` (a placement of ``shadow``, the replica renamed
+    ``<replica>@move``), make-before-break inside ``tx``: the shadow takes the destination while the source still
+    holds, then the source is released, then the shadow becomes the replica's allocation."""
+    replica = allocation.request
+    tx.allocate(shadow, destination)  # reserve the destination: make ...
     source = tx.evict(replica.name).placement  # ... before break
     tx.evict(shadow.name)
-    placement = replace(decision.placement, request=replica.name)
+    placement = replace(destination, request=replica.name)
     tx.allocate(replica, placement)
     return Move(replica, source, placement)
+
+
+def shadow_of(replica: Request) -> Request:
+    """The name under which a moving replica reserves its destination."""
+    return replace(replica, name=replica.name + SHADOW_SUFFIX)

@@ -31,10 +31,12 @@ then the fullest card.
 Once capacity has come back (the allocated GPU fell between two decisions: work departed, was undeployed or
 moved away), ``S`` and ``D`` stop assuming that what runs on a node stays there (``churn-aware``, on by default):
 ``D`` is no longer counted (a remainder's neighbour leaves and the card becomes whole again, so pairing for the
-leftover's sake no longer pays), and a placement that removes a copy of a multi-card class gets no credit for the
-stranded GPU it puts to use (the node's CPU and memory come back as its work leaves; breaking its whole cards
-costs the multi-card requests until the node has drained completely). A placement that only fills the trace (the
-published protocol, the suite) never sees capacity come back and is decided as before.
+leftover's sake no longer pays), near-equal nodes are told apart for a share by what it leaves on its card (the
+least first, before the fuller node: the best fit now instead of a bet on the leftover's future), and a placement
+that removes a copy of a multi-card class gets no credit for the stranded GPU it puts to use (the node's CPU and
+memory come back as its work leaves; breaking its whole cards costs the multi-card requests until the node has
+drained completely). A placement that only fills the trace (the published protocol, the suite) never sees
+capacity come back and is decided as before.
 Results are cached per (request shape, node signature) and per node version, as in ``fgd``.
 """
 
@@ -252,7 +254,9 @@ class ConsolidatingFragmentation:
             after = list(free)
             after[best[3]] -= r.gpu_milli
             lost = self._lost(state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after)))
-            return (best[0], best[1], left, (best[3],), lost, credit)
+            # once capacity has come back D is off: near-equal nodes are told apart by the card's remainder instead
+            tie = best[1] if pairing else best[2]
+            return (best[0], tie, left, (best[3],), lost, credit)
         after = list(free)
         if r.num_gpu:
             whole = [g for g in cards_that_fit(state, r, node) if free[g] == MILLI_PER_GPU][: r.num_gpu]
