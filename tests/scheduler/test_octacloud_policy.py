@@ -410,3 +410,35 @@ def test_once_capacity_comes_back_near_equal_nodes_are_told_apart_by_the_share_c
     unaware = ConsolidatingFragmentation(workload, churn_aware=False)
     ctx = CycleContext(state, req("p", 500))
     assert unaware.normalize(ctx, unaware.score(ctx, [0, 1])) == [100.0, 0.0]
+
+
+def test_once_capacity_comes_back_stranding_speaks_only_within_the_tolerance() -> None:
+    # One-card 16-core tasks only (no multi-card class). 'a' is idle but a CPU-only pod holds 56 of its 96 cores:
+    # 40 cores host two tasks, so two of its four cards are stranded, and a light pod there "rescues" one (ΔS =
+    # −1000); 'b' has one card left beside three busy ones (ΔS = 0). F sees no difference. Filling a trace, S sends
+    # the pod to 'a'; once capacity has come back, 'a''s CPU is expected to come back too, S counts at most the
+    # tolerance, and the pod goes to the fuller node.
+    workload = TargetWorkload((WorkloadShape(16_000, 1000, 1),), (1.0,))
+    state = ClusterState([node("a", 4, cpu=96_000), node("b", 4, cpu=96_000), node("c", 1)])
+    place(state, req("cpu-only", 0, cpu=56_000), "a")
+    for k in range(3):
+        place(state, req(f"busy{k}", 1000), "b", (k,))
+    plugin = ConsolidatingFragmentation(workload)
+    pod = req("p", 1000, cpu=1000)
+    ctx = CycleContext(state, pod)
+    raw = plugin.score(ctx, [0, 1])
+    assert raw[0] - raw[1] == pytest.approx(1000.0)  # −Δ: S's rescue on 'a'
+    before = plugin.normalize(ctx, raw)
+    assert before[0] > before[1] and not plugin.capacity_returned(state)
+    place(state, req("brief", 1000), "c", (0,))
+    plugin.score(CycleContext(state, req("look", 1000)), [1])
+    state.release("brief")
+    ctx = CycleContext(state, pod)
+    raw = plugin.score(ctx, [0, 1])
+    assert raw[0] - raw[1] == pytest.approx(50.0)  # clipped to the tolerance
+    after = plugin.normalize(ctx, raw)
+    assert after[1] > after[0] and plugin.capacity_returned(state)
+    unaware = ConsolidatingFragmentation(workload, churn_aware=False)
+    ctx = CycleContext(state, pod)
+    kept = unaware.normalize(ctx, unaware.score(ctx, [0, 1]))
+    assert kept[0] > kept[1]

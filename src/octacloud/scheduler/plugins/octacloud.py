@@ -32,11 +32,12 @@ Once capacity has come back (the allocated GPU fell between two decisions: work 
 moved away), ``S`` and ``D`` stop assuming that what runs on a node stays there (``churn-aware``, on by default):
 ``D`` is no longer counted (a remainder's neighbour leaves and the card becomes whole again, so pairing for the
 leftover's sake no longer pays), near-equal nodes are told apart for a share by what it leaves on its card (the
-least first, before the fuller node: the best fit now instead of a bet on the leftover's future), and a placement
+least first, before the fuller node: the best fit now instead of a bet on the leftover's future), a placement
 that removes a copy of a multi-card class gets no credit for the stranded GPU it puts to use (the node's CPU and
 memory come back as its work leaves; breaking its whole cards costs the multi-card requests until the node has
-drained completely). A placement that only fills the trace (the published protocol, the suite) never sees
-capacity come back and is decided as before.
+drained completely), and ``ΔS`` counts at most ``tolerance`` either way: stranding that lasts only until the
+node's work leaves may break a tie of ``F``, never overrule it. A placement that only fills the trace (the
+published protocol, the suite) never sees capacity come back and is decided as before.
 Results are cached per (request shape, node signature) and per node version, as in ``fgd``.
 """
 
@@ -58,10 +59,10 @@ from octacloud.scheduler.plugins.fit import cards_that_fit
 from octacloud.scheduler.registry import Args, PluginContext
 
 _Shape = tuple[int, int, int, bool]
-_Eval = tuple[float, int, int, tuple[int, ...], tuple[int, ...], float]
+_Eval = tuple[float, int, int, tuple[int, ...], tuple[int, ...], float, float]
 """(Δ unusable idle milli-GPU, growth of the share's card's dead space, free milli-GPU left on the node after the
 placement, the card for a share, copies of each multi-card class the placement removes from the node, the part of
-``ΔS`` below zero: the stranded idle GPU the placement puts to use)."""
+``ΔS`` below zero: the stranded idle GPU the placement puts to use, ``ΔS``)."""
 _Class = tuple[int, int, frozenset[str], int, float]
 _NEGLIGIBLE = 1e-4
 """A chance below this is no cost (saves the per-node pass while multi-card capacity is plentiful)."""
@@ -92,8 +93,9 @@ class ConsolidatingFragmentation:
     """Count the multi-card demand a placement leaves without whole cards (``M``); off (profile argument
     ``multi-card-scarcity: false``) leaves ``F + S + D + R``."""
     churn_aware: bool = True
-    """Once capacity has come back, no ``D`` and no stranding credit for breaking multi-card capacity (module
-    docstring); off (profile argument ``churn-aware: false``): decide as if nothing ever left."""
+    """Once capacity has come back, no ``D``, no stranding credit for breaking multi-card capacity and ``ΔS`` held
+    within the tolerance (module docstring); off (profile argument ``churn-aware: false``): decide as if nothing
+    ever left."""
     model: FragmentationModel = field(init=False)
     _gpu_shapes: list[tuple[float, int, int, int, frozenset[str], int]] = field(default_factory=list, init=False)
     _strand_cache: dict[tuple[str, int, int, tuple[int, ...]], float] = field(default_factory=dict, init=False)
@@ -142,7 +144,10 @@ class ConsolidatingFragmentation:
         evaluations = self._evaluations(ctx, nodes)
         if returned and self._multi and ctx.request.total_gpu_milli:
             # no credit for stranded GPU put to use where the placement breaks multi-card capacity
-            evaluations = [(e[0] - e[5], *e[1:]) if any(e[4]) else e for e in evaluations]  # type: ignore[misc]
+            evaluations = [
+                (e[0] - e[5], *e[1:6], e[6] - e[5]) if any(e[4]) else e  # type: ignore[misc]
+                for e in evaluations
+            ]
         if self._restricted and ctx.request.total_gpu_milli:
             costs = self.scarcity_costs(ctx.state)
             if costs:
@@ -158,6 +163,13 @@ class ConsolidatingFragmentation:
                     (e[0] + sum(n * w for n, w in zip(e[4], weights, strict=True)), *e[1:])  # type: ignore[misc]
                     for e in evaluations
                 ]
+        if returned:
+            # S speaks only within the tolerance: the CPU and memory it counts come back as work leaves
+            t = self.tolerance
+            evaluations = [
+                (e[0] - e[6] + min(max(e[6], -t), t), *e[1:]) if e[6] else e  # type: ignore[misc]
+                for e in evaluations
+            ]
         ctx.scratch[_SCRATCH] = evaluations
         return [-e[0] for e in evaluations]
 
@@ -239,7 +251,7 @@ class ConsolidatingFragmentation:
         pairing = not self._returned  # D assumes a share's neighbour stays
         if r.is_sharing:
             best: tuple[float, int, int, int] | None = None
-            credit = 0.0
+            credit = strand_delta = 0.0
             for g in cards_that_fit(state, r, node):
                 after = list(free)
                 after[g] -= r.gpu_milli
@@ -248,15 +260,15 @@ class ConsolidatingFragmentation:
                 dead = self.dead_space(after[g]) - self.dead_space(free[g]) if pairing else 0
                 candidate = (growth + dead, dead, after[g], g)
                 if best is None or _better(candidate, best, self.tolerance):
-                    best, credit = candidate, min(stranding, 0.0)
+                    best, credit, strand_delta = candidate, min(stranding, 0.0), stranding
             if best is None:
-                return (float("inf"), 0, left, (), (), 0.0)
+                return (float("inf"), 0, left, (), (), 0.0, 0.0)
             after = list(free)
             after[best[3]] -= r.gpu_milli
             lost = self._lost(state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after)))
             # once capacity has come back D is off: near-equal nodes are told apart by the card's remainder instead
             tie = best[1] if pairing else best[2]
-            return (best[0], tie, left, (best[3],), lost, credit)
+            return (best[0], tie, left, (best[3],), lost, credit, strand_delta)
         after = list(free)
         if r.num_gpu:
             whole = [g for g in cards_that_fit(state, r, node) if free[g] == MILLI_PER_GPU][: r.num_gpu]
@@ -265,7 +277,7 @@ class ConsolidatingFragmentation:
         stranding = strand(gpu_model, cpu_after, after, memory_after) - strand_before
         growth = frag(gpu_model, cpu_after, after) - frag_before + stranding
         lost = self._lost(state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after)))
-        return (growth, 0, left, (), lost, min(stranding, 0.0))
+        return (growth, 0, left, (), lost, min(stranding, 0.0), stranding)
 
     # ---- M: whole cards for the multi-card requests -----------------------------------------------------
 
