@@ -255,8 +255,8 @@ class Http2Connection(asyncio.Protocol):
         self._preface = False
         self._decoder = hpack.Decoder()
         self._decoded: dict[bytes, list[tuple[str, str]]] = {}  # see _decode
-        self._calls: dict[bytes, tuple[list[tuple[str, str]], str, Metadata, str]] = {}
-        """A kept block's call headers: (its decoding, path, metadata, grpc-encoding); valid while it is kept."""
+        self._calls: dict[bytes, tuple[str, Metadata, str]] = {}
+        """A kept block's call headers (path, metadata, grpc-encoding), cleared with ``_decoded``."""
         self._streams: dict[int, _Stream] = {}
         self._send_window = 65535
         self._initial_window = 65535
@@ -399,7 +399,7 @@ class Http2Connection(asyncio.Protocol):
             return
         s.headers_done = True
         call = self._calls.get(block)
-        if call is None or call[0] is not headers:  # the block's headers read once while its decoding is kept
+        if call is None:  # a kept block's headers are read once
             path, metadata, encoding = "", [], "identity"
             for k, v in headers:
                 if k[0] == ":":
@@ -409,10 +409,10 @@ class Http2Connection(asyncio.Protocol):
                     encoding = v
                 elif k not in _SKIP:
                     metadata.append((k, base64.b64decode(v + "==") if k.endswith("-bin") else v))
-            call = (headers, path, tuple(metadata), encoding)
-            if self._decoded.get(block) is headers:
+            call = (path, tuple(metadata), encoding)
+            if block in self._decoded:
                 self._calls[block] = call
-        _, path, s.metadata, encoding = call
+        path, s.metadata, encoding = call
         if len(self._streams) > self._server.max_streams:  # more than our SETTINGS allowed
             self._streams.pop(s.id, None)
             self._write(frame(RST_STREAM, 0, s.id, _U32.pack(REFUSED_STREAM)))
