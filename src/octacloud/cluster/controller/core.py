@@ -318,8 +318,12 @@ class Controller:
         running = w.launcher.handles()
         if not running:
             return
-        known = {r.handle for r in w.store.replicas() if r.handle}
-        known |= {str(r.pid) for r in w.store.replicas() if r.pid is not None}  # records from before handles
+        known: set[str] = set()
+        for r in w.store.replicas():
+            if r.handle:
+                known.add(r.handle)
+            if r.pid is not None:  # records from before handles
+                known.add(str(r.pid))
         for handle in running:
             if handle not in known:
                 log.warning("replica process %s runs but no replica of the store has it: stopping it", handle)
