@@ -59,10 +59,10 @@ from octacloud.scheduler.plugins.fit import cards_that_fit
 from octacloud.scheduler.registry import Args, PluginContext
 
 _Shape = tuple[int, int, int, bool]
-_Eval = tuple[float, int, int, tuple[int, ...], tuple[int, ...], float, float]
+_Eval = tuple[float, int, int, tuple[int, ...], tuple[int, ...], float]
 """(Δ unusable idle milli-GPU, growth of the share's card's dead space, free milli-GPU left on the node after the
-placement, the card for a share, copies of each multi-card class the placement removes from the node, the part of
-``ΔS`` below zero: the stranded idle GPU the placement puts to use, ``ΔS``)."""
+placement, the card for a share, copies of each multi-card class the placement removes from the node, ``ΔS``: its
+part below zero is the stranded idle GPU the placement puts to use)."""
 _Class = tuple[int, int, frozenset[str], int, float]
 _NEGLIGIBLE = 1e-4
 """A chance below this is no cost (saves the per-node pass while multi-card capacity is plentiful)."""
@@ -145,7 +145,7 @@ class ConsolidatingFragmentation:
         if returned and self._multi and ctx.request.total_gpu_milli:
             # no credit for stranded GPU put to use where the placement breaks multi-card capacity
             evaluations = [
-                (e[0] - e[5], *e[1:6], e[6] - e[5]) if any(e[4]) else e  # type: ignore[misc]
+                (e[0] - min(e[5], 0.0), *e[1:5], max(e[5], 0.0)) if any(e[4]) else e  # type: ignore[misc]
                 for e in evaluations
             ]
         if self._restricted and ctx.request.total_gpu_milli:
@@ -167,7 +167,7 @@ class ConsolidatingFragmentation:
             # S speaks only within the tolerance: the CPU and memory it counts come back as work leaves
             t = self.tolerance
             evaluations = [
-                (e[0] - e[6] + min(max(e[6], -t), t), *e[1:]) if e[6] else e  # type: ignore[misc]
+                (e[0] - e[5] + min(max(e[5], -t), t), *e[1:]) if e[5] else e  # type: ignore[misc]
                 for e in evaluations
             ]
         ctx.scratch[_SCRATCH] = evaluations
@@ -251,7 +251,7 @@ class ConsolidatingFragmentation:
         pairing = not self._returned  # D assumes a share's neighbour stays
         if r.is_sharing:
             best: tuple[float, int, int, int] | None = None
-            credit = strand_delta = 0.0
+            strand_delta = 0.0
             for g in cards_that_fit(state, r, node):
                 after = list(free)
                 after[g] -= r.gpu_milli
@@ -260,15 +260,15 @@ class ConsolidatingFragmentation:
                 dead = self.dead_space(after[g]) - self.dead_space(free[g]) if pairing else 0
                 candidate = (growth + dead, dead, after[g], g)
                 if best is None or _better(candidate, best, self.tolerance):
-                    best, credit, strand_delta = candidate, min(stranding, 0.0), stranding
+                    best, strand_delta = candidate, stranding
             if best is None:
-                return (float("inf"), 0, left, (), (), 0.0, 0.0)
+                return (float("inf"), 0, left, (), (), 0.0)
             after = list(free)
             after[best[3]] -= r.gpu_milli
             lost = self._lost(state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after)))
             # once capacity has come back D is off: near-equal nodes are told apart by the card's remainder instead
             tie = best[1] if pairing else best[2]
-            return (best[0], tie, left, (best[3],), lost, credit, strand_delta)
+            return (best[0], tie, left, (best[3],), lost, strand_delta)
         after = list(free)
         if r.num_gpu:
             whole = [g for g in cards_that_fit(state, r, node) if free[g] == MILLI_PER_GPU][: r.num_gpu]
@@ -277,7 +277,7 @@ class ConsolidatingFragmentation:
         stranding = strand(gpu_model, cpu_after, after, memory_after) - strand_before
         growth = frag(gpu_model, cpu_after, after) - frag_before + stranding
         lost = self._lost(state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after)))
-        return (growth, 0, left, (), lost, min(stranding, 0.0), stranding)
+        return (growth, 0, left, (), lost, stranding)
 
     # ---- M: whole cards for the multi-card requests -----------------------------------------------------
 
