@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.protobuf import text_format
@@ -174,3 +175,27 @@ def test_concurrent_publishers_take_turns_and_get_distinct_versions(tmp_path: Pa
         t.join()
     assert not errors
     assert sorted(versions) == [1, 2, 3, 4, 5, 6] and repo.versions("m") == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_staging_area_survives_another_publisher_removing_the_empty_staging_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race the concurrent-publishers test met now and then: between creating the shared staging folder and
+    its own area inside it, another publisher's staging ended and removed the (then empty) folder."""
+    import pathlib
+
+    repo = ModelRepository(tmp_path)
+    real_mkdir = pathlib.Path.mkdir
+    removed: list[Path] = []
+
+    def mkdir(self: Path, *args: Any, **kwargs: Any) -> None:
+        if self.parent.name == STAGING_DIRNAME and not removed:
+            self.parent.rmdir()  # as the other publisher's exit does, just before our area is made
+            removed.append(self.parent)
+        real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    with repo.staging() as area:
+        assert area.is_dir() and removed
+        [published] = repo.publish([stage(repo, area, "m")])
+    assert published.version == 1 and repo.models() == ["m"]

@@ -196,9 +196,16 @@ class ModelRepository:
         """
         created_root = not self.root.exists()
         area = self.root / STAGING_DIRNAME
-        area.mkdir(parents=True, exist_ok=True)
         path = area / uuid.uuid4().hex
-        path.mkdir()
+        for attempt in range(100):
+            area.mkdir(parents=True, exist_ok=True)
+            try:
+                path.mkdir()
+                break
+            except FileNotFoundError:
+                # another publisher's staging ended between the two calls and removed the then empty folder
+                if attempt == 99:
+                    raise
         try:
             yield path
         finally:
