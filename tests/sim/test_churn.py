@@ -243,7 +243,10 @@ def test_waits_are_reported_per_request_class_with_what_is_still_queued() -> Non
         1,
         147.0,
     )
+    # Counting the queued one at its wait so far: (99 + 147) / 2, and the longer of the two at the 95th percentile.
+    assert (multi.mean_with_queued, multi.p95_with_queued) == (123.0, 147.0)
     assert report.waits["share"].mean == 0.0 and report.waits["one card"].started == 1
+    assert report.waits["share"].p95_with_queued == 0.0
     assert "cpu only" not in report.waits
     assert report.as_dict()["waits_by_class"]["multi-card"]["queued_at_end"] == 1  # type: ignore[index]
     late = ChurnSimulation(_scheduler(2), arrivals, until=150.0, queue=True, period=5.0, warmup=2.5).run()

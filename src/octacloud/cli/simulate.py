@@ -286,7 +286,7 @@ def _run_churn(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> No
     table = Table(title="churn: time-averaged GPU allocation")
     columns = ("workload", "policy", "seed", "offered %", "allocated %", "placed", "failed", "queued", "wait s")
     classes = ("share", "one card", "multi-card")
-    for name in (*columns, *(f"{c} wait mean/p95 (queued)" for c in classes), "moves"):
+    for name in (*columns, *(f"{c} wait mean/p95 (queued; with queued)" for c in classes), "moves"):
         table.add_column(name, justify="left" if name in ("workload", "policy") else "right")
     for r in results:
         rep = r.report
@@ -303,7 +303,10 @@ def _run_churn(specs: Sequence[object], out: Path, jobs: int, plots: bool) -> No
             *(
                 "—"
                 if c not in rep.waits
-                else f"{rep.waits[c].mean:.1f}/{rep.waits[c].p95:.1f} ({rep.waits[c].queued_at_end})"
+                else (
+                    f"{rep.waits[c].mean:.1f}/{rep.waits[c].p95:.1f} ({rep.waits[c].queued_at_end}; "
+                    f"{rep.waits[c].mean_with_queued:.1f}/{rep.waits[c].p95_with_queued:.1f})"
+                )
                 for c in classes
             ),
             str(r.moves),
