@@ -151,6 +151,7 @@ def main() -> None:
         hooks=[hook, sample],
         warmup=a.warmup,
         admission=admit,
+        on_release=hook.released,
     )
     report = sim.run()
     print(f"{a.policy} seed {a.seed} rate {a.rate}: {report.time_avg_allocated_pct:.2f} % time-averaged allocated")

@@ -427,3 +427,31 @@ async def test_a_redeploy_keeps_the_replica_count_an_operator_set(tmp_path: Path
     assert h.store.get_deployment("a").replicas == 3
     h.controller.deploy(dataclasses.replace(spec, max_replicas=2))
     assert h.store.get_deployment("a").replicas == 2  # within the new bounds
+
+
+async def test_a_released_slice_wakes_the_controller_while_replicas_wait(tmp_path: Path) -> None:
+    # One card, full with two replicas of "a"; "b" waits. Scaling "a" down frees half the card: the stop wakes the
+    # controller at once (what a pending replica waits for must not wait for the next tick), and b starts there.
+    h = Harness(tmp_path, nodes=fleet(1, 1))
+    h.deploy("a", octants=4, replicas=2)
+    await h.reconcile()
+    await h.health()
+    h.deploy("b", octants=4)
+    await h.reconcile()
+    assert [r.state for r in h.replicas("b")] == [ReplicaState.PENDING]
+    h.controller.w.wake = wake = asyncio.Event()  # what the running controller waits on between ticks
+    d = h.store.get_deployment("a")
+    d.replicas = 1
+    h.store.put_deployment(d)
+    await h.reconcile()  # a replica of "a" drains and stops in the background
+    assert wake.is_set()
+    wake.clear()
+    await h.reconcile()
+    assert [r.state for r in h.replicas("b")] == [ReplicaState.STARTING]
+    h.controller.undeploy("b")  # nothing waits any more: a release wakes nobody
+    await h.settle()
+    wake.clear()
+    d.replicas = 0
+    h.store.put_deployment(d)
+    await h.reconcile()
+    assert not wake.is_set()

@@ -81,6 +81,11 @@ def simulate(
         "--reservations",
         help="Churn: queued requests that may each reserve the node where they fit soonest (0: plain greedy retry).",
     ),
+    serve_releases: bool = typer.Option(
+        True,
+        "--serve-releases/--no-serve-releases",
+        help="Churn: capacity a departure frees goes to the queue at once (off: it waits for the next pass).",
+    ),
     gpu_memory: Path | None = typer.Option(
         None, "--gpu-memory", help="Card memory per model for the fleet: a CSV with model,gpu_memory_mib."
     ),
@@ -144,6 +149,7 @@ def simulate(
                     defrag,
                     memory_table,
                     reservations,
+                    serve_releases,
                 )
                 for t in traces
                 for p in policies

@@ -198,6 +198,28 @@ class ReevaluationLoop:
         arrival between passes); committed to the state when placed. Unplaced, it waits for the next pass."""
         return self._place(request)
 
+    def offer(self, node: int, pending: Sequence[Request]) -> list[Decision]:
+        """Work left node ``node`` between passes: place at once, in queue order (highest priority, then
+        oldest), each pending request that fits there now, as a pass woken by the release would; the freed
+        capacity goes to the queue before later arrivals. Placed as :meth:`admit` places (reservations kept);
+        returns the committed decisions."""
+        placed: list[Decision] = []
+        failed: set[tuple[object, ...]] = set()
+        for r in sorted(pending, key=lambda r: -r.priority):
+            shape = _shape(r)
+            if shape in failed:
+                continue
+            if self.scheduler.decide(r, [node]).placement is None:
+                failed.add(shape)
+                continue
+            decision = self._place(r)
+            if decision.placement is None:
+                failed.add(shape)
+                continue
+            self.reserved.pop(r.name, None)
+            placed.append(decision)
+        return placed
+
     # ---- reservations ----------------------------------------------------------------------------------
 
     def _expire(self, queue: Sequence[Request]) -> None:

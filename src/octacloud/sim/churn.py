@@ -8,10 +8,11 @@ then re-evaluation ticks, then arrivals. Nothing reads the wall clock except the
   :meth:`~octacloud.scheduler.loop.ReevaluationLoop.admit`, which keeps the queue's reservations). Otherwise it
   fails for good, or, with ``queue=True``, waits in :attr:`ChurnSimulation.pending` (FIFO) for a re-evaluation
   to place it.
-* A placed request departs ``lifetime`` seconds after it started. Departures are keyed by request name (not by
-  node), so a re-evaluation may *move* running work (defragmentation) through a
-  :class:`~octacloud.scheduler.framework.Transaction` without telling the loop; :meth:`ChurnSimulation.evict`
-  stops running work and re-queues it with the lifetime it has left (preemption).
+* A placed request departs ``lifetime`` seconds after it started; with ``on_release`` given (the loop's
+  :meth:`~octacloud.sim.reevaluate.LoopHook.released`), the capacity it frees is offered to the queue at once.
+  Departures are keyed by request name (not by node), so a re-evaluation may *move* running work
+  (defragmentation) through a :class:`~octacloud.scheduler.framework.Transaction` without telling the loop;
+  :meth:`ChurnSimulation.evict` stops running work and re-queues it with the lifetime it has left (preemption).
 * Every ``period`` seconds (5 by default, the design's loop) the :class:`ReevaluationHook`\\ s run in order.
   With ``queue=True`` and no hooks given, the loop retries the pending queue (:func:`retry_pending`).
 
@@ -238,6 +239,7 @@ class ChurnSimulation:
         hooks: Sequence[ReevaluationHook] | None = None,
         warmup: float = 0.0,
         admission: Callable[[Request], Decision] | None = None,
+        on_release: Callable[[ChurnSimulation, int], None] | None = None,
     ) -> None:
         if until <= 0:
             raise ValueError(f"until must be > 0 simulated seconds, got {until}")
@@ -249,6 +251,8 @@ class ChurnSimulation:
         self.state = scheduler.state
         self.admission: Callable[[Request], Decision] = admission if admission is not None else scheduler.schedule
         """Places (and commits) an arrival or a retried request, or says it fits nowhere now."""
+        self.on_release = on_release
+        """Called with the node's index after a departure freed capacity there (with ``queue``)."""
         self.clock = clock if clock is not None else ManualClock()
         self.queue = queue
         self.period = period
@@ -351,9 +355,11 @@ class ChurnSimulation:
         if running is None or running.epoch != event.epoch:
             return  # evicted (and maybe restarted) since this departure was scheduled
         del self.running[event.name]
-        self.state.release(event.name)
+        node = self.state.release(event.name).node_index
         self._counts["completed"] += 1
         self._note_allocation()
+        if self.on_release is not None and self.pending:
+            self.on_release(self, node)
 
     def _start(self, request: Request, lifetime: float, since: float) -> None:
         now = self.now

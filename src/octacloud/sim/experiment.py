@@ -316,6 +316,8 @@ class ChurnSpec:
     gpu_memory: Path | None = None
     reservations: int = DEFAULT_RESERVATIONS
     """Queued requests that may hold a reservation (the loop's queue discipline; 0: plain greedy retry)."""
+    serve_releases: bool = True
+    """With the loop: capacity a departure frees goes to the queue at once (:meth:`ReevaluationLoop.offer`)."""
 
     @property
     def workload(self) -> str:
@@ -389,6 +391,7 @@ def run_churn(spec: ChurnSpec, hooks: Sequence[ReevaluationHook] | None = None) 
         hooks=hooks,
         warmup=spec.warmup,
         admission=loop_hook.loop.admit if loop_hook is not None else None,
+        on_release=loop_hook.released if loop_hook is not None and spec.serve_releases else None,
     )
     report = simulation.run()
     load = offered_load(shapes, spec.arrivals, spec.lifetime, state.total_gpu_milli)

@@ -120,6 +120,7 @@ class Reconciler:
         ]
         requests = {r.id: w.request(r, deployments[r.deployment]) for r in waiting}
         report = self.last = self.loop.run_pass(w.clock.monotonic(), list(requests.values()))
+        w.waiting = sum(1 for r in report.pending if r.name in requests)
         per_decision = report.seconds / max(1, len(requests))
         evicted = {op.victim.request.name for op in report.operations if isinstance(op, Evict)}
         for op in report.operations:

@@ -98,6 +98,9 @@ class World:
     stopping: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     """Replicas being drained and stopped in the background, by id."""
     wake: asyncio.Event | None = None
+    waiting: int = 0
+    """Replicas the latest pass left pending: while there are any, a released slice wakes the controller, so the
+    queue gets it at once (as a scheduler's queue is retried when a pod is deleted), not at the next tick."""
     transitions: dict[str, Transition] = field(default_factory=dict)
     """Replacements in flight by replacement replica id (a mirror of the store's, which survive a restart)."""
 
@@ -175,6 +178,8 @@ class World:
         """Give back the slice ``replica_id`` holds in the scheduler's state, if it holds one."""
         if self.holds(replica_id):
             self.scheduler.release(replica_id)
+            if self.waiting:
+                self.poke()
 
     def holds(self, replica_id: str) -> bool:
         return self.allocation(replica_id) is not None
