@@ -111,6 +111,17 @@ def main() -> None:
         waiting: collections.Counter[str] = collections.Counter()
         for item in sim.pending:
             waiting[kind(item.request)] += item.request.total_gpu_milli / 1000
+        # whole free cards that no waiting GPU request can use because the node's CPU or memory is spent
+        gpu_waiting = [item.request for item in sim.pending if item.request.num_gpu == 1]
+        stranded = 0
+        for sig in state.signature:
+            cards = sum(1 for f in sig.free_gpu if f >= MILLI_PER_GPU)
+            if not cards:
+                continue
+            may = [r for r in gpu_waiting if not r.gpu_models or sig.gpu_model in r.gpu_models]
+            if may and all(r.cpu_milli > sig.free_cpu or r.memory_mib > sig.free_memory for r in may):
+                stranded += cards
+        samples["whole free cards whose node's CPU/memory no waiting request fits"].append(stranded)
         for k in ("multi", "one", "share"):
             samples[f"waiting GPU, {k}"].append(waiting[k])
 
