@@ -430,13 +430,14 @@ async def test_a_redeploy_keeps_the_replica_count_an_operator_set(tmp_path: Path
 
 
 async def test_a_released_slice_wakes_the_controller_while_replicas_wait(tmp_path: Path) -> None:
-    # One card, full with two replicas of "a"; "b" waits. Scaling "a" down frees half the card: the stop wakes the
-    # controller at once (what a pending replica waits for must not wait for the next tick), and b starts there.
+    # One card, full with two replicas of tenant acme's "a"; tenant other's "b" waits. Scaling "a" down frees half
+    # the card: the stop wakes the controller at once (what a pending replica waits for must not wait for the next
+    # tick), and b starts there, whoever's replica left.
     h = Harness(tmp_path, nodes=fleet(1, 1))
-    h.deploy("a", octants=4, replicas=2)
+    h.deploy("a", octants=4, replicas=2, tenant="acme")
     await h.reconcile()
     await h.health()
-    h.deploy("b", octants=4)
+    h.deploy("b", octants=4, tenant="other")
     await h.reconcile()
     assert [r.state for r in h.replicas("b")] == [ReplicaState.PENDING]
     h.controller.w.wake = wake = asyncio.Event()  # what the running controller waits on between ticks
