@@ -40,6 +40,7 @@ from octacloud.scheduler.actions.reservation import Reservation, choose, conflic
 from octacloud.scheduler.framework.api import DemandObserver
 from octacloud.scheduler.framework.runner import Decision, Scheduler
 from octacloud.scheduler.framework.state import Allocation
+from octacloud.scheduler.plugins.fit import cards_that_fit
 
 DEFAULT_PERIOD = 5.0
 """Seconds between passes (the design's loop)."""
@@ -399,9 +400,7 @@ class ReevaluationLoop:
                     continue
                 if state.free_cpu[j] < r.cpu_milli or state.free_memory[j] < r.memory_mib:
                     continue
-                if state.free_gpu_memory[j][h] < r.gpu_memory_mib or not r.allows_model(state.nodes[j].gpus[h].model):
-                    continue
-                if not state.card_usable(j, h):
+                if h not in cards_that_fit(state, r, j):  # the card's memory, model and health, as placement has them
                     continue
                 key = (free - r.gpu_milli, rank[j], h)
                 if best is None or key < best[0]:
