@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from octacloud.app import CloudConfig
 from octacloud.cluster.controller import ControllerSettings
 from octacloud.cluster.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
-from scale_down import CloudThread, build_model
+from scale_down import CloudThread
 
 
 def placed(c: CloudThread, name: str) -> list[dict[str, Any]]:
@@ -54,13 +51,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--interval", type=float, default=5.0, help="the controller's reconcile interval, seconds")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="octacloud-release-wake-"))
-    repo = tmp / "models"
-    build_model(repo)
     nodes = [Node("bench", 8_000, 65_536, (Gpu(0, CPU_CARD_MODEL, 4096),))]
     settings = ControllerSettings(interval_s=args.interval, stop_grace_s=3.0, drain_timeout_s=2.0)
-    config = CloudConfig(repository=repo, state_dir=tmp / "var", http_port=0, grpc_port=0, controller=settings)
-    c = CloudThread(config, nodes)
+    c = CloudThread.in_temp("octacloud-release-wake-", nodes, settings)
     waits: list[float] = []
     try:
         for k in range(args.rounds):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -63,7 +64,9 @@ def build_model(repo: Path, name: str = "small") -> None:
 
 
 class CloudThread:
-    def __init__(self, config: CloudConfig, nodes: list[Node]) -> None:
+    def __init__(self, config: CloudConfig, nodes: list[Node], work: Path | None = None) -> None:
+        self.work = work
+        """A temporary folder of the bench's that ``close`` removes (its repository and state)."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -103,6 +106,19 @@ class CloudThread:
         self.run(self.cloud.stop(stop_replicas=True))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+        if self.work is not None:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    @classmethod
+    def in_temp(cls, prefix: str, nodes: list[Node], settings: ControllerSettings) -> CloudThread:
+        """A cloud on ``nodes`` serving the bench's small model, its repository and state in a new temporary
+        folder (removed by ``close``)."""
+        tmp = Path(tempfile.mkdtemp(prefix=prefix))
+        build_model(tmp / "models")
+        config = CloudConfig(
+            repository=tmp / "models", state_dir=tmp / "var", http_port=0, grpc_port=0, controller=settings
+        )
+        return cls(config, nodes, tmp)
 
 
 class LoopLag:
@@ -170,13 +186,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--replicas", type=int, default=3, help="replicas of 'other' before each scale-down")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="octacloud-scale-down-"))
-    repo = tmp / "models"
-    build_model(repo)
     nodes = [Node("bench", 16_000, 65_536, tuple(Gpu(i, CPU_CARD_MODEL, 4096) for i in range(2)))]
     settings = ControllerSettings(interval_s=1.0, health_interval_s=0.2, stop_grace_s=5.0)
-    config = CloudConfig(repository=repo, state_dir=tmp / "var", http_port=0, grpc_port=0, controller=settings)
-    c = CloudThread(config, nodes)
+    c = CloudThread.in_temp("octacloud-scale-down-", nodes, settings)
     load: Load | None = None
     lag: LoopLag | None = None
     try:
