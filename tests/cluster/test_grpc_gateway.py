@@ -35,7 +35,9 @@ def run(coro: Callable[[], Awaitable[None]]) -> None:
 
 
 class Replica:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, identify: bool = False) -> None:
+        """``identify``: behind the replicas' own admission (the secret, and 421's gRPC twin for calls meant for
+        another replica)."""
         self.name = name
         self.seen: list[bytes] = []
         self.slow = 0  # slow calls in progress
@@ -57,7 +59,8 @@ class Replica:
                 model_name=request.model_name, id=f"{self.name}:{request.id}"
             ).SerializeToString()
 
-        self.server = h2.Http2Server({INFER: h2.Method(None, infer, streaming=False)})
+        admit = h2.require_secret(b"s" * 32, name) if identify else None
+        self.server = h2.Http2Server({INFER: h2.Method(None, infer, streaming=False)}, admit=admit)
         self.port = 0
 
     async def start(self) -> None:
@@ -78,8 +81,10 @@ def request(rid: str, seconds: float = 0.0) -> bytes:
     return bytes(req.SerializeToString())
 
 
-async def setup(timeout: float = 60.0, bound: int = 0) -> tuple[GrpcFront, int, list[Replica], RouteTable]:
-    replicas = [Replica("a"), Replica("b")]
+async def setup(
+    timeout: float = 60.0, bound: int = 0, identify: bool = False
+) -> tuple[GrpcFront, int, list[Replica], RouteTable]:
+    replicas = [Replica("a", identify), Replica("b", identify)]
     for r in replicas:
         await r.start()
     routes = RouteTable()
@@ -287,5 +292,31 @@ def test_two_tenants_on_one_connection_each_reach_the_replica_as_themselves(tmp_
         finally:
             await front.stop(0.5)
             await replica.stop(0.5)
+
+    run(go)
+
+
+def test_a_replica_address_taken_by_another_replica_is_retried_not_answered_from() -> None:
+    """Replica a is gone and b listens where a's route points: b refuses what was meant for a (UNAVAILABLE, naming
+    itself), the gateway tries the next replica, and every call is answered by the replica it was sent to."""
+
+    async def go() -> None:
+        front, port, (a, b), routes = await setup(identify=True)
+        try:
+            await a.kill()
+            routes.update("lin", [Endpoint("a", "127.0.0.1", 1, b.port), Endpoint("b", "127.0.0.1", 1, b.port)])
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                answers = [await call(channel, request(str(i))) for i in range(10)]
+                assert all(isinstance(x, pb.ModelInferResponse) and x.id.startswith("b:") for x in answers), answers
+                assert len(b.seen) == 10 and a.seen == []
+                assert [e.replica_id for e in routes.healthy("lin")] == ["b"]  # the stale route is ejected
+                routes.update("lin", [Endpoint("a", "127.0.0.1", 1, b.port)])  # only the stale route is left
+                code, details, trailing = await call(channel, request("z"))  # type: ignore[misc]
+                assert code is grpc.StatusCode.UNAVAILABLE and str(b.port) not in details, details
+                assert any(k == "retry-after" for k, _ in trailing)
+                assert len(b.seen) == 10
+        finally:
+            await front.stop(0.5)
+            await b.kill()
 
     run(go)

@@ -16,7 +16,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.protocols import ServerSettings
-from octacloud.protocols.internal import ENV_VAR, HEADER
+from octacloud.protocols.internal import ENV_VAR, HEADER, REPLICA_HEADER, REPLICA_ID_ENV
 
 from .conftest import ThreadedServer, build_repository, start
 
@@ -124,3 +124,70 @@ def test_a_replica_of_a_cloud_never_binds_every_interface(tmp_path: Path) -> Non
         assert ServerSettings(repository=tmp_path, host=wildcard, internal_secret_file=path).host == "127.0.0.1"
     assert ServerSettings(repository=tmp_path, host="10.1.2.3", internal_secret_file=path).host == "10.1.2.3"
     assert ServerSettings(repository=tmp_path, host="0.0.0.0", internal_secret_file=None).host == "0.0.0.0"
+
+
+@pytest.fixture(scope="module", params=["h2", "aio"])
+def named(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadedServer]:
+    tmp = tmp_path_factory.mktemp("named")
+    s = start(
+        build_repository(tmp / "models"),
+        internal_secret_file=secret_file(tmp),
+        replica_id="r1",
+        grpc_server=request.param,
+    )
+    yield s
+    s.stop()
+
+
+def answer(url: str, headers: dict[str, str], body: bytes | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST" if body else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode()
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v2/models/add/infer", INFER), ("/v2/models/add/ready", None)])
+def test_a_request_meant_for_another_replica_is_misdirected(
+    named: ThreadedServer, path: str, body: bytes | None
+) -> None:
+    """A process that took a dead replica's port refuses what was meant for that replica (421), naming itself."""
+    url = f"http://{named.http}{path}"
+    status, text = answer(url, {HEADER: SECRET, REPLICA_HEADER: "r0"}, body)
+    assert status == 421, text
+    assert "'r1'" in text and "'r0'" in text and "out of date" in text
+    assert answer(url, {HEADER: SECRET, REPLICA_HEADER: "r1"}, body)[0] == 200  # meant for this one
+    assert answer(url, {HEADER: SECRET}, body)[0] == 200  # names no replica: a direct caller with the secret
+    assert answer(url, {REPLICA_HEADER: "r1"}, body)[0] == 401  # naming the replica is no key
+    assert answer(f"http://{named.http}/v2/health/ready", {REPLICA_HEADER: "r0"})[0] == 421
+    assert answer(f"http://{named.http}/v2/health/ready", {})[0] == 200
+
+
+def test_metrics_meant_for_another_replica_are_misdirected(named: ThreadedServer) -> None:
+    url = f"http://127.0.0.1:{named.server.metrics_port}/metrics"
+    status, text = answer(url, {HEADER: SECRET, REPLICA_HEADER: "r0"})
+    assert status == 421 and "'r1'" in text
+    assert answer(url, {HEADER: SECRET, REPLICA_HEADER: "r1"})[0] == 200
+    assert answer(url, {REPLICA_HEADER: "r1"})[0] == 401
+
+
+def test_a_grpc_call_meant_for_another_replica_is_unavailable(named: ThreadedServer) -> None:
+    with grpc.insecure_channel(named.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        request = pb.ModelMetadataRequest(name="add")
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelMetadata(request, metadata=((HEADER, SECRET), (REPLICA_HEADER, "r0")))
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE and "'r1'" in (e.value.details() or "")
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelMetadata(request, metadata=((REPLICA_HEADER, "r1"),))
+        assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert stub.ModelMetadata(request, metadata=((HEADER, SECRET), (REPLICA_HEADER, "r1"))).name == "add"
+        assert stub.ModelMetadata(request, metadata=((HEADER, SECRET),)).name == "add"
+
+
+def test_the_replica_id_comes_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(REPLICA_ID_ENV, "lin-1a2b3c")
+    assert ServerSettings(repository=tmp_path).replica_id == "lin-1a2b3c"
+    monkeypatch.delenv(REPLICA_ID_ENV)
+    assert ServerSettings(repository=tmp_path).replica_id == ""

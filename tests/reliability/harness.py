@@ -14,6 +14,7 @@ from octacloud.cluster.gateway.fronts import RestFront
 from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import RestGateway
 from octacloud.cluster.gateway.routing import Endpoint, OutlierPolicy, Owner, RouteTable
+from octacloud.protocols.internal import RequireSecret
 
 SECRET = "s" * 43
 
@@ -87,13 +88,16 @@ async def gateway(
     ready: Callable[[], bool] = lambda: True,
     outlier: OutlierPolicy | None = None,
     request_timeout: float = 10.0,
+    identify: bool = False,
 ) -> Gateway:
+    """``identify``: each fake sits behind the replicas' own guard (``RequireSecret`` with its id, ``r0``, ``r1``…):
+    it answers 401 without the secret and 421 to a request meant for another replica."""
     limits = limits or GatewayLimits()
     routes = RouteTable(outlier=outlier or OutlierPolicy())
     started = []
-    for _ in range(replicas):
+    for i in range(replicas):
         fake = FakeReplica(delay_s)
-        server, port = await serve(fake)
+        server, port = await serve(RequireSecret(fake, SECRET.encode(), f"r{i}") if identify else fake)
         started.append((fake, server, port))
     routes.update("m", [Endpoint(f"r{i}", "127.0.0.1", port, 0) for i, (_, _, port) in enumerate(started)])
     routes.owners["m"] = Owner("t")

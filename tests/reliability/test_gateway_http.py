@@ -8,9 +8,11 @@ import time
 
 import httpx
 
+from octacloud.cluster.deployments import Replica
 from octacloud.cluster.gateway.limits import GatewayLimits
-from octacloud.cluster.gateway.routing import OutlierPolicy
-from tests.reliability.harness import SECRET, answers, complete, exchange, gateway, parse, read, serve
+from octacloud.cluster.gateway.routing import Endpoint, OutlierPolicy
+from octacloud.cluster.health import HttpProber
+from tests.reliability.harness import SECRET, answers, complete, exchange, gateway, parse, read, serve, stop
 
 INFER = b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\n"
 
@@ -258,4 +260,49 @@ async def test_headers_are_bounded_in_size_and_a_large_body_is_not_mistaken_for_
         assert answers(raw) == [(200, body[::-1])]
         assert gw.replicas[0][0].seen[-1]["body"] == body
     finally:
+        await gw.close()
+
+
+async def test_a_replica_address_taken_by_another_replica_is_retried_not_answered_from() -> None:
+    """A replica dies and another (another deployment's, another tenant's) starts on its port before the route is
+    dropped: the newcomer refuses what was meant for the dead one (421) and the gateway tries the next replica,
+    so no answer comes from a replica the request was not sent to."""
+    gw = await gateway(replicas=2, identify=True, outlier=OutlierPolicy(base_ejection_s=30, max_ejection_s=30))
+    _, _, port_r1 = gw.replicas[1]
+    fake_r0, server_r0, _ = gw.replicas[0]
+    try:
+        await stop(server_r0)  # r0 is gone; r1 now listens where r0's route points
+        gw.routes.update("m", [Endpoint("r0", "127.0.0.1", port_r1, 0), Endpoint("r1", "127.0.0.1", port_r1, 0)])
+        gw.replicas = gw.replicas[1:]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.port}") as client:
+            for i in range(10):
+                r = await client.post("/v2/models/m/infer", content=b"ab%d" % i, headers={"x-octacloud-replica": "r0"})
+                assert (r.status_code, r.content) == (200, b"%dba" % i)
+            fake_r1 = gw.replicas[0][0]
+            named = [v for seen in fake_r1.seen for k, v in seen["headers"] if k == b"x-octacloud-replica"]
+            assert named == [b"r1"] * 10  # a client's copy of the header is not forwarded
+            assert fake_r0.seen == []
+            assert [e.replica_id for e in gw.routes.healthy("m")] == ["r1"]  # the stale route is ejected
+            gw.routes.update("m", [Endpoint("r0", "127.0.0.1", port_r1, 0)])  # only the stale route is left
+            r = await client.post("/v2/models/m/infer", content=b"x")
+            assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+            assert str(port_r1) not in r.text and "127.0.0.1" not in r.text
+    finally:
+        await gw.close()
+
+
+async def test_the_prober_does_not_take_another_replica_at_a_dead_ones_address_for_it() -> None:
+    """The controller's readiness probe names the replica it means: a newcomer on a dead replica's port answers
+    421, so the dead replica is not kept READY (and routed to) on the strength of someone else's answer."""
+    gw = await gateway(replicas=1, identify=True)
+    _, _, port = gw.replicas[0]
+    prober = HttpProber(headers=[(b"x-octacloud-internal", SECRET.encode())])
+    try:
+        alive = Replica("r0", "m", host="127.0.0.1", http_port=port)
+        stale = Replica("gone", "m", host="127.0.0.1", http_port=port)
+        assert (await prober.probe(alive, "m", 2.0)).ready
+        probe = await prober.probe(stale, "m", 2.0)
+        assert not probe.ready and not probe.failed
+    finally:
+        await prober.pool.close()
         await gw.close()

@@ -13,6 +13,7 @@ from tritonclient.grpc import model_config_pb2
 from octacloud.cluster.controller.world import Probe
 from octacloud.cluster.deployments import Replica
 from octacloud.cluster.gateway.upstream import UpstreamError, UpstreamPool
+from octacloud.cluster.internal_auth import REPLICA_HEADER_BYTES
 from octacloud.cluster.internal_tls import replica_server_name
 from octacloud.cluster.sizing import ModelFootprint
 from octacloud.core.errors import InvalidSpecError, NotFoundError
@@ -42,16 +43,19 @@ class HttpProber:
             return Probe(False)
         host = replica.host or "127.0.0.1"
         name = replica_server_name(replica.id) if self.pool.tls is not None else None
+        named = [*self.headers, (REPLICA_HEADER_BYTES, replica.id.encode())]  # another process at the address: 421
         try:
             path = f"/v2/models/{model}/ready".encode()
             response = await self.pool.request(
-                host, replica.http_port, b"GET", path, self.headers, b"", timeout, server_name=name
+                host, replica.http_port, b"GET", path, named, b"", timeout, server_name=name
             )
             if response.status == 200:
                 if self.on_ready is not None:
                     self.on_ready(replica.id)
                 return Probe(True)
-            headers = [(b"content-type", b"application/json"), *self.headers]
+            if response.status == 421:
+                return Probe(False)
+            headers = [(b"content-type", b"application/json"), *named]
             index = await self.pool.request(
                 host, replica.http_port, b"POST", b"/v2/repository/index", headers, b"{}", timeout, server_name=name
             )

@@ -17,6 +17,9 @@ from pathlib import Path
 from octacloud.protocols import internal
 from octacloud.protocols.internal import ENV_VAR as ENV_VAR
 from octacloud.protocols.internal import HEADER as HEADER
+from octacloud.protocols.internal import REPLICA_HEADER as REPLICA_HEADER
+from octacloud.protocols.internal import REPLICA_HEADER_BYTES as REPLICA_HEADER_BYTES
+from octacloud.protocols.internal import REPLICA_ID_ENV as REPLICA_ID_ENV
 from octacloud.protocols.internal import TENANT_HEADER as TENANT_HEADER
 
 HEADER_BYTES = HEADER.encode()

@@ -24,6 +24,7 @@ from typing import Protocol
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from octacloud.cluster.internal_auth import REPLICA_ID_ENV
 from octacloud.cluster.internal_tls import InternalCa, Renewals
 from octacloud.cluster.slices import Slice
 from octacloud.core.errors import InvalidSpecError, NotFoundError
@@ -194,7 +195,7 @@ class LocalProcessLauncher:
             "--threads", str(spec.threads),
         ]  # fmt: skip
         node_env = self.environment() if self.environment is not None else {}
-        env = {**os.environ, **node_env, **spec.env, "OCTACLOUD_REPLICA_ID": spec.replica_id, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **node_env, **spec.env, REPLICA_ID_ENV: spec.replica_id, "PYTHONUNBUFFERED": "1"}
         if self._renewals is not None:
             env.update(self._renewals.issue(spec.replica_id, [self.host]).write(root, "replica").env())
         log = root / "replica.log"

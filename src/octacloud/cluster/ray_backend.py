@@ -36,6 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import ray
 from octacloud.cluster.controller import NodeChange
+from octacloud.cluster.internal_auth import REPLICA_ID_ENV
 from octacloud.cluster.internal_tls import InternalCa, Renewals
 from octacloud.cluster.launcher import Launched, LaunchFailedError, LaunchSpec, ReplicaAddress
 from octacloud.cluster.ray_inventory import FAST_FAILURE_DETECTION, node_from_ray, node_name, slice_resources
@@ -179,7 +180,7 @@ class RayLauncher:
             num_gpus=0,  # Ray's GPU accounting is not ours: the octant resources below are
             resources=slice_resources(s.gpus, s.milli_per_gpu),
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            runtime_env={"env_vars": {**spec.env, "OCTACLOUD_REPLICA_ID": spec.replica_id}},
+            runtime_env={"env_vars": {**spec.env, REPLICA_ID_ENV: spec.replica_id}},
             max_concurrency=self._concurrency,
             max_restarts=0,  # a lost replica is re-placed by our scheduler, never restarted in place by Ray
         ).remote()

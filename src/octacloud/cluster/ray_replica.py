@@ -103,6 +103,7 @@ class ReplicaActor:
             load_models=(spec.serve_as,),
             threads=spec.threads,
             tls=tls,
+            replica_id=spec.replica_id,
         )
         server = ReplicaServer(settings)
         started = threading.Event()

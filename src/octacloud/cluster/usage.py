@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from octacloud.cluster.controller import Controller
 from octacloud.cluster.deployments import ReplicaState
+from octacloud.cluster.internal_auth import REPLICA_HEADER
 from octacloud.metering import Allocation, Stored, Traffic, Work
 
 log = logging.getLogger("octacloud.metering")
@@ -127,7 +128,10 @@ class ClusterUsage:
         ]
         texts = await asyncio.gather(
             *(
-                self._client.get(f"{scheme}://{getattr(r, 'host', '') or '127.0.0.1'}:{r.metrics_port}/metrics")
+                self._client.get(
+                    f"{scheme}://{getattr(r, 'host', '') or '127.0.0.1'}:{r.metrics_port}/metrics",
+                    headers={REPLICA_HEADER: r.id},  # another replica at a dead one's port answers 421, not its work
+                )
                 for r in live
             ),
             return_exceptions=True,

@@ -130,8 +130,12 @@ class ReplicaScraper:
         client: httpx.AsyncClient | None = None,
         headers: dict[str, str] | None = None,
         tls: ssl.SSLContext | None = None,
+        naming: str | None = None,
     ) -> None:
         self.timeout_s = timeout_s
+        self.naming = naming
+        """The header that names the replica each scrape is meant for (the cloud's ``x-octacloud-replica``): a
+        process that took a dead replica's port then answers 421 instead of its own figures."""
         self._scheme = "https" if tls is not None else "http"
         """Internal TLS: ``tls`` trusts the cloud CA only and presents the cloud's client certificate."""
         self._client = client or httpx.AsyncClient(
@@ -144,12 +148,15 @@ class ReplicaScraper:
         return {r.id: s for r, s in zip(ready, results, strict=True) if s is not None}
 
     async def _one(self, r: ReplicaInfo) -> ReplicaServing | None:
+        named = {self.naming: r.id} if self.naming else None
         try:
-            stats = await self._client.get(f"{self._scheme}://{r.host}:{r.http_port}/v2/models/{r.deployment}/stats")
+            stats = await self._client.get(
+                f"{self._scheme}://{r.host}:{r.http_port}/v2/models/{r.deployment}/stats", headers=named
+            )
             stats.raise_for_status()
             out = parse_statistics(stats.json())
             if r.metrics_port:
-                text = await self._client.get(f"{self._scheme}://{r.host}:{r.metrics_port}/metrics")
+                text = await self._client.get(f"{self._scheme}://{r.host}:{r.metrics_port}/metrics", headers=named)
                 text.raise_for_status()
                 out.families = list(text_string_to_metric_families(text.text))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:

@@ -6,6 +6,14 @@ A replica that a cloud launches gets the path of a file holding the cloud's secr
 metrics answer 401, gRPC UNAUTHENTICATED. The health endpoints (``/v2/health/live|ready``, ``ServerLive``,
 ``ServerReady``) stay open: they say only whether the process is up.
 
+A replica launched by a cloud also knows its own id (``OCTACLOUD_REPLICA_ID``). The gateway and the prober name
+the replica they mean in ``x-octacloud-replica``; a replica that is not the one named answers REST and metrics
+``421 Misdirected Request``, gRPC ``UNAVAILABLE``, and the caller tries another replica. A replica's port is
+picked when it starts and freed when it dies, so another replica started later (of another deployment, another
+tenant) can get the same port: without the check, a route or a probe still holding the dead replica's address
+would reach the new process and take its answer as the dead replica's. A request that names no replica (a
+direct caller holding the secret) is served.
+
 ``octacloud serve`` started by hand (no secret configured) is open, as Triton is: bind it to loopback, or put
 it behind something that authenticates.
 
@@ -18,6 +26,7 @@ own cloud fails before a byte of HTTP is read. The secret is still checked insid
 from __future__ import annotations
 
 import hmac
+import json
 import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping, Sequence
@@ -37,6 +46,10 @@ reaching an open replica could claim any tenant); requests of a model whose rows
 with the same tenant's (serving/model.py)."""
 _TENANT_HEADER = TENANT_HEADER.encode()
 _HEADER = HEADER.encode()
+REPLICA_HEADER = "x-octacloud-replica"
+"""The replica a request is meant for (its id): a replica that is someone else answers 421 / UNAVAILABLE."""
+REPLICA_HEADER_BYTES = REPLICA_HEADER.encode()
+REPLICA_ID_ENV = "OCTACLOUD_REPLICA_ID"
 REFUSED = f"this replica serves its cloud's gateway only: {HEADER} is missing or wrong"
 OPEN_HTTP_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 OPEN_GRPC_METHODS = frozenset(
@@ -124,6 +137,25 @@ def secret_file_from_env() -> Path | None:
     return Path(name) if name else None
 
 
+def replica_id_from_env() -> str:
+    """The id the launcher gave this replica ("" when started by hand)."""
+    return os.environ.get(REPLICA_ID_ENV, "")
+
+
+def misdirected(own: str, pairs: Iterable[tuple[Any, Any]]) -> str | None:
+    """Why a request is not this replica's (it names another replica in ``x-octacloud-replica``), else None.
+    ``pairs``: HTTP headers (bytes) or gRPC metadata (str); ``own`` "" checks nothing."""
+    if not own:
+        return None
+    for k, v in pairs:
+        if k in (REPLICA_HEADER, REPLICA_HEADER_BYTES):
+            named = v.decode("latin-1") if isinstance(v, bytes) else str(v)
+            if named == own:
+                return None
+            return f"this is replica {own!r}, not {named[:128]!r}: the address the caller holds is out of date"
+    return None
+
+
 def matches(secret: bytes, presented: bytes | str | None) -> bool:
     if presented is None:
         return False
@@ -136,46 +168,65 @@ ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
 
 
 class RequireSecret:
-    """ASGI middleware: HTTP requests without the secret get 401 before the app (or the body) is read."""
+    """ASGI middleware: HTTP requests without the secret get 401 before the app (or the body) is read; a request
+    meant for another replica (``replica_id`` set) gets 421."""
 
-    def __init__(self, app: ASGIApp, secret: bytes) -> None:
+    def __init__(self, app: ASGIApp, secret: bytes, replica_id: str = "") -> None:
         self.app = app
         self.secret = secret
+        self.replica_id = replica_id
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_HTTP_PATHS:
-            presented = next((v for k, v in scope["headers"] if k == _HEADER), None)
-            if not matches(self.secret, presented):
-                body = b'{"error":"' + REFUSED.encode() + b'"}'
-                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-                await send({"type": "http.response.start", "status": 401, "headers": headers})
-                await send({"type": "http.response.body", "body": body})
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            if scope["path"] not in OPEN_HTTP_PATHS:
+                presented = next((v for k, v in headers if k == _HEADER), None)
+                if not matches(self.secret, presented):
+                    await _refuse(send, 401, REFUSED)
+                    return
+            wrong = misdirected(self.replica_id, headers)
+            if wrong is not None:
+                await _refuse(send, 421, wrong)
                 return
         await self.app(scope, receive, send)
 
 
-class SecretInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """gRPC: calls without the secret in their metadata are aborted with UNAUTHENTICATED before they run."""
+async def _refuse(send: Any, status: int, message: str) -> None:
+    body = json.dumps({"error": message}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
-    def __init__(self, secret: bytes) -> None:
+
+class SecretInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """gRPC: calls without the secret in their metadata are aborted with UNAUTHENTICATED before they run; calls
+    meant for another replica (``replica_id`` set) with UNAVAILABLE."""
+
+    def __init__(self, secret: bytes, replica_id: str = "") -> None:
         self.secret = secret
+        self.replica_id = replica_id
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
         handler = await continuation(details)
-        if handler is None or details.method in OPEN_GRPC_METHODS:
+        if handler is None:
             return handler
-        presented = next((v for k, v in details.invocation_metadata or () if k == HEADER), None)
-        if matches(self.secret, presented):
-            return handler
-        return _refusing(handler)
+        metadata = details.invocation_metadata or ()
+        if details.method not in OPEN_GRPC_METHODS:
+            presented = next((v for k, v in metadata if k == HEADER), None)
+            if not matches(self.secret, presented):
+                return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+        wrong = misdirected(self.replica_id, metadata)
+        if wrong is not None:
+            return _refusing(handler, grpc.StatusCode.UNAVAILABLE, wrong)
+        return handler
 
 
-def _refusing(handler: Any) -> Any:
+def _refusing(handler: Any, code: grpc.StatusCode, details: str) -> Any:
     async def unary(request: Any, context: Any) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+        await context.abort(code, details)
 
     async def streaming(request: Any, context: Any) -> AsyncIterator[Any]:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+        await context.abort(code, details)
         yield None  # pragma: no cover - abort raises
 
     kinds = {
@@ -191,13 +242,22 @@ def _refusing(handler: Any) -> Any:
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
-def wsgi_requiring_secret(app: WSGIApp, secret: bytes) -> WSGIApp:
-    """The metrics endpoint (WSGI): 401 without the secret."""
+def wsgi_requiring_secret(app: WSGIApp, secret: bytes, replica_id: str = "") -> WSGIApp:
+    """The metrics endpoint (WSGI): 401 without the secret, 421 when meant for another replica (a scraper
+    holding a dead replica's address must not count another replica's figures as its)."""
 
     def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        status, message = "", ""
         if not matches(secret, environ.get("HTTP_X_OCTACLOUD_INTERNAL")):
-            body = REFUSED.encode()
-            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+            status, message = "401 Unauthorized", REFUSED
+        else:
+            named = environ.get("HTTP_X_OCTACLOUD_REPLICA")
+            wrong = misdirected(replica_id, [(REPLICA_HEADER, named)]) if named is not None else None
+            if wrong is not None:
+                status, message = "421 Misdirected Request", wrong
+        if status:
+            body = message.encode()
+            start_response(status, [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
             return [body]
         return app(environ, start_response)
 

@@ -51,6 +51,7 @@ from octacloud.protocols.internal import (
     RequireSecret,
     SecretInterceptor,
     read_secret,
+    replica_id_from_env,
     secret_file_from_env,
     tls_from_env,
     wsgi_requiring_secret,
@@ -83,6 +84,9 @@ class ServerSettings:
     runtimes: Mapping[str, RuntimeFactory] | None = field(default=None)
     internal_secret_file: Path | None = field(default_factory=secret_file_from_env)
     """The cloud's internal secret (default: ``$OCTACLOUD_INTERNAL_SECRET_FILE``); None: open endpoints."""
+    replica_id: str = field(default_factory=replica_id_from_env)
+    """This replica's id in its cloud (default: ``$OCTACLOUD_REPLICA_ID``): behind the secret, a request that names
+    another replica in ``x-octacloud-replica`` is refused (421 / UNAVAILABLE); "" checks nothing."""
     tls: ReplicaTls | None = field(default_factory=tls_from_env)
     """Internal TLS (default: ``$OCTACLOUD_INTERNAL_TLS_CERT|KEY|CA``); None: plain text."""
     tls_reload_s: float = 30.0
@@ -200,7 +204,7 @@ class ReplicaServer:
                 self.http_port = sock.getsockname()[1]
                 rest: Any = RestApp(self.dataplane, s.max_body_bytes, trust_tenant=self.secret is not None)
                 config = uvicorn.Config(
-                    rest if self.secret is None else RequireSecret(rest, self.secret),
+                    rest if self.secret is None else RequireSecret(rest, self.secret, s.replica_id),
                     http=OneWriteHttpToolsProtocol,
                     proxy_headers=False,  # replicas are reached directly or through the gateway
                     server_header=False,
@@ -226,7 +230,7 @@ class ReplicaServer:
             if s.metrics_port is not None:
                 metrics: Any = make_wsgi_app(serving_registry(self._stats))
                 if self.secret is not None:
-                    metrics = wsgi_requiring_secret(metrics, self.secret)
+                    metrics = wsgi_requiring_secret(metrics, self.secret, s.replica_id)
                 try:
                     self._metrics, self._metrics_thread = _metrics_server(
                         s.host, s.metrics_port, metrics, self._tls_metrics
@@ -257,13 +261,16 @@ class ReplicaServer:
             ("grpc.so_reuseport", 0),
         ]
         if s.grpc_server == "h2":
-            self._grpc_h2 = GrpcServer(self.dataplane, max_message_bytes=s.max_body_bytes, secret=self.secret)
+            self._grpc_h2 = GrpcServer(
+                self.dataplane, max_message_bytes=s.max_body_bytes, secret=self.secret, replica_id=s.replica_id
+            )
             self.grpc_port = await self._grpc_h2.start(s.host, s.grpc_port, ssl=self._tls_grpc)
             return
         if s.grpc_server != "aio":
             raise ValueError(f"grpc_server must be h2 or aio, got {s.grpc_server!r}")
         server = self._grpc = grpc.aio.server(
-            interceptors=[SecretInterceptor(self.secret)] if self.secret is not None else [], options=options
+            interceptors=[SecretInterceptor(self.secret, s.replica_id)] if self.secret is not None else [],
+            options=options,
         )
         add_to_server(self.dataplane, server, trust_tenant=self.secret is not None)
         try:

@@ -20,6 +20,7 @@ from octacloud.cluster.dashboard.app import Authorize, allow_all, build_dashboar
 from octacloud.cluster.dashboard.metering import LedgerTotals
 from octacloud.cluster.dashboard.state import dashboard_state
 from octacloud.cluster.fleet import CPU_CARD_MODEL
+from octacloud.cluster.internal_auth import REPLICA_HEADER
 from octacloud.core.clock import Clock
 from octacloud.core.model import Node
 from octacloud.metering import Ledger
@@ -108,7 +109,7 @@ class CloudMonitoring:
             nvml=NvmlCards(nvml) if nvml is not None else None,
             nvml_node=nvml_node,
             cpu_card_model=CPU_CARD_MODEL,
-            scraper=ReplicaScraper(timeout_s=1.0, headers=replica_headers, tls=replica_tls),
+            scraper=ReplicaScraper(timeout_s=1.0, headers=replica_headers, tls=replica_tls, naming=REPLICA_HEADER),
             interval_s=interval_s,
             on_readings=on_card_readings,
         )

@@ -38,7 +38,7 @@ from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.rest import MAX_ATTEMPTS, SERVER_EXTENSIONS
 from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable, TenantTraffic
 from octacloud.cluster.gateway.stats import merge_model_statistics
-from octacloud.cluster.internal_auth import HEADER, TENANT_HEADER
+from octacloud.cluster.internal_auth import HEADER, REPLICA_HEADER, TENANT_HEADER
 from octacloud.protocols.grpc.h2 import CallContext, Metadata, Method, Refusal, metadata_block
 from octacloud.protocols.grpc.h2_client import Answer, Channel, Unreachable
 
@@ -48,7 +48,7 @@ SERVICE = "inference.GRPCInferenceService"
 PER_MODEL = ("ModelReady", "ModelMetadata", "ModelInfer", "ModelConfig", "ModelStatistics")
 PUBLIC = ("ServerLive", "ServerReady")
 _OPEN = frozenset(f"/{SERVICE}/{name}" for name in PUBLIC)
-_DROPPED = frozenset({"authorization", HEADER, TENANT_HEADER})
+_DROPPED = frozenset({"authorization", HEADER, TENANT_HEADER, REPLICA_HEADER})
 MAX_STREAMS = 256
 """Concurrent calls per client connection."""
 _RETRY_SOON = (("retry-after", "1"),)
@@ -137,6 +137,8 @@ class GrpcGateway:
         ``h2``, ``http/1.1`` is set on it); None: plain text (replicas on loopback)."""
         self._internal = ((HEADER, internal_secret),) if internal_secret else ()
         self._channels: dict[tuple[str, int], Channel] = {}
+        self._named: dict[str, bytes] = {}
+        """Each replica's ``x-octacloud-replica`` field, encoded once."""
         self._per_model = frozenset(f"/{SERVICE}/{name}" for name in PER_MODEL)
         routes.on_drop.append(self._forget)
 
@@ -228,8 +230,16 @@ class GrpcGateway:
             channel = self._channels[key] = Channel(endpoint.host, endpoint.grpc_port, ssl_context=self.replica_ssl)
         return channel
 
+    def _naming(self, endpoint: Endpoint) -> bytes:
+        """The metadata field that names the replica a call is meant for (a replica that is not it refuses)."""
+        block = self._named.get(endpoint.replica_id)
+        if block is None:
+            block = self._named[endpoint.replica_id] = metadata_block([(REPLICA_HEADER, endpoint.replica_id)])
+        return block
+
     def _forget(self, endpoint: Endpoint) -> None:
         """Close the connections to a replica the route table dropped."""
+        self._named.pop(endpoint.replica_id, None)
         channel = self._channels.pop((endpoint.host, endpoint.grpc_port), None)
         if channel is not None:
             channel.close()
@@ -277,13 +287,20 @@ class GrpcGateway:
                     tried.append(endpoint.replica_id)
                     endpoint.outstanding += 1
                     try:
-                        answer = await self._channel(endpoint).call(path, metadata, request, self.timeout)
+                        named = metadata + self._naming(endpoint)
+                        answer = await self._channel(endpoint).call(path, named, request, self.timeout)
                     except Unreachable as exc:
                         answer = None
                         problem = str(exc)
                     except TimeoutError:
                         routes.failed(endpoint)
                         counters.failures += 1
+                        log.warning(
+                            "deployment %s: replica %s: no answer within %g s",
+                            deployment,
+                            endpoint.replica_id,
+                            self.timeout,
+                        )
                         await context.abort(
                             grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"deployment '{deployment}': no answer within {self.timeout:g} s",
@@ -332,7 +349,8 @@ class GrpcGateway:
 
         async def ask(endpoint: Endpoint) -> Answer | None:
             try:
-                answer = await self._channel(endpoint).call(path, metadata, request, self.timeout)
+                named = metadata + self._naming(endpoint)
+                answer = await self._channel(endpoint).call(path, named, request, self.timeout)
             except (Unreachable, TimeoutError):
                 return None
             return None if answer.code is grpc.StatusCode.UNAVAILABLE else answer

@@ -31,7 +31,7 @@ from octacloud.cluster.gateway.limits import GatewayLimits
 from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable, TenantTraffic
 from octacloud.cluster.gateway.stats import merge_model_statistics
 from octacloud.cluster.gateway.upstream import HOP_BY_HOP, Response, UpstreamError, UpstreamPool
-from octacloud.cluster.internal_auth import HEADER_BYTES, TENANT_HEADER_BYTES
+from octacloud.cluster.internal_auth import HEADER_BYTES, REPLICA_HEADER_BYTES, TENANT_HEADER_BYTES
 from octacloud.protocols.asgi import (
     ASGIApp,
     Headers,
@@ -53,9 +53,9 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
 SERVER_EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "classification"]
-_DROPPED_REQUEST = frozenset({b"authorization", HEADER_BYTES, TENANT_HEADER_BYTES, *HOP_BY_HOP})
+_DROPPED_REQUEST = frozenset({b"authorization", HEADER_BYTES, TENANT_HEADER_BYTES, REPLICA_HEADER_BYTES, *HOP_BY_HOP})
 """Never forwarded: the caller's key stays at the gateway; a client's copy of the internal secret (or of the
-tenant header, which the gateway sets) is not ours; nor what describes the client's connection
+tenant and replica headers, which the gateway sets) is not ours; nor what describes the client's connection
 (``upstream.HOP_BY_HOP``)."""
 _DROPPED_ANSWER = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server", HEADER_BYTES}
@@ -261,11 +261,13 @@ class RestGateway:
                     endpoint.http_port,
                     method,
                     target,
-                    headers_out,
+                    [*headers_out, (REPLICA_HEADER_BYTES, endpoint.replica_id.encode())],
                     body,
                     self.request_timeout,
                     filtered=True,
                 )
+                if response.status == 421:  # another process has the address: the replica is not there any more
+                    raise UpstreamError(_misdirected(response))
             except UpstreamError as exc:
                 self.routes.failed(endpoint)
                 log.warning("deployment %s: replica %s: %s", deployment, endpoint.replica_id, exc)
@@ -274,6 +276,12 @@ class RestGateway:
             except TimeoutError:
                 self.routes.failed(endpoint)
                 counters.failures += 1
+                log.warning(
+                    "deployment %s: replica %s: no answer within %g s",
+                    deployment,
+                    endpoint.replica_id,
+                    self.request_timeout,
+                )
                 raise HttpError(
                     504, f"deployment '{deployment}': no answer within {self.request_timeout:g} s"
                 ) from None
@@ -406,12 +414,14 @@ class RestGateway:
         """Ask every ready replica of ``deployment`` and answer with the sum (see ``gateway.stats``)."""
 
         async def ask(endpoint: Endpoint) -> Response | None:
+            named = [*headers, (REPLICA_HEADER_BYTES, endpoint.replica_id.encode())]
             try:
-                return await self.pool.request(
-                    endpoint.host, endpoint.http_port, b"GET", target, headers, b"", self.request_timeout
+                answer = await self.pool.request(
+                    endpoint.host, endpoint.http_port, b"GET", target, named, b"", self.request_timeout
                 )
             except (UpstreamError, TimeoutError):
                 return None
+            return None if answer.status == 421 else answer  # not the replica meant: its figures are not ours
 
         answers = [a for a in await asyncio.gather(*(ask(e) for e in self.routes.healthy(deployment))) if a is not None]
         if not answers:
@@ -424,6 +434,14 @@ class RestGateway:
         except (ValueError, AttributeError) as exc:
             return await json_reply(send, 502, {"error": f"a replica answered statistics that are not JSON: {exc}"})
         return await json_reply(send, 200, merged)
+
+
+def _misdirected(response: Response) -> str:
+    """The replica's own words for a 421 (it is not the replica the gateway meant)."""
+    try:
+        return f"misdirected: {json.loads(response.body)['error']}"
+    except (ValueError, KeyError, TypeError):
+        return "misdirected: the process at the replica's address is another one"
 
 
 def _bill(usage: TenantTraffic, bytes_in: int, bytes_out: int) -> None:

@@ -40,7 +40,7 @@ import hpack
 from tritonclient.grpc import service_pb2 as pb
 
 from octacloud.protocols.grpc.servicer import InferenceServicer, _lenient, code_of
-from octacloud.protocols.internal import HANDSHAKE_TIMEOUT_S, OPEN_GRPC_METHODS, REFUSED, matches
+from octacloud.protocols.internal import HANDSHAKE_TIMEOUT_S, OPEN_GRPC_METHODS, REFUSED, matches, misdirected
 from octacloud.protocols.internal import HEADER as SECRET_HEADER
 from octacloud.serving import DataPlane, ModelExecutionError
 
@@ -837,25 +837,31 @@ class GrpcServer(Http2Server):
         max_streams: int = 1024,
         extra: Mapping[str, Method] | None = None,
         secret: bytes | None = None,
+        replica_id: str = "",
     ) -> None:
         super().__init__(
             {**methods(InferenceServicer(dataplane, trust_tenant=secret is not None)), **(extra or {})},
-            admit=None if secret is None else _require(secret),
+            admit=None if secret is None else require_secret(secret, replica_id),
             max_message_bytes=max_message_bytes,
             max_streams=max_streams,
         )
         self.secret = secret
-        """The cloud's internal secret: every call but ServerLive/ServerReady must carry it (protocols/internal.py)."""
+        """The cloud's internal secret: every call but ServerLive/ServerReady must carry it (protocols/internal.py);
+        a call meant for another replica than ``replica_id`` is UNAVAILABLE (the caller tries another)."""
 
 
-def _require(secret: bytes) -> Admit:
+def require_secret(secret: bytes, replica_id: str = "") -> Admit:
+    """The admission of a replica of a cloud: calls without the secret are UNAUTHENTICATED (but ServerLive and
+    ServerReady), calls meant for another replica than ``replica_id`` UNAVAILABLE."""
     refused: Refusal = (grpc.StatusCode.UNAUTHENTICATED, REFUSED, ())
 
     def admit(path: str, metadata: Metadata) -> Refusal | None:
-        if path in OPEN_GRPC_METHODS:
-            return None
-        presented = next((v for k, v in metadata if k == SECRET_HEADER), None)
-        return None if matches(secret, presented) else refused
+        if path not in OPEN_GRPC_METHODS:
+            presented = next((v for k, v in metadata if k == SECRET_HEADER), None)
+            if not matches(secret, presented):
+                return refused
+        wrong = misdirected(replica_id, metadata)
+        return None if wrong is None else (grpc.StatusCode.UNAVAILABLE, wrong, ())
 
     return admit
 
