@@ -185,6 +185,31 @@ def test_the_holder_is_placed_when_its_blockers_leave_and_admissions_never_took_
     check_invariants(state)
 
 
+def test_a_holder_short_of_cpu_reserves_with_the_cpu_only_work_it_waits_for() -> None:
+    """Every node runs a little CPU-only work, so no node gives the head (both cards and most of the CPU) enough
+    CPU once the replicas on its cards leave. It reserves the node whose CPU-only work it waits for anyway; a
+    younger request does not take that node's cards, and backfill keeps to the CPU the head leaves."""
+    state = ClusterState([node("a", cpu=8000), node("b", cpu=8000)])
+    place(state, req("cpu-a", 0, cards=0, cpu=2000), "a")
+    place(state, req("cpu-b", 0, cards=0, cpu=7000), "b")
+    place(state, req("s", 300), "b", (0,))  # b's CPU is all taken
+    big, younger = req("big", 1000, cards=2, cpu=7000), req("younger", 1000, cards=2, cpu=1000)
+    loop = _loop(state, defragment=False)
+    report = loop.run_pass(0.0, [big, younger])
+    (res,) = report.reservations
+    assert res.request.name == "big" and state.nodes[res.node].name == "a" and res.others == {"cpu-a"}
+    assert res.blockers(state) == ["cpu-a"] and res.blocking == 1
+    assert report.placed == {}  # a's whole cards are held for big; b has a share on one
+    # spare CPU on a: 6000 free + cpu-a's 2000 (it leaves before big starts) - big's 7000
+    assert loop.admit(req("cpu-more", 0, cards=0, cpu=1001)).placement is None
+    fits = loop.admit(req("cpu-fits", 0, cards=0, cpu=1000)).placement
+    assert fits is not None and fits.node == "a"
+    state.release("cpu-fits")
+    state.release("cpu-a")
+    assert loop.run_pass(5.0, [big, younger]).placed["big"].node == "a"
+    check_invariants(state)
+
+
 def test_a_reservation_without_progress_is_chosen_again_and_one_whose_holder_left_is_dropped() -> None:
     state = _fragmented()
     loop = _loop(state, defragment=False, reservation_passes=2)

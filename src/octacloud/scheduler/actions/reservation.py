@@ -15,6 +15,13 @@ fewest blockers that the loop may not move (pinned, higher priority), then (when
 GPU held by whole-card blockers, then the fewest blockers, then the least GPU they hold, then the scheduler's
 node order. With memoryless departures the expected wait grows with the
 number of blockers; with defragmentation the blockers are exactly the replicas to move.
+
+A holder that needs more of the node's CPU or memory than the replicas on its cards give back (an eight-card
+request of 120 of a node's 128 cores, on a node where CPU-only work runs) also counts the fewest of the node's
+other replicas whose CPU and memory cover the rest (the largest first) among its blockers, and backfill may not
+take their CPU and memory once they leave. Without them such a request had no candidate node while every node
+of its kind ran a little CPU-only work, so it never held a reservation and the younger multi-card requests
+behind it took each one in turn.
 """
 
 from __future__ import annotations
@@ -37,11 +44,18 @@ class Reservation:
     cards: tuple[int, ...]
     made: int
     blocking: int
+    others: frozenset[str] = frozenset()
+    """Replicas off the reserved cards that must leave too: the holder needs their CPU or memory."""
 
     def blockers(self, state: ClusterState) -> list[str]:
-        """Names of the replicas on the reserved cards (they must leave before the holder fits)."""
-        cards = set(self.cards)
-        return [name for name, a in state.on_node[self.node].items() if cards.intersection(a.placement.gpus)]
+        """Names of the replicas that must leave before the holder fits: those on the reserved cards, and the
+        ``others`` still there."""
+        cards, others = set(self.cards), self.others
+        return [
+            name
+            for name, a in state.on_node[self.node].items()
+            if name in others or cards.intersection(a.placement.gpus)
+        ]
 
     def fits_now(self, state: ClusterState) -> bool:
         """True when every reserved card is whole and free and the node's CPU and memory cover the holder."""
@@ -58,10 +72,10 @@ class Reservation:
 
 def _spare(state: ClusterState, reservation: Reservation) -> tuple[int, int]:
     """(CPU milli, memory MiB) that the node can give away and still host the holder once its blockers left."""
-    cards = set(reservation.cards)
+    cards, others = set(reservation.cards), reservation.others
     cpu, mem = state.free_cpu[reservation.node], state.free_memory[reservation.node]
-    for a in state.on_node[reservation.node].values():
-        if cards.intersection(a.placement.gpus):
+    for name, a in state.on_node[reservation.node].items():
+        if name in others or cards.intersection(a.placement.gpus):
             cpu += a.request.cpu_milli
             mem += a.request.memory_mib
     return cpu - reservation.request.cpu_milli, mem - reservation.request.memory_mib
@@ -90,15 +104,16 @@ def choose(
     ``movable(allocation)`` tells whether the loop may move a replica (it is then a cheaper blocker: it leaves by
     defragmentation as well as by departure). With ``moves`` (the loop defragments) the blockers that hold whole
     cards count first: a share moves into a fragment elsewhere, while a whole-card blocker needs whole free cards
-    that the queue is short of. Only nodes where the holder fits once the replicas on its cards
-    left are candidates (the CPU and memory of other replicas are not counted on). ``None`` when there is none,
-    or for a request that takes no whole card (a share or a CPU-only request fits in what any departure frees).
+    that the queue is short of. Where the replicas on its cards do not give back enough CPU or memory, the
+    fewest other replicas of the node that do (the largest first) are blockers too. ``None`` when no node can
+    host the holder, or for a request that takes no whole card (a share or a CPU-only request fits in what any
+    departure frees).
     """
     assert callable(movable)
     n = request.num_gpu
     if n == 0 or (n == 1 and request.gpu_milli < MILLI_PER_GPU):
         return None
-    best: tuple[tuple[int, int, int, int, int], int, tuple[int, ...]] | None = None
+    best: tuple[tuple[int, int, int, int, int], int, tuple[int, ...], frozenset[str]] | None = None
     for i, node in enumerate(state.nodes):
         if i in taken or not state.node_usable[i] or node.gpu_count < n:
             continue
@@ -122,14 +137,27 @@ def choose(
         blockers = {name for g in chosen for name in per_card.get(g, ())}
         cpu = state.free_cpu[i] + sum(allocations[b].request.cpu_milli for b in blockers)
         mem = state.free_memory[i] + sum(allocations[b].request.memory_mib for b in blockers)
+        others: list[str] = []
         if cpu < request.cpu_milli or mem < request.memory_mib:
-            continue
+            rest = sorted(
+                (name for name in allocations if name not in blockers),
+                key=lambda name: (-allocations[name].request.cpu_milli, -allocations[name].request.memory_mib, name),
+            )
+            for name in rest:
+                if cpu >= request.cpu_milli and mem >= request.memory_mib:
+                    break
+                others.append(name)
+                cpu += allocations[name].request.cpu_milli
+                mem += allocations[name].request.memory_mib
+            if cpu < request.cpu_milli or mem < request.memory_mib:
+                continue
+            blockers.update(others)
         fixed = sum(1 for b in blockers if not movable(allocations[b]))
         held = sum(allocations[b].request.total_gpu_milli for b in blockers)
         whole = sum(allocations[b].request.total_gpu_milli for b in blockers if not allocations[b].request.is_sharing)
         cost = (fixed, whole if moves else 0, len(blockers), held, rank[i])
         if best is None or cost < best[0]:
-            best = (cost, i, chosen)
+            best = (cost, i, chosen, frozenset(others))
     if best is None:
         return None
-    return Reservation(request, best[1], best[2], made, best[0][2])
+    return Reservation(request, best[1], best[2], made, best[0][2], best[3])
