@@ -77,3 +77,34 @@ def test_perf_analyzer_runs_unmodified(served: ServeProcess, protocol: str) -> N
 def test_zz_sigterm_stops_the_server_cleanly(served: ServeProcess) -> None:
     served.proc.send_signal(signal.SIGTERM)
     assert served.proc.wait(timeout=30) == 0
+
+
+def test_a_handed_over_descriptor_that_is_not_a_bound_socket_is_refused_by_name(tmp_path: Path) -> None:
+    """``--http-fd`` and its siblings take a socket a launcher bound: stdin-stdout-stderr, a closed descriptor,
+    a file or an unbound socket is a clear error naming what was wrong, not a traceback."""
+    import socket
+    import sys
+
+    repo = tmp_path / "repo"
+    write_onnx_model(repo, "mlp", mlp_onnx((16, 32, 4)))
+    base = [sys.executable, "-m", "octacloud", "serve", "--repository", str(repo), "--host", "127.0.0.1"]
+    ports = ["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
+
+    def serve(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*base, *ports, *args], capture_output=True, text=True, timeout=60, **kw)  # type: ignore[call-overload]
+
+    low = serve("--grpc-fd", "2")
+    assert low.returncode == 2 and "--grpc-fd" in low.stderr and "3 or more" in low.stderr
+    closed = serve("--http-fd", "1000")
+    assert closed.returncode == 1 and "REST socket (file descriptor 1000) is not an open socket" in closed.stderr
+    a_file = (tmp_path / "f").open("w")
+    unbound = socket.socket()
+    try:
+        kept = {"pass_fds": (a_file.fileno(), unbound.fileno())}
+        not_socket = serve("--metrics-fd", str(a_file.fileno()), **kept)
+        assert not_socket.returncode == 1 and "metrics socket" in not_socket.stderr, not_socket.stderr
+        no_port = serve("--grpc-fd", str(unbound.fileno()), **kept)
+        assert no_port.returncode == 1 and "is not bound to a port" in no_port.stderr, no_port.stderr
+    finally:
+        a_file.close()
+        unbound.close()

@@ -18,6 +18,13 @@ def serve(
     http_port: int = typer.Option(8000, help="REST port (0: pick a free one; -1: off)."),
     grpc_port: int = typer.Option(8001, help="gRPC port (0: pick a free one; -1: off)."),
     metrics_port: int = typer.Option(8002, help="Prometheus metrics port (0: pick a free one; -1: off)."),
+    http_fd: int = typer.Option(
+        -1, help="Serve REST on this inherited, bound TCP socket instead of --http-port (as a launcher hands it)."
+    ),
+    grpc_fd: int = typer.Option(-1, help="Serve gRPC on this inherited, bound TCP socket instead of --grpc-port."),
+    metrics_fd: int = typer.Option(
+        -1, help="Serve metrics on this inherited, bound TCP socket instead of --metrics-port."
+    ),
     model_control_mode: str = typer.Option("none", help="none | poll | explicit (Triton's model control modes)."),
     load_model: list[str] = typer.Option([], help="Model to load at start in explicit mode ('*': all)."),
     threads: int = typer.Option(0, help="CPU threads for inference (0: $OCTACLOUD_THREADS or every core)."),
@@ -43,12 +50,19 @@ def serve(
     def port(p: int) -> int | None:
         return None if p < 0 else p
 
+    for name, fd in (("--http-fd", http_fd), ("--grpc-fd", grpc_fd), ("--metrics-fd", metrics_fd)):
+        if fd >= 0 and fd <= 2:
+            raise typer.BadParameter(f"must be a socket's file descriptor (3 or more), got {fd}", param_hint=name)
+
     settings = ServerSettings(
         repository=repository,
         host=host,
         http_port=port(http_port),
         grpc_port=port(grpc_port),
         metrics_port=port(metrics_port),
+        http_fd=port(http_fd),
+        grpc_fd=port(grpc_fd),
+        metrics_fd=port(metrics_fd),
         control_mode=mode,
         load_models=tuple(load_model),
         threads=threads or None,

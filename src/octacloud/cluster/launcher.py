@@ -10,6 +10,7 @@ still serving and adopts them by handle.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -98,9 +99,34 @@ class ReplicaLauncher(Protocol):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now (another process may take it before it is used: the launcher hands bound sockets
+    instead, :func:`held_port`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+INHERITED_FDS = (3, 4, 5)
+"""Where a replica finds its REST, gRPC and metrics sockets (``octacloud serve --http-fd 3 --grpc-fd 4
+--metrics-fd 5``)."""
+
+
+def held_port(host: str) -> socket.socket:
+    """A TCP socket bound to a free port of ``host``, not listening (connections are refused until the replica
+    listens on it), at a file descriptor above :data:`INHERITED_FDS` and closed on exec: the port is held from
+    now until the replica that inherits it exits, so no other process can take it in between."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.bind((host, 0))  # no SO_REUSEADDR: with it, another socket that sets it too could bind the same port
+        if sock.fileno() <= max(INHERITED_FDS):  # a spawn's dup2 onto 3-5 must never overwrite another source
+            moved = socket.socket(fileno=fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD_CLOEXEC, 10))
+            sock.close()
+            sock = moved
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def check_version(model_dir: Path, version: str) -> None:
@@ -180,18 +206,28 @@ class LocalProcessLauncher:
         root = self.workdir / spec.replica_id
         root.mkdir(parents=True, exist_ok=True)
         repo = model_view(spec, root.resolve())
-        ports = [free_port(self.host) for _ in range(3)]
-        if len(set(ports)) != 3:
-            raise InvalidSpecError("could not find three distinct free ports")
+        # The ports are bound here and the sockets handed to the replica (REST, gRPC, metrics at file descriptors
+        # 3, 4, 5): a port picked and released for the replica to bind could be taken meanwhile by anything,
+        # another replica being launched at the same moment among them.
+        held: list[socket.socket] = []
+        try:
+            held = [held_port(self.host) for _ in INHERITED_FDS]
+            ports = [int(sock.getsockname()[1]) for sock in held]
+            return self._spawn(spec, root, repo, held, ports)
+        finally:
+            for sock in held:
+                sock.close()  # the replica has its own copies now
+
+    def _spawn(self, spec: LaunchSpec, root: Path, repo: Path, held: list[socket.socket], ports: list[int]) -> Launched:
         argv = [
             self.python, "-m", "octacloud", "serve",
             "--repository", str(repo),
             "--model-control-mode", "explicit",
             "--load-model", spec.serve_as,
             "--host", self.host,
-            "--http-port", str(ports[0]),
-            "--grpc-port", str(ports[1]),
-            "--metrics-port", str(ports[2]),
+            "--http-fd", str(INHERITED_FDS[0]),
+            "--grpc-fd", str(INHERITED_FDS[1]),
+            "--metrics-fd", str(INHERITED_FDS[2]),
             "--threads", str(spec.threads),
         ]  # fmt: skip
         node_env = self.environment() if self.environment is not None else {}
@@ -200,6 +236,8 @@ class LocalProcessLauncher:
             env.update(self._renewals.issue(spec.replica_id, [self.host]).write(root, "replica").env())
         log = root / "replica.log"
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # stdin, stdout and stderr first: a socket's dup2 onto 3-5 may then overwrite the log's own descriptor
+        sockets = [(os.POSIX_SPAWN_DUP2, s.fileno(), target) for s, target in zip(held, INHERITED_FDS, strict=True)]
         try:
             # posix_spawn in a new session: the replica survives a controller restart and is stopped by PID.
             # No Popen object is kept, so a controller that exits leaves no half-owned child behind.
@@ -211,6 +249,7 @@ class LocalProcessLauncher:
                     (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                     (os.POSIX_SPAWN_DUP2, fd, 1),
                     (os.POSIX_SPAWN_DUP2, fd, 2),
+                    *sockets,
                 ],
                 setsid=True,
             )

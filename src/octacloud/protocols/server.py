@@ -72,6 +72,12 @@ class ServerSettings:
     http_port: int | None = 8000
     grpc_port: int | None = 8001
     metrics_port: int | None = 8002
+    http_fd: int | None = None
+    """A bound TCP socket this process inherited for REST (its launcher bound it: the port is the replica's from
+    the moment the launcher picked it, so no other process can take it before this one listens); the
+    ``http_port`` is then ignored. Likewise ``grpc_fd`` and ``metrics_fd``."""
+    grpc_fd: int | None = None
+    metrics_fd: int | None = None
     control_mode: ControlMode = ControlMode.NONE
     load_models: Sequence[str] = ()
     threads: int | None = None
@@ -111,9 +117,25 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def _metrics_server(host: str, port: int, app: Any, tls: ssl.SSLContext | None = None) -> tuple[Any, threading.Thread]:
+def _metrics_server(
+    host: str, port: int, app: Any, tls: ssl.SSLContext | None = None, sock: socket.socket | None = None
+) -> tuple[Any, threading.Thread]:
     class Server(ThreadingWSGIServer):  # type: ignore[misc]
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        def server_bind(self) -> None:
+            if sock is None:
+                super().server_bind()
+                return
+            # An inherited socket is bound already: what HTTPServer.server_bind does after the bind, and the
+            # WSGI environment WSGIServer.server_bind sets up.
+            self.socket.close()
+            self.socket = sock
+            address = sock.getsockname()
+            self.server_address = address
+            self.server_name = str(address[0])
+            self.server_port = int(address[1])
+            self.setup_environ()
 
         def finish_request(self, request: Any, client_address: Any) -> None:
             if tls is None:
@@ -130,6 +152,9 @@ def _metrics_server(host: str, port: int, app: Any, tls: ssl.SSLContext | None =
             finally:
                 wrapped.close()  # the server closes the plain socket, which the wrapper took over
 
+    if sock is not None:
+        sock.setblocking(True)  # the server's threads accept and read with blocking calls
+        host, port = sock.getsockname()[:2]
     httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
     thread = threading.Thread(target=httpd.serve_forever, name="replica-metrics", daemon=True)
     thread.start()
@@ -142,6 +167,22 @@ class _Uvicorn(uvicorn.Server):  # type: ignore[misc]
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+
+def _inherited(fd: int, what: str) -> socket.socket:
+    """The bound TCP socket ``fd`` a launcher handed this process for ``what`` (REST, gRPC, metrics)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as e:
+        raise OSError(f"the {what} socket (file descriptor {fd}) is not an open socket: {e.strerror}") from None
+    if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        sock.detach()
+        raise OSError(f"the {what} socket (file descriptor {fd}) is not a TCP socket")
+    if sock.getsockname()[1] == 0:
+        sock.detach()
+        raise OSError(f"the {what} socket (file descriptor {fd}) is not bound to a port")
+    sock.setblocking(False)
+    return sock
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -199,8 +240,8 @@ class ReplicaServer:
         s = self.settings
         await self.repository.start(s.load_models)
         try:
-            if s.http_port is not None:
-                sock = _bind(s.host, s.http_port)
+            if s.http_port is not None or s.http_fd is not None:
+                sock = _inherited(s.http_fd, "REST") if s.http_fd is not None else _bind(s.host, s.http_port or 0)
                 self.http_port = sock.getsockname()[1]
                 rest: Any = RestApp(self.dataplane, s.max_body_bytes, trust_tenant=self.secret is not None)
                 config = uvicorn.Config(
@@ -225,15 +266,16 @@ class ReplicaServer:
                         self._uvicorn_task.result()
                         raise RuntimeError("the HTTP server stopped while starting")
                     await asyncio.sleep(0.005)
-            if s.grpc_port is not None:
+            if s.grpc_port is not None or s.grpc_fd is not None:
                 await self._start_grpc()
-            if s.metrics_port is not None:
+            if s.metrics_port is not None or s.metrics_fd is not None:
                 metrics: Any = make_wsgi_app(serving_registry(self._stats))
                 if self.secret is not None:
                     metrics = wsgi_requiring_secret(metrics, self.secret, s.replica_id)
+                inherited = _inherited(s.metrics_fd, "metrics") if s.metrics_fd is not None else None
                 try:
                     self._metrics, self._metrics_thread = _metrics_server(
-                        s.host, s.metrics_port, metrics, self._tls_metrics
+                        s.host, s.metrics_port or 0, metrics, self._tls_metrics, inherited
                     )
                 except OSError as e:
                     raise OSError(f"cannot bind the metrics port {s.host}:{s.metrics_port}: {e.strerror}") from None
@@ -254,7 +296,8 @@ class ReplicaServer:
 
     async def _start_grpc(self) -> None:
         s = self.settings
-        assert s.grpc_port is not None
+        inherited = _inherited(s.grpc_fd, "gRPC") if s.grpc_fd is not None else None
+        grpc_port = inherited.getsockname()[1] if inherited is not None else (s.grpc_port or 0)
         options = [
             ("grpc.max_receive_message_length", s.max_body_bytes),
             ("grpc.max_send_message_length", 2**31 - 1),
@@ -264,8 +307,10 @@ class ReplicaServer:
             self._grpc_h2 = GrpcServer(
                 self.dataplane, max_message_bytes=s.max_body_bytes, secret=self.secret, replica_id=s.replica_id
             )
-            self.grpc_port = await self._grpc_h2.start(s.host, s.grpc_port, ssl=self._tls_grpc)
+            self.grpc_port = await self._grpc_h2.start(s.host, grpc_port, ssl=self._tls_grpc, sock=inherited)
             return
+        if inherited is not None:  # grpc.aio binds by address only: free the inherited socket, bind its port
+            inherited.close()
         if s.grpc_server != "aio":
             raise ValueError(f"grpc_server must be h2 or aio, got {s.grpc_server!r}")
         server = self._grpc = grpc.aio.server(
@@ -274,7 +319,7 @@ class ReplicaServer:
         )
         add_to_server(self.dataplane, server, trust_tenant=self.secret is not None)
         try:
-            address = f"{s.host}:{s.grpc_port}"
+            address = f"{s.host}:{grpc_port}"
             if s.tls is not None:
                 root = s.tls.client_ca.read_bytes()
                 pair = [(s.tls.keyfile.read_bytes(), s.tls.certfile.read_bytes())]
@@ -283,7 +328,7 @@ class ReplicaServer:
             else:
                 self.grpc_port = server.add_insecure_port(address)
         except RuntimeError:  # grpc says only that it failed
-            raise OSError(f"cannot bind the gRPC port {s.host}:{s.grpc_port} (in use?)") from None
+            raise OSError(f"cannot bind the gRPC port {s.host}:{grpc_port} (in use?)") from None
         await server.start()
 
     async def _watch_tls(self, tls: ReplicaTls) -> None:

@@ -27,6 +27,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import socket
 import ssl
 import ssl as _ssl  # ``start``'s parameter is named ssl, as asyncio's
 import struct
@@ -779,18 +780,28 @@ class Http2Server:
         self._sweeper: asyncio.Task[None] | None = None
         self.now: Callable[[], float] = lambda: 0.0
 
-    async def start(self, host: str, port: int, ssl: _ssl.SSLContext | None = None, reuse_port: bool = False) -> int:
+    async def start(
+        self,
+        host: str,
+        port: int,
+        ssl: _ssl.SSLContext | None = None,
+        reuse_port: bool = False,
+        sock: socket.socket | None = None,
+    ) -> int:
         """Listen on ``host:port`` (0: a free port), over TLS when ``ssl`` is given (it must offer ALPN ``h2``:
-        :func:`server_ssl_context`); ``reuse_port``: share the port with other processes (``SO_REUSEPORT``).
-        Returns the port."""
+        :func:`server_ssl_context`); ``reuse_port``: share the port with other processes (``SO_REUSEPORT``);
+        ``sock``: listen on this bound socket instead (``host`` and ``port`` are then ignored). Returns the port."""
         loop = asyncio.get_running_loop()
         self.now = loop.time
         handshake = min(self.header_timeout_s, HANDSHAKE_TIMEOUT_S)
         tls: dict[str, Any] = {"ssl": ssl, "ssl_handshake_timeout": handshake} if ssl is not None else {}
         try:
-            self._server = await loop.create_server(
-                lambda: Http2Connection(self), host, port, reuse_address=True, reuse_port=reuse_port or None, **tls
-            )
+            if sock is not None:
+                self._server = await loop.create_server(lambda: Http2Connection(self), sock=sock, **tls)
+            else:
+                self._server = await loop.create_server(
+                    lambda: Http2Connection(self), host, port, reuse_address=True, reuse_port=reuse_port or None, **tls
+                )
         except OSError as e:
             raise OSError(f"cannot bind the gRPC port {host}:{port}: {e.strerror}") from None
         self._sweeper = loop.create_task(self._sweep())
