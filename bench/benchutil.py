@@ -49,16 +49,31 @@ def syscalls(pid: int) -> tuple[int, int]:
 
 
 def find_replica_pid(http_port: int) -> int:
-    """The local replica process serving ``http_port`` (its command line names the port)."""
+    """The local process listening on ``http_port`` (the socket's inode in ``/proc/net/tcp*``, then the process
+    holding it: a replica's command line no longer names its ports, the launcher hands it bound sockets)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == http_port:  # LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            fds = os.listdir(f"/proc/{entry}/fd")
         except OSError:
             continue
-        if b"serve" in argv and str(http_port).encode() in argv:
-            return int(entry)
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry}/fd/{fd}") in inodes:
+                    return int(entry)
+            except OSError:
+                continue
     raise SystemExit(f"no local replica process serving port {http_port}")
 
 
