@@ -212,13 +212,12 @@ class LocalProcessLauncher:
         held: list[socket.socket] = []
         try:
             held = [held_port(self.host) for _ in INHERITED_FDS]
-            ports = [int(sock.getsockname()[1]) for sock in held]
-            return self._spawn(spec, root, repo, held, ports)
+            return self._spawn(spec, root, repo, held)
         finally:
             for sock in held:
                 sock.close()  # the replica has its own copies now
 
-    def _spawn(self, spec: LaunchSpec, root: Path, repo: Path, held: list[socket.socket], ports: list[int]) -> Launched:
+    def _spawn(self, spec: LaunchSpec, root: Path, repo: Path, held: list[socket.socket]) -> Launched:
         argv = [
             self.python, "-m", "octacloud", "serve",
             "--repository", str(repo),
@@ -255,7 +254,8 @@ class LocalProcessLauncher:
             )
         finally:
             os.close(fd)
-        self._addresses[str(pid)] = ReplicaAddress(self.host, ports[0], ports[1], ports[2], pid)
+        http, grpc, metrics = (int(sock.getsockname()[1]) for sock in held)
+        self._addresses[str(pid)] = ReplicaAddress(self.host, http, grpc, metrics, pid)
         if self._renewals is not None:
             self._renewals.track(str(pid), spec.replica_id, [self.host])
         return Launched(str(pid), self._addresses[str(pid)], log)

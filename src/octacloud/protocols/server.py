@@ -117,18 +117,15 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def _metrics_server(
-    host: str, port: int, app: Any, tls: ssl.SSLContext | None = None, sock: socket.socket | None = None
-) -> tuple[Any, threading.Thread]:
+def _metrics_server(app: Any, sock: socket.socket, tls: ssl.SSLContext | None = None) -> tuple[Any, threading.Thread]:
+    """The metrics endpoint on ``sock`` (bound, not listening yet), in a thread of its own."""
+
     class Server(ThreadingWSGIServer):  # type: ignore[misc]
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        address_family = sock.family
 
         def server_bind(self) -> None:
-            if sock is None:
-                super().server_bind()
-                return
-            # An inherited socket is bound already: what HTTPServer.server_bind does after the bind, and the
-            # WSGI environment WSGIServer.server_bind sets up.
+            # The socket is bound already: what HTTPServer.server_bind does after the bind, and the WSGI
+            # environment WSGIServer.server_bind sets up.
             self.socket.close()
             self.socket = sock
             address = sock.getsockname()
@@ -152,10 +149,9 @@ def _metrics_server(
             finally:
                 wrapped.close()  # the server closes the plain socket, which the wrapper took over
 
-    if sock is not None:
-        sock.setblocking(True)  # the server's threads accept and read with blocking calls
-        host, port = sock.getsockname()[:2]
-    httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    sock.setblocking(True)  # the server's threads accept and read with blocking calls
+    host, port = sock.getsockname()[:2]
+    httpd = make_server(str(host), int(port), app, Server, handler_class=_QuietHandler)
     thread = threading.Thread(target=httpd.serve_forever, name="replica-metrics", daemon=True)
     thread.start()
     return httpd, thread
@@ -185,7 +181,7 @@ def _inherited(fd: int, what: str) -> socket.socket:
     return sock
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, what: str) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY only then
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -193,9 +189,15 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise OSError(f"cannot bind the HTTP port {host}:{port}: {e.strerror}") from None
+        raise OSError(f"cannot bind the {what} port {host}:{port}: {e.strerror}") from None
     sock.setblocking(False)
     return sock
+
+
+def _endpoint_socket(fd: int | None, host: str, port: int | None, what: str, name: str) -> socket.socket:
+    """An endpoint's socket, bound and not yet listening: the one inherited at ``fd``, else ``host:port`` bound
+    here (``what`` names the endpoint in errors about the descriptor, ``name`` in errors about the port)."""
+    return _inherited(fd, what) if fd is not None else _bind(host, port or 0, name)
 
 
 class ReplicaServer:
@@ -241,7 +243,7 @@ class ReplicaServer:
         await self.repository.start(s.load_models)
         try:
             if s.http_port is not None or s.http_fd is not None:
-                sock = _inherited(s.http_fd, "REST") if s.http_fd is not None else _bind(s.host, s.http_port or 0)
+                sock = _endpoint_socket(s.http_fd, s.host, s.http_port, "REST", "HTTP")
                 self.http_port = sock.getsockname()[1]
                 rest: Any = RestApp(self.dataplane, s.max_body_bytes, trust_tenant=self.secret is not None)
                 config = uvicorn.Config(
@@ -272,13 +274,8 @@ class ReplicaServer:
                 metrics: Any = make_wsgi_app(serving_registry(self._stats))
                 if self.secret is not None:
                     metrics = wsgi_requiring_secret(metrics, self.secret, s.replica_id)
-                inherited = _inherited(s.metrics_fd, "metrics") if s.metrics_fd is not None else None
-                try:
-                    self._metrics, self._metrics_thread = _metrics_server(
-                        s.host, s.metrics_port or 0, metrics, self._tls_metrics, inherited
-                    )
-                except OSError as e:
-                    raise OSError(f"cannot bind the metrics port {s.host}:{s.metrics_port}: {e.strerror}") from None
+                sock = _endpoint_socket(s.metrics_fd, s.host, s.metrics_port, "metrics", "metrics")
+                self._metrics, self._metrics_thread = _metrics_server(metrics, sock, self._tls_metrics)
                 self.metrics_port = self._metrics.server_port
         except BaseException:
             await self.stop()

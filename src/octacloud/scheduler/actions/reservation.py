@@ -72,12 +72,11 @@ class Reservation:
 
 def _spare(state: ClusterState, reservation: Reservation) -> tuple[int, int]:
     """(CPU milli, memory MiB) that the node can give away and still host the holder once its blockers left."""
-    cards, others = set(reservation.cards), reservation.others
     cpu, mem = state.free_cpu[reservation.node], state.free_memory[reservation.node]
-    for name, a in state.on_node[reservation.node].items():
-        if name in others or cards.intersection(a.placement.gpus):
-            cpu += a.request.cpu_milli
-            mem += a.request.memory_mib
+    allocations = state.on_node[reservation.node]
+    for name in reservation.blockers(state):
+        cpu += allocations[name].request.cpu_milli
+        mem += allocations[name].request.memory_mib
     return cpu - reservation.request.cpu_milli, mem - reservation.request.memory_mib
 
 
