@@ -6,7 +6,6 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -152,8 +151,10 @@ def test_raw_text_is_tokenized_in_the_replica_rest_and_grpc(
 def test_texts_of_different_lengths_batch_together(rest: httpclient.InferenceServerClient) -> None:
     # every row is padded to the same length, so requests the dynamic batcher merges fit one batch
     texts = [" ".join(["hello"] * n) for n in range(1, 9)]
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda t: rest.infer("tokens", text_input(httpclient, [t.encode()])), texts))
+    # all eight in flight at once through the client's own pool (its greenlets): one client's infer() is not
+    # safe to call from several threads (gevent: "Cannot switch to a different thread")
+    pending = [rest.async_infer("tokens", text_input(httpclient, [t.encode()])) for t in texts]
+    results = [p.get_result() for p in pending]
     for t, r in zip(texts, results, strict=True):
         np.testing.assert_array_equal(r.as_numpy("stats"), [expected(t)])
 
