@@ -311,8 +311,8 @@ def test_classes_group_equal_nodes_and_keep_the_rank_order_and_free_gpu_per_mode
         assert classes.first_not_in(cid, set(members)) is None
     free: dict[str, int] = {}
     for sig in state.signature:
-        if sig[3]:
-            free[sig[0]] = free.get(sig[0], 0) + sum(sig[3])
+        if sig.free_gpu:
+            free[sig.gpu_model] = free.get(sig.gpu_model, 0) + sum(sig.free_gpu)
     assert dict(state.free_gpu_milli_by_model()) == free
     empty = [cid for cid in range(len(classes.size)) if cid not in by_class]
     assert all(classes.first_not_in(cid, set()) is None for cid in empty)

@@ -149,7 +149,7 @@ def _targets(
 
 
 def _missing(state: ClusterState, request: Request, i: int) -> int:
-    free_gpu = sum(state.signature[i][3])
+    free_gpu = sum(state.signature[i].free_gpu)
     return max(0, request.total_gpu_milli - free_gpu) + max(0, request.cpu_milli - state.free_cpu[i])
 
 

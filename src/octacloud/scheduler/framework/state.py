@@ -75,8 +75,8 @@ class ClusterState:
         self._watchers: list[weakref.WeakMethod[Callable[[int], None]]] = []
         self._free_by_model: dict[str, int] = {}
         for sig in self.signature:
-            if sig[3]:
-                self._free_by_model[sig[0]] = self._free_by_model.get(sig[0], 0) + sum(sig[3])
+            if sig.free_gpu:
+                self._free_by_model[sig.gpu_model] = self._free_by_model.get(sig.gpu_model, 0) + sum(sig.free_gpu)
 
     # ---- queries ---------------------------------------------------------------------------------------
 
@@ -213,10 +213,10 @@ class ClusterState:
         self.version[i] += 1
         old = self.signature[i]
         new = self.signature[i] = self._signature(i)
-        if old[3]:
-            self._free_by_model[old[0]] -= sum(old[3])
-        if new[3]:
-            self._free_by_model[new[0]] = self._free_by_model.get(new[0], 0) + sum(new[3])
+        if old.free_gpu:
+            self._free_by_model[old.gpu_model] -= sum(old.free_gpu)
+        if new.free_gpu:
+            self._free_by_model[new.gpu_model] = self._free_by_model.get(new.gpu_model, 0) + sum(new.free_gpu)
         if self._watchers:
             self._notify(i)
 

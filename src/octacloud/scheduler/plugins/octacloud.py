@@ -153,7 +153,7 @@ class ConsolidatingFragmentation:
             if costs:
                 milli, sigs = ctx.request.total_gpu_milli, ctx.state.signature
                 evaluations = [
-                    (e[0] + milli * costs.get(sigs[i][0], 0.0), *e[1:])  # type: ignore[misc]
+                    (e[0] + milli * costs.get(sigs[i].gpu_model, 0.0), *e[1:])  # type: ignore[misc]
                     for e, i in zip(evaluations, nodes, strict=True)
                 ]
         if self._multi and ctx.request.total_gpu_milli:
@@ -286,7 +286,7 @@ class ConsolidatingFragmentation:
         cards, CPU and memory divided by the class's (0 where its model is not allowed)."""
         value = self._copies_cache.get(sig)
         if value is None:
-            model, cpu, memory, free = sig[0], sig[1], sig[2], sig[3]
+            model, cpu, memory, free = sig
             whole = sum(1 for f in free if f >= MILLI_PER_GPU)
             value = tuple(
                 0
@@ -358,7 +358,7 @@ class ConsolidatingFragmentation:
             self._copies_seen = list(versions)
             self._copies_node = [self.copies(sig) for sig in sigs]
             self._copies_total = [sum(c[k] for c in self._copies_node) for k in range(len(self._multi))]
-            self._free_node = [sum(sig[3]) for sig in sigs]
+            self._free_node = [sum(sig.free_gpu) for sig in sigs]
             self._free_total = sum(self._free_node)
             return
         seen = self._copies_seen
@@ -369,7 +369,7 @@ class ConsolidatingFragmentation:
             for k in range(len(new)):
                 self._copies_total[k] += new[k] - old[k]
             self._copies_node[i] = new
-            free = sum(sigs[i][3])
+            free = sum(sigs[i].free_gpu)
             self._free_total += free - self._free_node[i]
             self._free_node[i] = free
 
