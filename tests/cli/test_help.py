@@ -28,3 +28,18 @@ def test_every_option_and_argument_has_help() -> None:
             if not (getattr(param, "help", None) or "").strip():
                 missing.append(f"{where}: {param.opts[-1] if param.opts else param.name}")
     assert not missing, "no help text:\n" + "\n".join(missing)
+
+
+def test_no_command_declares_an_option_twice() -> None:
+    """Two options of one command answering to the same flag: click lets the later one win, so the other can
+    only be reached by its other name (``tenant create --key K`` took K as the API key, and ``--key`` alone as
+    "create a key" could not be said)."""
+    clashes = []
+    for where, command in _commands(typer.main.get_command(app)):
+        seen: dict[str, str] = {}
+        for param in command.params:
+            for flag in (*param.opts, *getattr(param, "secondary_opts", ())):
+                if flag in seen and seen[flag] != param.name:
+                    clashes.append(f"{where}: {flag} is both {seen[flag]!r} and {param.name!r}")
+                seen.setdefault(flag, str(param.name))
+    assert not clashes, "\n".join(clashes)

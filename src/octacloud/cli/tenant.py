@@ -34,7 +34,9 @@ def tenant_create(
     deployments: int | None = typer.Option(None, "--deployments", help="Quota: number of deployments."),
     rate: float | None = typer.Option(None, "--rate", help="Requests per second (token bucket)."),
     burst: int = typer.Option(50, "--burst", help="Requests allowed in a burst above the rate."),
-    with_key: bool = typer.Option(True, "--key/--no-key", help="Also create a tenant key and show it once."),
+    with_key: bool = typer.Option(
+        True, "--with-key/--no-key", help="Also create a tenant key and show it once (--no-key: the tenant only)."
+    ),
     url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
