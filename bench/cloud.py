@@ -1,6 +1,6 @@
 """Gateway overhead: load through the octacloud gateway vs directly to the replica, in one run.
 
-    .venv/bin/python bench/cloud.py [--model-dir DIR] [--seconds 3] [--concurrency 1 8] [--layout both]
+    .venv/bin/python bench/cloud.py [--model-dir DIR] [--seconds 3] [--concurrency 1 8] [--layout all]
 
 Starts ``octacloud up`` on a temporary state dir with a one-node CPU fleet, deploys the model (default: the
 seeded MLP 256→1024→1024→10, dynamic batching 2 ms, max batch 32; without the ``onnx`` package the MLP of
@@ -23,6 +23,14 @@ Two CPU layouts, both measured by default (``--layout``):
 * ``split`` (needs ≥ 2 cores): the gateway process on core 0, the replica and the client on the other
   cores, in both the direct and the gateway run — as in production, where the gateway does not share the
   replica's cores. This measures what the gateway itself limits: its added latency and throughput cap.
+  On a 2-core machine the client shares the replica's one core, and that changes how the replica batches:
+  in the direct rows client and replica take turns on the core, so a closed loop's requests reach the replica
+  together; through a gateway on the other core they arrive one by one, and the replica (dispatch once more
+  than 3 wait) forms about half the batch.
+* ``apart`` (needs ≥ 2 cores; with ``--layout all``): the replica alone on the cores other than core 0, the
+  client on core 0 in both rows, and in the gateway rows the gateway on core 0 too. The replica has its cores
+  to itself in both rows, as on a machine with cores to spare, and the gateway is handicapped rather than
+  helped: it competes with the client for core 0, where ``split`` gives it a core of its own.
 
 The gateway's load shedding is off (``--limit max_inflight_per_replica=0``): its default bound, 8 requests in
 flight per replica, is what a closed loop of 8 clients keeps in flight, so it would refuse requests that the
@@ -197,10 +205,14 @@ def _pin(pid: int, cpus: set[int]) -> None:
 def place(layout: str, gateway_pid: int, replica_pid: int, cores: int) -> None:
     """Apply a CPU layout to the gateway, the replica and this process (perf_analyzer inherits it)."""
     every = set(range(cores))
-    rest = every - {0} if layout == "split" else every
-    _pin(gateway_pid, {0} if layout == "split" else every)
-    _pin(replica_pid, rest)
-    os.sched_setaffinity(0, rest)
+    gateway, replica, client = every, every, every
+    if layout == "split":
+        gateway, replica, client = {0}, every - {0}, every - {0}
+    elif layout == "apart":
+        gateway, replica, client = {0}, every - {0}, {0}
+    _pin(gateway_pid, gateway)
+    _pin(replica_pid, replica)
+    os.sched_setaffinity(0, client)
 
 
 def run_openloop(target: str, model: str, c: int, seconds: float, shape: str, header: str) -> dict[str, float]:
@@ -281,7 +293,12 @@ def main() -> None:
     parser.add_argument("--shape", help="the model's input as NAME:DIMS (default: read from the model).")
     parser.add_argument("--seconds", type=float, default=3.0, help="measurement window per point.")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--layout", choices=["shared", "split", "both"], default="both", help="CPU layouts to run.")
+    parser.add_argument(
+        "--layout",
+        choices=["shared", "split", "apart", "both", "all"],
+        default="both",
+        help="CPU layouts to run (both: shared and split; all: the three)",
+    )
     parser.add_argument("--protocols", nargs="+", default=["http", "grpc"], choices=["http", "grpc"])
     parser.add_argument(
         "--grpc-client",
@@ -332,10 +349,10 @@ def main() -> None:
         replica = cloud.deploy({"name": model, "model": model, "octants": 8, "priority": 100})
         print(f"replica {replica['id']} on {replica['node']} cards {replica['gpus']} ({cores} cores on this machine)")
         print(f"batching rule (both rows): {batching_rule(repo / model / 'config.pbtxt')}")
-        layouts = ["shared", "split"] if args.layout == "both" else [args.layout]
-        if "split" in layouts and cores < 2:
-            print("(split layout skipped: it needs at least 2 cores)")
-            layouts.remove("split")
+        layouts = {"both": ["shared", "split"], "all": ["shared", "split", "apart"]}.get(args.layout, [args.layout])
+        if cores < 2 and layouts != ["shared"]:
+            print("(split and apart layouts skipped: they need at least 2 cores)")
+            layouts = ["shared"]
         secret = cloud.secret  # the replica serves only its cloud's callers
         replica_pid = find_replica_pid(int(replica["http_port"]))  # type: ignore[call-overload]
         rows = []
@@ -394,6 +411,7 @@ def main() -> None:
         print("\n(latencies in ms; gw/direct is the gateway's throughput as a share of the direct replica's;")
         print(" gw cpu: the gateway process's CPU per inference through it;")
         print(" shared: all processes on all cores; split: gateway on core 0, replica and client on the rest;")
+        print(" apart: replica alone on the cores but 0, client (and in its rows the gateway) on core 0;")
         print(f" HTTP: perf_analyzer; gRPC: {args.grpc_client} (bench/{args.grpc_client}.py), authorization metadata)")
     finally:
         cloud.stop()
