@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -70,6 +71,21 @@ def test_rest_needs_the_secret(guarded: ThreadedServer, path: str, body: bytes |
     assert get(url, {HEADER: "s" * 39 + "x"}, body) == 401
     assert get(url, {HEADER: SECRET}, body) in (200, 403)  # 403: unload in control mode none
     assert get(f"http://{guarded.http}/v2/health/ready") == 200  # health stays open
+
+
+def test_an_inference_without_the_secret_is_refused_before_its_body_arrives(guarded: ThreadedServer) -> None:
+    """The refusal comes from the headers alone: the client announces a body and never sends it, and still gets
+    its 401 at once, with the connection closed (its unread body cannot be mistaken for the next request)."""
+    host, port = guarded.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"POST /v2/models/add/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
+        got = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 401 ") and b"connection: close" in got.lower()
 
 
 def test_metrics_need_the_secret(guarded: ThreadedServer) -> None:

@@ -178,17 +178,24 @@ class RequireSecret:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            headers = scope["headers"]
-            if scope["path"] not in OPEN_HTTP_PATHS:
-                presented = next((v for k, v in headers if k == _HEADER), None)
-                if not matches(self.secret, presented):
-                    await _refuse(send, 401, REFUSED)
-                    return
-            wrong = misdirected(self.replica_id, headers)
-            if wrong is not None:
-                await _refuse(send, 421, wrong)
+            refused = http_refusal(self.secret, self.replica_id, scope["path"], scope["headers"])
+            if refused is not None:
+                await _refuse(send, *refused)
                 return
         await self.app(scope, receive, send)
+
+
+def http_refusal(
+    secret: bytes, replica_id: str, path: str, headers: Iterable[tuple[bytes, bytes]]
+) -> tuple[int, str] | None:
+    """Why a replica refuses an HTTP request on its headers alone (status, message): 401 without the secret (but
+    on the open health paths), 421 when it names another replica; None when it is served."""
+    if path not in OPEN_HTTP_PATHS:
+        presented = next((v for k, v in headers if k == _HEADER), None)
+        if not matches(secret, presented):
+            return 401, REFUSED
+    wrong = misdirected(replica_id, headers)
+    return None if wrong is None else (421, wrong)
 
 
 async def _refuse(send: Any, status: int, message: str) -> None:

@@ -1,5 +1,6 @@
-"""One replica server: REST (uvicorn), gRPC (octacloud's HTTP/2 server, or grpc.aio) and Prometheus metrics
-over one DataPlane, in one process and one event loop. Binds 127.0.0.1 unless told otherwise; port 0 picks a free port.
+"""One replica server: REST (octacloud's HTTP/1.1 server), gRPC (octacloud's HTTP/2 server, or grpc.aio) and
+Prometheus metrics over one DataPlane, in one process and one event loop. Binds 127.0.0.1 unless told otherwise;
+port 0 picks a free port.
 
 In-process (tests, the gateway's replicas)::
 
@@ -31,14 +32,13 @@ import signal
 import socket
 import ssl
 import threading
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-import uvicorn
 from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
@@ -48,7 +48,6 @@ from octacloud.protocols.grpc.h2 import GrpcServer
 from octacloud.protocols.internal import (
     HANDSHAKE_TIMEOUT_S,
     ReplicaTls,
-    RequireSecret,
     SecretInterceptor,
     read_secret,
     replica_id_from_env,
@@ -56,8 +55,8 @@ from octacloud.protocols.internal import (
     tls_from_env,
     wsgi_requiring_secret,
 )
-from octacloud.protocols.rest.app import DEFAULT_MAX_BODY_BYTES, RestApp
-from octacloud.protocols.rest.h1 import OneWriteHttpToolsProtocol
+from octacloud.protocols.rest.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, ReplicaHttp1, RestApp
+from octacloud.protocols.rest.server import Http1Server
 from octacloud.serving import ControlMode, DataPlane, ModelRepository, RuntimeFactory, VersionStats
 
 log = logging.getLogger(__name__)
@@ -84,6 +83,14 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     poll_interval_s: float = 15.0
     grpc_grace_s: float = 5.0
+    http_grace_s: float = 5.0
+    """On stop: how long REST answers in progress may take before their connections are closed."""
+    keep_alive_s: float = 30.0
+    """An idle keep-alive REST connection is closed after this."""
+    header_timeout_s: float = 10.0
+    """A REST request's line and headers must arrive within this of the connection's start or last answer."""
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    """An inference request's body must arrive within this once its head has (408 and close after it)."""
     grpc_server: str = "h2"
     """``h2``: octacloud's HTTP/2 server on the event loop (:mod:`octacloud.protocols.grpc.h2`); ``aio``:
     ``grpc.aio``."""
@@ -110,6 +117,9 @@ class ServerSettings:
 
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "", "[::]"})
+BACKLOG = 2048
+MAX_HEADER_BYTES = 2**20
+"""A REST request's line and headers together (431 and close beyond)."""
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -155,14 +165,6 @@ def _metrics_server(app: Any, sock: socket.socket, tls: ssl.SSLContext | None = 
     thread = threading.Thread(target=httpd.serve_forever, name="replica-metrics", daemon=True)
     thread.start()
     return httpd, thread
-
-
-class _Uvicorn(uvicorn.Server):  # type: ignore[misc]
-    """uvicorn without its own signal handling: the replica (or its host) owns the signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
 
 
 def _inherited(fd: int, what: str) -> socket.socket:
@@ -221,8 +223,7 @@ class ReplicaServer:
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self.metrics_port: int | None = None
-        self._uvicorn: _Uvicorn | None = None
-        self._uvicorn_task: asyncio.Task[None] | None = None
+        self._http: Http1Server | None = None
         self._grpc: grpc.aio.Server | None = None
         self._grpc_h2: GrpcServer | None = None
         self._metrics: Any = None
@@ -245,29 +246,21 @@ class ReplicaServer:
             if s.http_port is not None or s.http_fd is not None:
                 sock = _endpoint_socket(s.http_fd, s.host, s.http_port, "REST", "HTTP")
                 self.http_port = sock.getsockname()[1]
-                rest: Any = RestApp(self.dataplane, s.max_body_bytes, trust_tenant=self.secret is not None)
-                config = uvicorn.Config(
-                    rest if self.secret is None else RequireSecret(rest, self.secret, s.replica_id),
-                    http=OneWriteHttpToolsProtocol,
-                    proxy_headers=False,  # replicas are reached directly or through the gateway
-                    server_header=False,
-                    lifespan="off",
-                    log_level="warning",
-                    access_log=False,
-                    timeout_keep_alive=30,
-                    timeout_graceful_shutdown=5,
-                    h11_max_incomplete_event_size=2**20,
+                rest = RestApp(self.dataplane, s.max_body_bytes, trust_tenant=self.secret is not None)
+                http = Http1Server(
+                    ReplicaHttp1(rest, self.secret, s.replica_id, s.body_timeout_s),
+                    max_header_bytes=MAX_HEADER_BYTES,
+                    max_body_bytes=s.max_body_bytes,
+                    header_timeout_s=s.header_timeout_s,
+                    keep_alive_s=s.keep_alive_s,
                 )
-                if self._tls_http is not None:
-                    config.load()
-                    config.ssl = self._tls_http  # ours: ALPN, TLS 1.2+, client certificates of the cloud CA
-                self._uvicorn = _Uvicorn(config)
-                self._uvicorn_task = asyncio.get_running_loop().create_task(self._uvicorn.serve(sockets=[sock]))
-                while not self._uvicorn.started:
-                    if self._uvicorn_task.done():
-                        self._uvicorn_task.result()
-                        raise RuntimeError("the HTTP server stopped while starting")
-                    await asyncio.sleep(0.005)
+                sock.listen(BACKLOG)
+                try:
+                    await http.start(sock, ssl=self._tls_http, backlog=BACKLOG)
+                except BaseException:
+                    sock.close()
+                    raise
+                self._http = http
             if s.grpc_port is not None or s.grpc_fd is not None:
                 await self._start_grpc()
             if s.metrics_port is not None or s.metrics_fd is not None:
@@ -365,11 +358,9 @@ class ReplicaServer:
         if self._grpc_h2 is not None:
             await self._grpc_h2.stop(self.settings.grpc_grace_s)
             self._grpc_h2 = None
-        if self._uvicorn is not None and self._uvicorn_task is not None:
-            self._uvicorn.should_exit = True
-            with contextlib.suppress(Exception):
-                await self._uvicorn_task
-            self._uvicorn = self._uvicorn_task = None
+        if self._http is not None:
+            await self._http.stop(self.settings.http_grace_s)
+            self._http = None
         if self._metrics is not None:
             self._metrics.shutdown()
             self._metrics.server_close()

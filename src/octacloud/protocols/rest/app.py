@@ -26,10 +26,12 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from octacloud.protocols.asgi import DEFAULT_MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
-from octacloud.protocols.asgi import HttpError, content_length, read_body
+from octacloud.protocols.asgi import Headers, HttpError, content_length, read_body
 from octacloud.protocols.errorlog import BoundedErrorLog
-from octacloud.protocols.internal import tenant_of
+from octacloud.protocols.internal import RequireSecret, http_refusal, tenant_of
 from octacloud.protocols.rest import codec
+from octacloud.protocols.rest.bridge import AsgiBridge
+from octacloud.protocols.rest.request import Http1Request, encode_headers
 from octacloud.serving import DataPlane, InvalidInputError, status_of
 
 log = logging.getLogger(__name__)
@@ -65,17 +67,8 @@ class RestApp:
         try:
             await self._route(scope, receive, send)
         except Exception as e:
-            extra: tuple[tuple[bytes, bytes], ...] = ()
-            if isinstance(e, HttpError):
-                status = e.status
-            else:
-                answer = status_of(e)
-                status = answer.http
-                if answer.retry_after_s:
-                    extra = ((b"retry-after", b"%d" % answer.retry_after_s),)
-                if not answer.expected:
-                    _errors.exception(f"{scope['method']} {scope['path'][:200]}", e)
-            await _reply(send, status, codec.dumps({"error": str(e)}), _JSON, *extra)
+            status, body, extra = error_answer(e, scope["method"], scope["path"])
+            await _reply(send, status, body, _JSON, *extra)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         dp = self.dataplane
@@ -85,13 +78,11 @@ class RestApp:
             raise HttpError(404, f"no endpoint {scope['path']}; the API is under /v2")
         n = len(parts)
         if n >= 3 and parts[1] == "models" and parts[2] != "stats":
-            name = parts[2]
-            version, rest = "", parts[3:]
-            if len(rest) >= 2 and rest[0] == "versions":
-                version, rest = rest[1], rest[2:]
-            action = rest[0] if len(rest) == 1 else ("" if not rest else None)
+            name, version, action = _model_route(parts)
             if action == "infer" and method == "POST":
-                await self._infer(scope, receive, send, name, version)
+                body = await self._body(scope, receive)
+                out, extra = await self.infer(name, version, scope["headers"], body)
+                await _reply(send, 200, out, *extra)
                 return
             if method == "GET":
                 if action == "":
@@ -135,9 +126,13 @@ class RestApp:
                 return
         raise HttpError(404 if method in ("GET", "POST") else 405, f"no endpoint {method} {scope['path']}")
 
-    async def _infer(self, scope: Scope, receive: Receive, send: Send, name: str, version: str) -> None:
+    async def infer(
+        self, name: str, version: str, headers: Headers, body: bytes
+    ) -> tuple[bytes, tuple[tuple[bytes, bytes], ...]]:
+        """One inference request's answer: the body and its content-type (and binary-data) headers; raises what
+        :func:`error_answer` turns into the error answer."""
         header_length = None
-        for key, value in scope["headers"]:
+        for key, value in headers:
             if key == HEADER_LENGTH:
                 try:
                     header_length = int(value)
@@ -145,20 +140,110 @@ class RestApp:
                     raise InvalidInputError(
                         f"Inference-Header-Content-Length must be an integer, got {value.decode(errors='replace')!r}"
                     ) from None
-        body = await self._body(scope, receive)
         request = codec.decode_infer(body, header_length, name, version)
         if self.trust_tenant:
-            request = dataclasses.replace(request, tenant=tenant_of(scope["headers"]))
+            request = dataclasses.replace(request, tenant=tenant_of(headers))
         response = await self.dataplane.infer(request)
         out, json_length = codec.encode_infer(response, request)
         if json_length is None:
-            await _reply(send, 200, out)
-        else:
-            await _reply(send, 200, out, _OCTET, (HEADER_LENGTH, str(json_length).encode()))
+            return out, (_JSON,)
+        return out, (_OCTET, (HEADER_LENGTH, str(json_length).encode()))
 
     async def _body(self, scope: Scope, receive: Receive) -> bytes:
         content_length(scope["headers"], self.max_body_bytes)  # 413 before reading a body over the limit
         return await read_body(receive, self.max_body_bytes)
+
+
+DEFAULT_BODY_TIMEOUT_S = 60.0
+"""Seconds a request body may take to arrive once its head has."""
+_JSON_LINES = encode_headers([_JSON])
+
+
+class ReplicaHttp1:
+    """The replica's REST on octacloud's HTTP/1.1 server (:class:`~octacloud.protocols.rest.server.Http1Server`).
+
+    Inference (``POST /v2/models/<m>[/versions/<v>]/infer``) is answered here without an ASGI cycle: refused on
+    its headers alone when it lacks the cloud's secret or names another replica (as :class:`RequireSecret`
+    refuses), its announced length checked, its body read within ``body_timeout_s``, the answer written in one
+    ``write``. Every other path runs :class:`RestApp` through :class:`AsgiBridge` (behind
+    :class:`RequireSecret` when there is a secret), so it behaves as it does under any ASGI server."""
+
+    def __init__(
+        self,
+        app: RestApp,
+        secret: bytes | None = None,
+        replica_id: str = "",
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    ) -> None:
+        self.app = app
+        self.secret = secret
+        self.replica_id = replica_id
+        self.body_timeout_s = body_timeout_s
+        self.bridge = AsgiBridge(app if secret is None else RequireSecret(app, secret, replica_id))
+
+    async def __call__(self, request: Http1Request) -> None:
+        target = infer_target(request.path) if request.method == b"POST" else None
+        if target is None:
+            await self.bridge(request)
+            return
+        app = self.app
+        if self.secret is not None:
+            refused = http_refusal(self.secret, self.replica_id, request.path, request.headers)
+            if refused is not None:
+                status, message = refused
+                request.respond(status, _JSON_LINES, codec.dumps({"error": message}), close=not request.complete)
+                return
+        try:
+            content_length(request.headers, app.max_body_bytes)  # 413 before reading a body over the limit
+            try:
+                body = await request.read_body(self.body_timeout_s)
+            except TimeoutError:
+                raise HttpError(408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
+            out, headers = await app.infer(target[0], target[1], request.headers, body)
+        except Exception as e:
+            status, answer, extra = error_answer(e, "POST", request.path)
+            lines = _JSON_LINES + encode_headers(extra) if extra else _JSON_LINES
+            request.respond(status, lines, answer, close=not request.complete)
+            return
+        request.respond(200, _JSON_LINES if headers == (_JSON,) else encode_headers(headers), out)
+
+
+def infer_target(path: str) -> tuple[str, str] | None:
+    """``(model, version)`` of an inference path (``/v2/models/<m>[/versions/<v>]/infer``), else None."""
+    if not path.startswith("/v2/models/") or not path.endswith("/infer"):
+        return None
+    parts = path.strip("/").split("/")
+    if len(parts) < 4 or parts[2] == "stats":
+        return None
+    name, version, action = _model_route(parts)
+    return (name, version) if action == "infer" else None
+
+
+def _model_route(parts: list[str]) -> tuple[str, str, str | None]:
+    """``v2/models/<m>[/versions/<v>][/<action>]`` split: model, version ("" for the latest), action ("" for the
+    model itself; None for a path of more parts)."""
+    name = parts[2]
+    version, rest = "", parts[3:]
+    if len(rest) >= 2 and rest[0] == "versions":
+        version, rest = rest[1], rest[2:]
+    action = rest[0] if len(rest) == 1 else ("" if not rest else None)
+    return name, version, action
+
+
+def error_answer(e: Exception, method: str, path: str) -> tuple[int, bytes, tuple[tuple[bytes, bytes], ...]]:
+    """The status, ``{"error": ...}`` body and extra headers (``retry-after``) that answer ``e``; an unexpected
+    error is logged (bounded) with the request's method and path."""
+    extra: tuple[tuple[bytes, bytes], ...] = ()
+    if isinstance(e, HttpError):
+        status = e.status
+    else:
+        answer = status_of(e)
+        status = answer.http
+        if answer.retry_after_s:
+            extra = ((b"retry-after", b"%d" % answer.retry_after_s),)
+        if not answer.expected:
+            _errors.exception(f"{method} {path[:200]}", e)
+    return status, codec.dumps({"error": str(e)}), extra
 
 
 async def _reply(
