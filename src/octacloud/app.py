@@ -1,9 +1,9 @@
 """The one place where everything is wired: fleet → scheduler → controller → gateway (REST, gRPC, admin).
 
-``Cloud`` runs in one asyncio loop: the controller's reconcile loop, the REST gateway (uvicorn) with the admin
-API under ``/admin``, and the gRPC gateway. With ``gateway_workers`` ≥ 2 the public ports are served by that
-many worker processes instead (``cluster.gateway.workers``), and this process keeps the rest. Replicas run as
-their own processes (local) or actors (Ray).
+``Cloud`` runs in one asyncio loop: the controller's reconcile loop, the REST gateway (octacloud's HTTP/1.1
+server) with the admin API under ``/admin``, and the gRPC gateway. With ``gateway_workers`` ≥ 2 the public
+ports are served by that many worker processes instead (``cluster.gateway.workers``), and this process keeps
+the rest. Replicas run as their own processes (local) or actors (Ray).
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -43,12 +42,6 @@ class TlsConfig:
             raise InvalidSpecError(
                 f"TLS certificate {self.certfile} and key {self.keyfile} do not load: {exc}"
             ) from None
-
-    def uvicorn_options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {"ssl_certfile": str(self.certfile), "ssl_keyfile": str(self.keyfile)}
-        if self.client_ca is not None:
-            options.update(ssl_ca_certs=str(self.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
-        return options
 
     def grpc_credentials_args(self) -> tuple[list[tuple[bytes, bytes]], bytes | None, bool]:
         """Arguments of ``grpc.ssl_server_credentials``: (key, chain) pairs, root certificates, require client."""

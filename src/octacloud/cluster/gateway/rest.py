@@ -10,8 +10,8 @@ otherwise); a deployment the caller may not see answers 404 exactly as an unknow
 request rate gets 429 with ``Retry-After``. The verified principal reaches the admin API in
 ``scope["state"]["principal"]``; the key itself is never forwarded to a replica.
 
-The key and the announced body size are checked on the headers, before the body is read (and before uvicorn
-answers ``Expect: 100-continue``); ``Expect`` itself is never forwarded. A deployment with as many requests
+The key and the announced body size are checked on the headers, before the body is read (and before ``Expect:
+100-continue`` is answered); ``Expect`` itself is never forwarded. A deployment with as many requests
 in flight as its bound (:class:`GatewayLimits`) is refused at once with 503 and ``Retry-After``; a
 deployment that exists but has no ready replica yet (start-up) is 503, not 404. Only answers that came from
 a replica are billed to the caller, and no answer names a replica's address.

@@ -1,7 +1,7 @@
 """A lean HTTP/1.1 server: one asyncio protocol per connection over ``httptools.HttpRequestParser``.
 
-It exists for the gateway, whose every inference used to pay uvicorn's per-request cycle (a scope dict, ASGI
-message dicts, header validation, two sends). A handler here gets an :class:`Http1Request` with the parsed
+It serves the gateway and the replicas, whose every inference used to pay uvicorn's per-request cycle (a scope
+dict, ASGI message dicts, header validation, two sends). A handler here gets an :class:`Http1Request` with the parsed
 headers, decides on them alone (a refusal never reads the body), reads the body only when it wants it, and
 answers with :meth:`Http1Request.respond` (``protocols/rest/request.py``): head and body in one ``write``.
 :class:`AsgiBridge` runs an ASGI app on the same connections for the routes that are not worth a native handler.
