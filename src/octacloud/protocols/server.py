@@ -117,7 +117,6 @@ class ServerSettings:
 
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "", "[::]"})
-BACKLOG = 2048
 MAX_HEADER_BYTES = 2**20
 """A REST request's line and headers together (431 and close beyond)."""
 
@@ -254,9 +253,8 @@ class ReplicaServer:
                     header_timeout_s=s.header_timeout_s,
                     keep_alive_s=s.keep_alive_s,
                 )
-                sock.listen(BACKLOG)
                 try:
-                    await http.start(sock, ssl=self._tls_http, backlog=BACKLOG)
+                    await http.start(sock, ssl=self._tls_http)  # the loop listens on it (backlog 2048)
                 except BaseException:
                     sock.close()
                     raise
