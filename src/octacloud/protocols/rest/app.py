@@ -57,6 +57,8 @@ class RestApp:
         self.max_body_bytes = max_body_bytes
         self.trust_tenant = trust_tenant
         """Read the gateway's tenant header (only behind the internal secret, protocols/internal.py)."""
+        self.header_cache = codec.HeaderCache()
+        """Inference headers parsed and encoded once (``codec.HeaderCache``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -140,11 +142,11 @@ class RestApp:
                     raise InvalidInputError(
                         f"Inference-Header-Content-Length must be an integer, got {value.decode(errors='replace')!r}"
                     ) from None
-        request = codec.decode_infer(body, header_length, name, version)
+        request = codec.decode_infer(body, header_length, name, version, self.header_cache)
         if self.trust_tenant:
             request = dataclasses.replace(request, tenant=tenant_of(headers))
         response = await self.dataplane.infer(request)
-        out, json_length = codec.encode_infer(response, request)
+        out, json_length = codec.encode_infer(response, request, self.header_cache)
         if json_length is None:
             return out, (_JSON,)
         return out, (_OCTET, (HEADER_LENGTH, str(json_length).encode()))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -77,11 +78,101 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def decode_infer(body: bytes, header_length: int | None, model: str, version: str) -> InferenceRequest:
+class HeaderCache:
+    """JSON headers of binary-tensor requests, parsed and checked once, and the JSON headers of their answers,
+    encoded once: a client that sends the same header again (any client whose names, shapes and options do not
+    change from call to call, as perf_analyzer's or a service's fixed-size calls) then costs a dict lookup instead
+    of a JSON parse, its checks and a JSON encode. Only headers that carry no tensor data are kept (every input
+    binary, every answer's output binary); a request's data, its total length and BYTES contents are still checked
+    on every call. Keyed by the exact header bytes with the model and version of the path; at most
+    ``max_entries`` of each, emptied when full (a client whose every header differs, a fresh ``id`` per call,
+    costs a lookup and nothing more)."""
+
+    __slots__ = ("max_entries", "requests", "responses")
+
+    def __init__(self, max_entries: int = 256) -> None:
+        self.max_entries = max_entries
+        self.requests: dict[tuple[str, str, bytes], _RequestTemplate] = {}
+        self.responses: dict[tuple[Any, ...], bytes] = {}
+
+    def _keep(self, table: dict[Any, Any], key: Any, value: Any) -> None:
+        if len(table) >= self.max_entries:
+            table.clear()
+        table[key] = value
+
+
+MAX_CACHED_HEADER = 4096
+"""Longer JSON headers are parsed every time (and not kept)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _RequestTemplate:
+    """A parsed request header whose inputs are all binary: what :func:`decode_infer` would build, less the data."""
+
+    inputs: tuple[tuple[str, str, tuple[int, ...], Mapping[str, Any], int], ...]
+    """(name, datatype, shape, parameters, binary_data_size) of each input."""
+    size: int
+    """The binary data the header describes, in bytes."""
+    id: str
+    outputs: tuple[RequestedOutput, ...]
+    parameters: Mapping[str, Any]
+    priority: int
+    timeout_us: int
+
+    @staticmethod
+    def of(request: InferenceRequest) -> _RequestTemplate | None:
+        inputs = []
+        for t in request.inputs:
+            size = t.parameters.get("binary_data_size")
+            if size is None:  # the data is in the header: nothing to reuse
+                return None
+            inputs.append((t.name, t.datatype, t.shape, dict(t.parameters), size))
+        return _RequestTemplate(  # copies: the request it is made from goes on to its caller
+            tuple(inputs),
+            sum(x[4] for x in inputs),
+            request.id,
+            tuple(RequestedOutput(o.name, dict(o.parameters)) for o in request.outputs),
+            dict(request.parameters),
+            request.priority,
+            request.timeout_us,
+        )
+
+    def request(self, binary: memoryview, model: str, version: str) -> InferenceRequest:
+        tensors = []
+        offset = 0
+        for name, datatype, shape, params, size in self.inputs:
+            data = from_raw(name, datatype, shape, binary[offset : offset + size])
+            tensors.append(Tensor(name, datatype, shape, data, dict(params)))
+            offset += size
+        outputs = [RequestedOutput(o.name, dict(o.parameters)) for o in self.outputs]
+        return InferenceRequest(
+            model, tensors, version, self.id, outputs, dict(self.parameters), self.priority, self.timeout_us
+        )
+
+
+def decode_infer(
+    body: bytes, header_length: int | None, model: str, version: str, cache: HeaderCache | None = None
+) -> InferenceRequest:
     """An :class:`InferenceRequest` from a JSON body, or a JSON header followed by binary tensor data.
 
     Every field is checked for its JSON type (names and datatypes strings, shapes lists of integers, parameters
-    objects, outputs a list of objects), so that a malformed request is an :class:`InvalidInputError`."""
+    objects, outputs a list of objects), so that a malformed request is an :class:`InvalidInputError`. With a
+    ``cache``, a header seen before is not parsed again (:class:`HeaderCache`)."""
+    if cache is None or header_length is None or not 0 <= header_length <= min(len(body), MAX_CACHED_HEADER):
+        return _decode_infer(body, header_length, model, version)
+    key = (model, version, bytes(memoryview(body)[:header_length]))
+    template = cache.requests.get(key)
+    if template is not None and template.size == len(body) - header_length:
+        return template.request(memoryview(body)[header_length:], model, version)
+    request = _decode_infer(body, header_length, model, version)  # raises what is wrong with it
+    if template is None:
+        template = _RequestTemplate.of(request)
+        if template is not None:
+            cache._keep(cache.requests, key, template)
+    return request
+
+
+def _decode_infer(body: bytes, header_length: int | None, model: str, version: str) -> InferenceRequest:
     view = memoryview(body)
     if header_length is None:
         header = loads(view)
@@ -154,10 +245,27 @@ def decode_infer(body: bytes, header_length: int | None, model: str, version: st
     )
 
 
-def encode_infer(response: InferenceResponse, request: InferenceRequest) -> tuple[bytes, int | None]:
-    """The response body and, when some output is binary, the length of its JSON header."""
+def encode_infer(
+    response: InferenceResponse, request: InferenceRequest, cache: HeaderCache | None = None
+) -> tuple[bytes, int | None]:
+    """The response body and, when some output is binary, the length of its JSON header. With a ``cache``, an
+    answer whose outputs are all binary reuses the header of an earlier answer of the same names, datatypes,
+    shapes and sizes (:class:`HeaderCache`)."""
     binary_all = bool(request.parameters.get("binary_data_output", False))
     binary_of = {o.name: bool(o.parameters.get("binary_data", binary_all)) for o in request.outputs}
+    if cache is not None and response.outputs and all(binary_of.get(t.name, binary_all) for t in response.outputs):
+        raws = [to_raw(t.data) for t in response.outputs]
+        key = (
+            response.model,
+            response.version,
+            response.id,
+            *((t.name, t.datatype, tuple(t.shape), len(raw)) for t, raw in zip(response.outputs, raws, strict=True)),
+        )
+        cached = cache.responses.get(key)
+        if cached is None:
+            cached = _response_header(response, [{"binary_data_size": len(raw)} for raw in raws])
+            cache._keep(cache.responses, key, cached)
+        return b"".join([cached, *raws]), len(cached)
     chunks: list[bytes] = []
     outputs = []
     for t in response.outputs:
@@ -169,14 +277,26 @@ def encode_infer(response: InferenceResponse, request: InferenceRequest) -> tupl
         else:
             entry["data"] = to_list(t.data)
         outputs.append(entry)
+    header = _head(response, outputs)
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)
+
+
+def _response_header(response: InferenceResponse, parameters: list[dict[str, Any]]) -> bytes:
+    outputs = [
+        {"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "parameters": p}
+        for t, p in zip(response.outputs, parameters, strict=True)
+    ]
+    return _head(response, outputs)
+
+
+def _head(response: InferenceResponse, outputs: list[dict[str, Any]]) -> bytes:
     head: dict[str, Any] = {"model_name": response.model, "model_version": response.version}
     if response.id:
         head["id"] = response.id
     head["outputs"] = outputs
-    header = dumps(head)
-    if not chunks:
-        return header, None
-    return b"".join([header, *chunks]), len(header)
+    return dumps(head)
 
 
 def server_metadata(m: ServerMetadata) -> dict[str, Any]:
