@@ -2,8 +2,13 @@
 
 The cloud's gateway forwards gRPC calls to replicas without decoding them. ``grpc.aio`` as the client costs
 the gateway more than the call itself (its poller thread wakes the loop several times per call, measured);
-here a call is one HEADERS and one DATA frame written with whatever else this loop turn sends on the
-connection, and the answer is read from the frames as they arrive. HPACK decoding comes from ``hpack``;
+here a call is one HEADERS and one DATA frame in one write, sent at once, and the answer is read from the
+frames as they arrive. Calls are not held back to share a write with the rest of the loop turn's: a gateway
+that forwards a burst of calls in one write hands the replica the whole burst at once, the replica answers it
+as one batch, and the callers' next calls come back as one burst again, so that the replica computes while
+the gateway and the callers wait and the other way round. Sent as they are forwarded, the calls reach the
+replica as spread out as they left their callers, and its batches form as they do for direct callers
+(``bench/cloud.py``, docs/serving.md). HPACK decoding comes from ``hpack``;
 requests are encoded as literals without indexing, so no encoder state is kept.
 
 :class:`Channel` holds the HTTP/2 connections to one replica: a call goes on the first connection with a free
@@ -310,6 +315,7 @@ class _Connection(asyncio.Protocol):
             for i in range(limit, n, limit):
                 out += frame(CONTINUATION, END_HEADERS if i + limit >= n else 0, sid, head[i : i + limit])
         self._send(c, out)
+        self._out.flush()  # at once, not with the rest of this loop turn's calls (the module's docstring)
         return c
 
     def _send(self, c: _Call, out: bytes = b"") -> None:
