@@ -449,3 +449,47 @@ def test_the_gate_refuses_in_the_frame_handling_and_release_follows_every_admitt
             await server.stop(0.5)
 
     run(go)
+
+
+def test_calls_started_together_are_each_sent_at_once_in_their_own_write() -> None:
+    """The gateway forwards a burst of calls: each leaves as soon as it is forwarded, HEADERS and DATA in one
+    write, not all of them in one write at the end of the loop turn (which would hand the replica the whole
+    burst at once and merge its batches; docs/serving.md)."""
+
+    async def go() -> None:
+        async with serving() as (_, _, port):
+            channel = Channel("127.0.0.1", port)
+            assert (await channel.call(PATH, GOOD, b"warm", 5)).message == b"mraw"  # the connection is up
+            (conn,) = channel._connections
+            writes: list[bytes] = []
+            real = conn._out._transport
+
+            class Recorder:
+                def write(self, data: bytes) -> None:
+                    writes.append(bytes(data))
+                    transport = real()
+                    assert transport is not None
+                    transport.write(data)
+
+            recorder = Recorder()
+            conn._out._transport = lambda: recorder  # type: ignore[assignment,return-value]
+            answers = await asyncio.gather(*(channel.call(PATH, GOOD, b"call %d" % i, 5) for i in range(3)))
+            assert [a.message for a in answers] == [(b"call %d" % i)[::-1] for i in range(3)]
+            calls = [w for w in writes if any(kind == h2.HEADERS for kind, _ in frames(w))]
+            assert len(calls) == 3, [frames(w) for w in writes]
+            for w in calls:  # one call each: its HEADERS and its one DATA frame, on one stream
+                kinds = frames(w)
+                assert [k for k, _ in kinds] == [h2.HEADERS, h2.DATA] and kinds[0][1] == kinds[1][1], kinds
+            channel.close()
+
+    run(go)
+
+
+def frames(data: bytes) -> list[tuple[int, int]]:
+    """(type, stream) of each HTTP/2 frame in ``data``."""
+    out, offset = [], 0
+    while offset + 9 <= len(data):
+        length = int.from_bytes(data[offset : offset + 3], "big")
+        out.append((data[offset + 3], int.from_bytes(data[offset + 5 : offset + 9], "big") & 0x7FFFFFFF))
+        offset += 9 + length
+    return out
