@@ -95,7 +95,8 @@ class HeaderCache:
         self.requests: dict[tuple[str, str, bytes], _RequestTemplate] = {}
         self.responses: dict[tuple[Any, ...], bytes] = {}
 
-    def _keep(self, table: dict[Any, Any], key: Any, value: Any) -> None:
+    def keep(self, table: dict[Any, Any], key: Any, value: Any) -> None:
+        """``value`` under ``key`` in ``table`` (``requests`` or ``responses``), emptied first when full."""
         if len(table) >= self.max_entries:
             table.clear()
         table[key] = value
@@ -168,7 +169,7 @@ def decode_infer(
     if template is None:
         template = _RequestTemplate.of(request)
         if template is not None:
-            cache._keep(cache.requests, key, template)
+            cache.keep(cache.requests, key, template)
     return request
 
 
@@ -253,6 +254,8 @@ def encode_infer(
     shapes and sizes (:class:`HeaderCache`)."""
     binary_all = bool(request.parameters.get("binary_data_output", False))
     binary_of = {o.name: bool(o.parameters.get("binary_data", binary_all)) for o in request.outputs}
+    raws: list[bytes] | None = None
+    key: tuple[Any, ...] | None = None
     if cache is not None and response.outputs and all(binary_of.get(t.name, binary_all) for t in response.outputs):
         raws = [to_raw(t.data) for t in response.outputs]
         key = (
@@ -262,41 +265,29 @@ def encode_infer(
             *((t.name, t.datatype, tuple(t.shape), len(raw)) for t, raw in zip(response.outputs, raws, strict=True)),
         )
         cached = cache.responses.get(key)
-        if cached is None:
-            cached = _response_header(response, [{"binary_data_size": len(raw)} for raw in raws])
-            cache._keep(cache.responses, key, cached)
-        return b"".join([cached, *raws]), len(cached)
+        if cached is not None:
+            return b"".join([cached, *raws]), len(cached)
     chunks: list[bytes] = []
     outputs = []
-    for t in response.outputs:
+    for i, t in enumerate(response.outputs):
         entry: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
         if binary_of.get(t.name, binary_all):
-            raw = to_raw(t.data)
+            raw = to_raw(t.data) if raws is None else raws[i]
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:
             entry["data"] = to_list(t.data)
         outputs.append(entry)
-    header = _head(response, outputs)
-    if not chunks:
-        return header, None
-    return b"".join([header, *chunks]), len(header)
-
-
-def _response_header(response: InferenceResponse, parameters: list[dict[str, Any]]) -> bytes:
-    outputs = [
-        {"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "parameters": p}
-        for t, p in zip(response.outputs, parameters, strict=True)
-    ]
-    return _head(response, outputs)
-
-
-def _head(response: InferenceResponse, outputs: list[dict[str, Any]]) -> bytes:
     head: dict[str, Any] = {"model_name": response.model, "model_version": response.version}
     if response.id:
         head["id"] = response.id
     head["outputs"] = outputs
-    return dumps(head)
+    header = dumps(head)
+    if cache is not None and key is not None:  # every output binary: the header carries no data
+        cache.keep(cache.responses, key, header)
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)
 
 
 def server_metadata(m: ServerMetadata) -> dict[str, Any]:
