@@ -493,3 +493,42 @@ def frames(data: bytes) -> list[tuple[int, int]]:
         out.append((data[offset + 3], int.from_bytes(data[offset + 5 : offset + 9], "big") & 0x7FFFFFFF))
         offset += 9 + length
     return out
+
+
+def test_turn_output_write_now_keeps_the_order_of_what_was_queued_and_schedules_nothing() -> None:
+    """``write_now`` sends at once, after what the turn already queued (frames keep their order); with nothing
+    queued it leaves no end-of-turn flush behind; once the connection is gone it sends nothing."""
+
+    async def go() -> None:
+        writes: list[bytes] = []
+        flushes = 0
+
+        class Transport:
+            def write(self, data: bytes) -> None:
+                writes.append(bytes(data))
+
+        class Counted(h2.TurnOutput):
+            def flush(self) -> None:
+                nonlocal flushes
+                flushes += 1
+                super().flush()
+
+        transport: Transport | None = Transport()
+        out = Counted(lambda: transport)  # type: ignore[arg-type,return-value]
+        out.write_now(b"alone")
+        assert writes == [b"alone"]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert flushes == 0  # nothing was scheduled
+        out.write(b"queued ")
+        assert writes == [b"alone"]
+        out.write_now(b"then this")
+        assert writes == [b"alone", b"queued then this"]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the end-of-turn flush the write scheduled finds nothing left
+        assert writes == [b"alone", b"queued then this"] and flushes == 2
+        transport = None
+        out.write_now(b"gone")
+        assert writes == [b"alone", b"queued then this"]
+
+    run(go)

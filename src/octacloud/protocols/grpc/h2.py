@@ -80,12 +80,24 @@ class TurnOutput:
         self._buffer = bytearray()
         self._transport = transport
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray) -> None:
         if self._transport() is None:
             return
         if not self._buffer:
             asyncio.get_running_loop().call_soon(self.flush)
         self._buffer += data
+
+    def write_now(self, data: bytes | bytearray) -> None:
+        """Send ``data`` at once, after anything this turn has already queued (so frames keep their order),
+        without scheduling an end-of-turn flush for it."""
+        transport = self._transport()
+        if transport is None:
+            return
+        if self._buffer:
+            self._buffer += data
+            self.flush()
+        else:
+            transport.write(data)
 
     def flush(self) -> None:
         out, self._buffer = self._buffer, bytearray()

@@ -314,23 +314,30 @@ class _Connection(asyncio.Protocol):
             out = frame(HEADERS, 0, sid, head[:limit])
             for i in range(limit, n, limit):
                 out += frame(CONTINUATION, END_HEADERS if i + limit >= n else 0, sid, head[i : i + limit])
-        self._send(c, out)
-        self._out.flush()  # at once, not with the rest of this loop turn's calls (the module's docstring)
+        # at once, not with the rest of this loop turn's calls (the module's docstring)
+        self._out.write_now(self._data_frames(c, bytearray(out)))
         return c
 
-    def _send(self, c: _Call, out: bytes = b"") -> None:
+    def _send(self, c: _Call) -> None:
+        """Queue what the windows now allow of ``c``'s unsent message, for this loop turn's one write."""
+        out = self._data_frames(c, bytearray())
         if out:
             self._write(out)
+
+    def _data_frames(self, c: _Call, out: bytearray) -> bytearray:
+        """Append to ``out`` DATA frames for as much of ``c``'s unsent message as the windows allow (a bytearray:
+        linear in the message's size), and take it from what is pending and from the windows."""
         pending = c.pending
-        while pending:  # each frame joins this loop turn's one write (a bytearray: linear in the message's size)
+        while pending:
             n = min(len(pending), self._max_frame, self._send_window, c.send_window)
             if n <= 0:
                 break
             last = n == len(pending)
-            self._write(frame(DATA, END_STREAM if last else 0, c.id, bytes(pending[:n])))
+            out += frame(DATA, END_STREAM if last else 0, c.id, bytes(pending[:n]))
             del pending[:n]
             self._send_window -= n
             c.send_window -= n
+        return out
 
     def cancel(self, c: _Call) -> None:
         if self.calls.pop(c.id, None) is not None:
@@ -346,7 +353,7 @@ class _Connection(asyncio.Protocol):
             c.future.set_exception(error)
 
     # ---- output ------------------------------------------------------------------------------------------
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | bytearray) -> None:
         """Queue ``data``; what this loop turn queues goes out in one write."""
         self._out.write(data)
 
