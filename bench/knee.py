@@ -18,9 +18,11 @@ processes, raw sockets, requests encoded once, HTTP/1.1 keep-alive or a minimal 
 
 Per point: offered/s, admitted/s, refused/s, admitted p50/p99 (from each request's scheduled send time),
 admitted p99 ÷ unloaded p99, time to refusal p50/p99, the share of refusals carrying ``Retry-After`` (HTTP
-header, gRPC trailing metadata), errors, the client's lag p99 (a point where the client fell behind is marked
-``LAG``: its latencies are the client's), and the 1-minute load average. The goal (docs/serving.md): through
-the gateway, admitted p99 within 2× of unloaded above capacity, refusals in about a millisecond.
+header, gRPC trailing metadata), errors, HTTP requests left unsent because every one of the client's
+``--max-connections`` connections was waiting for an answer (the server holding that many), the client's lag
+p99 (a point where the client fell behind is marked ``LAG``: its latencies are the client's), and the 1-minute
+load average. The goal (docs/serving.md): through the gateway, admitted p99 within 2× of unloaded above
+capacity, refusals in about a millisecond.
 """
 
 from __future__ import annotations
@@ -146,13 +148,14 @@ def row(name: str, offered: float, r: Any, unloaded_p99: float, lag_limit_ms: fl
 
 def show(s: dict[str, Any]) -> None:
     retry = "-" if s["retry_after_share"] is None else f"{s['retry_after_share'] * 100:.0f}%"
-    errors = sum(s["errors"].values())
+    unsent = s["errors"].get(ol.UNSENT, 0)  # the client's own bound: every connection was waiting for an answer
+    errors = sum(s["errors"].values()) - unsent
     print(
         f"  {s['name']:<26} offered {s['offered_per_s']:7.0f}/s  admitted {s['ok_per_s']:6.0f}/s "
         f"p50 {s['p50_ms']:8.2f} p99 {s['p99_ms']:8.2f} ms ({s['p99_over_unloaded']:6.2f}x; from send "
         f"{s['p99_from_send_ms']:8.2f}) | refused "
         f"{s['refused_per_s']:6.0f}/s p50 {s['refusal_p50_ms']:7.2f} p99 {s['refusal_p99_ms']:7.2f} ms "
-        f"Retry-After {retry:>4} | errors {errors:5d} | lag p99 {s['client_lag_p99_ms']:6.2f} ms"
+        f"Retry-After {retry:>4} | errors {errors:5d} unsent {unsent:5d} | lag p99 {s['client_lag_p99_ms']:6.2f} ms"
         f"{' LAG' if s['lagged'] else ''} | cpu us/req gateway {s.get('gateway_us_per_request', 0):5.0f} "
         f"replica {s.get('replica_us_per_request', 0):5.0f} | load {s['load']:.1f}",
         flush=True,

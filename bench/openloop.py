@@ -52,6 +52,7 @@ GRPC_PATH = "/inference.GRPCInferenceService/ModelInfer"
 REFUSED_HTTP = (429, 503)
 REFUSED_GRPC = ("14", "8")  # UNAVAILABLE, RESOURCE_EXHAUSTED; and RST_STREAM REFUSED_STREAM (not processed)
 REFUSED_STREAM = 7
+UNSENT = "unsent (every connection busy)"  # HTTP: not an answer of the server's; the client's connection bound
 _FH = struct.Struct(">BHBBI")  # frame header: length (8 + 16 bits), type, flags, stream
 _U32 = struct.Struct(">I")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -669,7 +670,7 @@ class _Worker:
             else:
                 self.inflight -= 1
                 if self.sched[idx] >= self.measure_from:
-                    self.result.errors["unsent (every connection busy)"] += 1
+                    self.result.errors[UNSENT] += 1
             return
         if self.backlog:
             self.backlog.append(idx)
