@@ -182,3 +182,20 @@ async def test_a_silent_connection_is_on_the_header_clock_an_answered_one_on_the
         writer.close()
     finally:
         await gw.close()
+
+
+async def test_the_in_flight_bound_holds_for_requests_arriving_in_one_loop_turn() -> None:
+    """Six connections write at once to a deployment bound at 2 in flight, their requests parsed in the same loop
+    turn: the bound is checked as each one's forwarding takes its slot, so exactly 2 reach the replica."""
+    gw = await gateway(GatewayLimits(max_inflight_per_replica=2), delay_s=0.3)
+    try:
+        conns = [await asyncio.open_connection("127.0.0.1", gw.port) for _ in range(6)]
+        for _, writer in conns:
+            writer.write(INFER % (2, b"ab"))
+        got = [answers(await read(reader, complete(1)))[0][0] for reader, _ in conns]
+        assert sorted(got) == [200, 200, 503, 503, 503, 503], got
+        assert len(gw.replicas[0][0].seen) == 2 and gw.routes.counters["m"].outstanding == 0
+        for _, writer in conns:
+            writer.close()
+    finally:
+        await gw.close()
