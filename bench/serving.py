@@ -20,6 +20,7 @@ Fairness:
 * **CPU per inference**, the stable figure on a noisy machine: each server's process tree's user + system
   time (``/proc/PID/stat``) over the point's whole perf_analyzer run, divided by the inferences the server
   counted (its statistics extension) over the same window. The average batch size comes from the same counts.
+  Throughput × CPU per inference is printed as the cores the server kept busy.
 * **Unstable points are retried** (perf_analyzer exits non-zero when it cannot get ``-s`` stability); a point
   that stays unstable is reported as such, the run goes on.
 * The 1-minute load average is printed with every point.
@@ -296,8 +297,8 @@ def show(p: Point) -> str:
         )
     return (
         f"  {p.server:9} {p.protocol:4} c={p.concurrency}: {p.throughput:7.0f} infer/s  p50 {p.p50_us / 1e3:6.2f} ms"
-        f"  p99 {p.p99_us / 1e3:6.2f} ms  cpu {p.cpu_us:5.0f} us/inf  batch {p.batch:4.1f}  load {p.load:4.1f}"
-        + (f"  ({p.tries} tries)" if p.tries > 1 else "")
+        f"  p99 {p.p99_us / 1e3:6.2f} ms  cpu {p.cpu_us:5.0f} us/inf ({p.throughput * p.cpu_us / 1e6:4.2f} cores)"
+        f"  batch {p.batch:4.1f}  load {p.load:4.1f}" + (f"  ({p.tries} tries)" if p.tries > 1 else "")
     )
 
 
@@ -383,7 +384,7 @@ def main() -> None:
     print(f"\nmedians over {args.rounds} round(s); load now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(
         f"{'protocol':8} {'c':>2} | {'server':9} {'infer/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'cpu us/inf':>10} "
-        f"{'batch':>5} | {'thr ratio':>9} {'p99 ratio':>9} {'cpu ratio':>9}"
+        f"{'cores':>5} {'batch':>5} | {'thr ratio':>9} {'p99 ratio':>9} {'cpu ratio':>9}"
     )
     for protocol in args.protocols:
         for c in args.concurrency:
@@ -403,11 +404,14 @@ def main() -> None:
                     )
                 print(
                     f"{protocol:8} {c:2} | {kind:9} {m['throughput']:8.0f} {m['p50_us'] / 1e3:7.2f} "
-                    f"{m['p99_us'] / 1e3:7.2f} {m['cpu_us']:10.0f} {m['batch']:5.1f} | {ratios}"
+                    f"{m['p99_us'] / 1e3:7.2f} {m['cpu_us']:10.0f} {m['throughput'] * m['cpu_us'] / 1e6:5.2f} "
+                    f"{m['batch']:5.1f} | {ratios}"
                 )
     print(
         "\nthr ratio = octacloud/triton throughput (>= 1 is the goal); p99 ratio and cpu ratio = octacloud/triton "
-        "p99 latency and server CPU per inference (<= 1 is the goal)."
+        "p99 latency and server CPU per inference (<= 1 is the goal); cores = infer/s x CPU per inference, the "
+        "cores the server kept busy (octacloud's replica runs its protocol, batching and short batches on one loop: "
+        "near 1.0 it is saturated)."
     )
 
 
