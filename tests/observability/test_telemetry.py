@@ -187,6 +187,31 @@ def test_read_process_of_this_process() -> None:
     assert read_process(2**22 + 12345) is None
 
 
+def test_read_process_counts_the_processes_under_it() -> None:
+    """A replica's compute processes are its children: their CPU and memory are the replica's."""
+    import os
+    import subprocess
+    import sys
+
+    script = "import time\nblock = bytearray(64 << 20)\nend = time.process_time() + 0.3\n"
+    script += "while time.process_time() < end: pass\nprint('ready', flush=True)\ntime.sleep(30)\n"
+    before = read_process(os.getpid())
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+            alone = read_process(child.pid)
+            both = read_process(os.getpid())
+            assert before is not None and alone is not None and both is not None
+            assert alone.rss_bytes > 64 << 20
+            assert both.rss_bytes >= before.rss_bytes + alone.rss_bytes - (8 << 20)
+            assert both.cpu_seconds >= before.cpu_seconds + 0.25
+        finally:
+            child.kill()
+    after = read_process(os.getpid())  # reaped: its CPU stays counted, its memory does not
+    assert after is not None and both is not None
+    assert after.cpu_seconds >= both.cpu_seconds - 0.02 and after.rss_bytes < both.rss_bytes - (32 << 20)
+
+
 def test_parse_statistics_sums_versions_and_batch_sizes() -> None:
     def d(count: int, ns: int) -> dict[str, int]:
         return {"count": count, "ns": ns}

@@ -72,17 +72,53 @@ ProcessReader = Callable[[int], ProcessSample | None]
 
 
 def read_process(pid: int, proc: Path = Path("/proc")) -> ProcessSample | None:
-    """CPU time and resident memory of ``pid`` from ``/proc`` (Linux)."""
+    """CPU time and resident memory of ``pid`` and every process under it (Linux): a replica's models may
+    compute in child processes (``compute: "process"``). CPU time counts the children it has reaped as well,
+    so a child that died and was replaced takes nothing back."""
+    own = _read_one(pid, proc)
+    if own is None:
+        return None
+    cpu, rss = own
+    for child in _descendants(pid, proc):
+        one = _read_one(child, proc)
+        if one is not None:
+            cpu += one[0]
+            rss += one[1]
+    return ProcessSample(cpu / _TICKS, rss)
+
+
+def _read_one(pid: int, proc: Path) -> tuple[int, int] | None:
+    """(clock ticks of CPU of the process and its reaped children, resident bytes), None when gone."""
     try:
         stat = (proc / str(pid) / "stat").read_text()
         statm = (proc / str(pid) / "statm").read_text()
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[-1].split()  # fields after "(comm)"; the state is fields[0] (field 3)
-    if len(fields) < 13 or fields[0] == "Z":
+    if len(fields) < 15 or fields[0] == "Z":
         return None
-    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
-    return ProcessSample((utime + stime) / _TICKS, int(statm.split()[1]) * _PAGE)
+    ticks = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime: fields 14 to 17 of proc(5)
+    return ticks, int(statm.split()[1]) * _PAGE
+
+
+def _descendants(pid: int, proc: Path) -> list[int]:
+    """Every live process under ``pid`` (``/proc/PID/task/*/children``; none where the kernel lacks it)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = list((proc / str(parent) / "task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            out.extend(children)
+            todo.extend(children)
+    return out
 
 
 @dataclass(slots=True)

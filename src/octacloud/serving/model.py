@@ -22,6 +22,7 @@ from octacloud.serving.batching.batcher import Arrays, DynamicBatcher
 from octacloud.serving.batching.handoff import BatchHandoff
 from octacloud.serving.batching.policy import BatchingSettings
 from octacloud.serving.classification import load_labels
+from octacloud.serving.compute import ComputeProcess, compute_mode
 from octacloud.serving.errors import ModelConfigError, ModelNotReadyError
 from octacloud.serving.memory import (
     MemoryProbe,
@@ -113,6 +114,7 @@ class ModelVersion:
         instances = sum(g.count for g in config.instance_group) or 1
         self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix=f"model-{name}")
         self._handoff = BatchHandoff(self._executor, instances)
+        self._run_async = runtime.run_async if isinstance(runtime, ComputeProcess) else None
         self._probe = probe or default_probe(runtime.device)
         self.bytes_per_sample = int_parameter(config, PARAM_BYTES_PER_SAMPLE) or 0
         self._cap_value = max(1, self.max_batch_size)
@@ -147,7 +149,12 @@ class ModelVersion:
     ) -> ModelVersion:
         """Load the runtime (in a thread), complete and check the config, warm up; READY on return."""
         try:
-            runtime = await asyncio.to_thread(factory, version_dir, config, threads)
+            if compute_mode(config) == "process":
+                runtime: ModelRuntime = await asyncio.to_thread(
+                    ComputeProcess, factory, version_dir, config, threads, name
+                )
+            else:
+                runtime = await asyncio.to_thread(factory, version_dir, config, threads)
         except ModelConfigError:
             raise
         except Exception as e:
@@ -194,6 +201,8 @@ class ModelVersion:
         return await self.batcher.submit(inputs, rows, priority=priority, timeout_us=timeout_us, tenant=tenant)
 
     async def _run(self, inputs: Arrays) -> dict[str, npt.NDArray[Any]]:
+        if self._run_async is not None:  # computed in a child process: awaited on the loop, no thread
+            return await self._run_async(inputs, self.output_names)
         return await self._handoff.run(lambda: self.runtime.run(inputs, self.output_names))
 
     def _cap(self) -> int:
@@ -221,9 +230,10 @@ class ModelVersion:
             self.runtime.run(self._zeros(1), self.output_names)
         if batch_dims and not self.bytes_per_sample:
             rows = min(self.max_batch_size, WARMUP_MEASURE_ROWS)
-            before = resident_bytes()
+            rss = self.runtime.resident_bytes if isinstance(self.runtime, ComputeProcess) else resident_bytes
+            before = rss()
             self.runtime.run(self._zeros(rows), self.output_names)
-            grown = max(0, resident_bytes() - before) // rows
+            grown = max(0, rss() - before) // rows
             self.bytes_per_sample = max(grown, io_bytes_per_sample((*self.inputs, *self.outputs), 1))
 
     def _zeros(self, rows: int) -> dict[str, npt.NDArray[Any]]:
