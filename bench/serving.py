@@ -157,18 +157,23 @@ def batching_text(max_batch: int, delay_us: int, preferred: list[int]) -> str:
     )
 
 
-def write_repos(model_dir: Path, work: Path, name: str, batching: str) -> tuple[Path, Path]:
-    """Two repositories with the same model and batching: octacloud (onnxruntime) and Triton (python)."""
+def write_repos(model_dir: Path, work: Path, name: str, batching: str, computes: list[str]) -> dict[str, Path]:
+    """Repositories with the same model and batching: octacloud's (onnxruntime; one per ``compute`` mode,
+    labelled as :func:`label` says) and Triton's (python backend)."""
     onnx = model_dir / "1" / "model.onnx"
     in_name, in_dims, out_name, out_dims = io_of(onnx)
     io = (
         f'input [ {{ name: "{in_name}", data_type: TYPE_FP32, dims: {in_dims} }} ]\n'
         f'output [ {{ name: "{out_name}", data_type: TYPE_FP32, dims: {out_dims} }} ]\n'
     )
-    ours = work / "octacloud" / name
-    (ours / "1").mkdir(parents=True)
-    shutil.copy(onnx, ours / "1" / "model.onnx")
-    (ours / "config.pbtxt").write_text(f'backend: "onnxruntime"\n{batching}{io}')
+    repos = {}
+    for compute in computes:
+        ours = work / label(compute) / name
+        (ours / "1").mkdir(parents=True)
+        shutil.copy(onnx, ours / "1" / "model.onnx")
+        where = f'parameters {{ key: "compute" value {{ string_value: "{compute}" }} }}\n'
+        (ours / "config.pbtxt").write_text(f'backend: "onnxruntime"\n{batching}{io}{where}')
+        repos[label(compute)] = ours.parent
     theirs = work / "triton" / name
     (theirs / "1").mkdir(parents=True)
     shutil.copy(onnx, theirs / "1" / "model.onnx")
@@ -176,7 +181,13 @@ def write_repos(model_dir: Path, work: Path, name: str, batching: str) -> tuple[
     site = (PEERS / "triton" / "site-packages.txt").read_text().strip()
     body = (HERE / "peers" / "triton_onnx_model.py").read_text()
     (theirs / "1" / "model.py").write_text(f"import sys; sys.path.insert(0, {site!r})\n{body}")
-    return ours.parent, theirs.parent
+    repos["triton"] = theirs.parent
+    return repos
+
+
+def label(compute: str) -> str:
+    """octacloud's label in the output: "octacloud" (compute in the replica) or "octa-proc" (in a child)."""
+    return "octacloud" if compute == "replica" else "octa-proc"
 
 
 def effective_rule(kind: str, config: dict[str, object]) -> str:
@@ -216,7 +227,7 @@ def wait_ready(port: int, model: str, proc: subprocess.Popen[bytes], timeout: fl
 def start(kind: str, repo: Path, threads: int, work: Path, extra: list[str]) -> Server:
     http, grpc, metrics = free_port(), free_port(), free_port()
     env = {**os.environ, "OCTACLOUD_THREADS": str(threads), "OCTACLOUD_BENCH_THREADS": str(threads)}
-    if kind == "octacloud":
+    if kind != "triton":
         exe = Path(sys.executable).parent / "octacloud"
         cmd = [str(exe), "serve", "--repository", str(repo), "--http-port", str(http), "--grpc-port", str(grpc),
                "--metrics-port", str(metrics), "--threads", str(threads), "--log-level", "warning", *extra]  # fmt: skip
@@ -327,13 +338,20 @@ def main() -> None:
     p.add_argument(
         "--rates", type=int, nargs="*", default=[], help="open-loop gRPC points (requests/s, Poisson), both servers"
     )
+    p.add_argument(
+        "--compute",
+        nargs="+",
+        default=["replica"],
+        choices=["replica", "process"],
+        help="where octacloud computes (config parameter 'compute'); several: one octacloud server each",
+    )
     p.add_argument("--serve-args", default="", help="more options for octacloud serve, e.g. '--grpc-threads 0'")
     args = p.parse_args()
     preferred = [args.max_batch] if args.preferred is None else args.preferred
 
     if not PERF_ANALYZER.exists() or (not args.skip_triton and not TRITONSERVER.exists()):
         subprocess.run([str(HERE / "peers" / "setup.sh")], check=True)
-    kinds = ["octacloud"] if args.skip_triton else ["octacloud", "triton"]
+    kinds = [label(c) for c in args.compute] + ([] if args.skip_triton else ["triton"])
     with tempfile.TemporaryDirectory(prefix="octacloud-bench-") as tmp:
         work = Path(tmp)
         model_dir = args.model or mlp_folder(work, args.seed)
@@ -341,7 +359,7 @@ def main() -> None:
         in_name, in_dims, _, _ = io_of(model_dir / "1" / "model.onnx")
         shape = f"{in_name}:{','.join(str(max(1, d)) for d in in_dims)}"
         batching = batching_text(args.max_batch, args.delay_us, preferred)
-        repos = dict(zip(("octacloud", "triton"), write_repos(model_dir, work, name, batching), strict=True))
+        repos = write_repos(model_dir, work, name, batching, args.compute)
         servers: dict[str, Server] = {}
         try:
             for kind in kinds:
@@ -396,7 +414,7 @@ def main() -> None:
             for kind in kinds:
                 m = med[kind]
                 ratios = ""
-                if kind == "octacloud" and "triton" in med:
+                if kind != "triton" and "triton" in med:
                     t = med["triton"]
                     ratios = (
                         f"{m['throughput'] / t['throughput']:9.2f} {m['p99_us'] / t['p99_us']:9.2f} "
@@ -408,6 +426,8 @@ def main() -> None:
                     f"{m['batch']:5.1f} | {ratios}"
                 )
     print(
+        "\noctacloud: the model computed in the replica's process (the default); octa-proc: in a child process "
+        "(config parameter compute: process)."
         "\nthr ratio = octacloud/triton throughput (>= 1 is the goal); p99 ratio and cpu ratio = octacloud/triton "
         "p99 latency and server CPU per inference (<= 1 is the goal); cores = infer/s x CPU per inference, the "
         "cores the server kept busy (octacloud's replica runs its protocol, batching and short batches on one loop: "
