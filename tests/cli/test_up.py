@@ -97,3 +97,23 @@ def test_gateway_workers_must_be_at_least_one(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["up", "--repository", str(tmp_path), "--gateway-workers", "0"])
     assert result.exit_code == 2
     assert "--gateway-workers must be at least 1, got 0" in result.output
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("OCTACLOUD_GATEWAY_SPIN_US", "soon"), ("OCTACLOUD_REPLICA_SPIN_US", "-1")]
+)
+def test_a_bad_spin_window_is_named_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from octacloud.cli.main import app
+
+    monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, ["up", "--repository", str(tmp_path), "--state-dir", str(tmp_path / "var")])
+    assert result.exit_code == 2
+    assert name in result.output and f"got {value}" in result.output.replace("'", "")
+    assert not (tmp_path / "var").exists()
+    if name == "OCTACLOUD_REPLICA_SPIN_US":  # a replica started by hand says the same
+        serve = CliRunner().invoke(app, ["serve", "--repository", str(tmp_path)])
+        assert serve.exit_code == 2 and name in serve.output

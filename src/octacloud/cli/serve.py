@@ -34,6 +34,7 @@ def serve(
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Serve the models of REPOSITORY over the Open Inference Protocol (REST and gRPC), as Triton does."""
+    from octacloud.core.idlespin import REPLICA_SPIN_ENV, window_us_from_env
     from octacloud.protocols.server import ServerSettings, run
     from octacloud.serving import ControlMode
 
@@ -45,6 +46,11 @@ def serve(
         raise typer.BadParameter(f"must be h2 or aio, got {grpc_server!r}", param_hint="--grpc-server")
     if not repository.is_dir():
         raise typer.BadParameter(f"{repository} is not a directory", param_hint="--repository")
+    try:
+        window_us_from_env(REPLICA_SPIN_ENV)
+    except ValueError as e:
+        typer.echo(f"octacloud serve: {e}", err=True)
+        raise typer.Exit(2) from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def port(p: int) -> int | None:

@@ -247,12 +247,19 @@ def up(
     from octacloud.cluster.controller import ControllerSettings
     from octacloud.cluster.tls import TlsConfig
     from octacloud.core.errors import OctacloudError
+    from octacloud.core.idlespin import GATEWAY_SPIN_ENV, REPLICA_SPIN_ENV, window_us_from_env
 
     for flag, value in (("--interval", interval), ("--meter-interval", meter_interval),
                         ("--telemetry-interval", telemetry_interval)):  # fmt: skip
         if not value > 0:
             err.print(f"[red]error:[/] {flag} must be a positive number of seconds, got {value:g}")
             raise typer.Exit(2)
+    for name in (GATEWAY_SPIN_ENV, REPLICA_SPIN_ENV):  # the replicas it starts read the second
+        try:
+            window_us_from_env(name)
+        except ValueError as exc:
+            err.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
     if not repository.is_dir():
         err.print(f"[red]error:[/] model repository {repository} does not exist (build the examples: make models)")
         raise typer.Exit(2)
@@ -333,11 +340,15 @@ def up(
         _print_sample(cloud, deploy, base, f"{host}:{cloud.grpc_port}", state_dir / "admin.key")
         await cloud.serve_forever()
 
+    from octacloud.core.idlespin import GATEWAY_SPIN_ENV
     from octacloud.protocols.server import new_event_loop
 
     info = {"backend": "ray" if on_ray else "local", "ray_address": ray_address, "host": host}
     try:
-        with hold_up_lock(state_dir, info), asyncio.Runner(loop_factory=new_event_loop) as runner:
+        with (
+            hold_up_lock(state_dir, info),
+            asyncio.Runner(loop_factory=lambda: new_event_loop(GATEWAY_SPIN_ENV)) as runner,
+        ):
             runner.run(main())
     except CloudRunningError as exc:
         err.print(f"[red]error:[/] {exc} on the state dir {state_dir}: one cloud per state dir")

@@ -75,6 +75,7 @@ class ReplicaActor:
 
     def start(self, launch: ActorLaunch) -> ActorStarted:
         """Fetch the model, start the server, return once it serves (model loaded and warmed up)."""
+        from octacloud.core.idlespin import REPLICA_SPIN_ENV
         from octacloud.protocols.server import ReplicaServer, ServerSettings, new_event_loop
         from octacloud.serving import ControlMode
 
@@ -110,7 +111,7 @@ class ReplicaActor:
         failure: list[BaseException] = []
 
         def serve() -> None:
-            loop = new_event_loop()
+            loop = new_event_loop(REPLICA_SPIN_ENV)
             self._loop = loop
             self._stop_serving = asyncio.Event()
             try:

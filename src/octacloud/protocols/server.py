@@ -42,6 +42,7 @@ import grpc
 from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from octacloud.core import idlespin
 from octacloud.observability.serving import serving_registry
 from octacloud.protocols.grpc import add_to_server
 from octacloud.protocols.grpc.h2 import GrpcServer
@@ -382,13 +383,19 @@ class ReplicaServer:
                 loop.remove_signal_handler(sig)
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """The event loop every octacloud server runs on: uvloop when available (uvicorn[standard] brings it)."""
+def new_event_loop(spin_env: str = "") -> asyncio.AbstractEventLoop:
+    """The event loop every octacloud server runs on: uvloop when available (uvicorn[standard] brings it),
+    polling for the window the variable ``spin_env`` sets after it last did work, when it is set
+    (:mod:`octacloud.core.idlespin`)."""
+    window = idlespin.window_us_from_env(spin_env) if spin_env else 0
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvicorn[standard] brings uvloop
-        return asyncio.new_event_loop()
+        plain = asyncio.new_event_loop()
+        idlespin.install(plain, window)
+        return plain
     loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    idlespin.install(loop, window)
     return loop
 
 
@@ -399,5 +406,5 @@ def run(settings: ServerSettings) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+    with asyncio.Runner(loop_factory=lambda: new_event_loop(idlespin.REPLICA_SPIN_ENV)) as runner:
         runner.run(ReplicaServer(settings).serve_until_signalled())

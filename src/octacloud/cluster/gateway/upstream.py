@@ -26,6 +26,8 @@ from typing import cast
 
 import httptools
 
+from octacloud.core.idlespin import poke
+
 
 class UpstreamError(Exception):
     """The replica could not be reached or dropped the connection before answering."""
@@ -93,6 +95,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport
 
     def data_received(self, data: bytes) -> None:
+        poke()
         if self._parser is None or self._done:
             # Bytes nobody asked for (on an idle connection, or after the answer): the connection is out of step.
             self._extra = True

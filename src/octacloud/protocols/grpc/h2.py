@@ -40,6 +40,7 @@ import grpc
 import hpack
 from tritonclient.grpc import service_pb2 as pb
 
+from octacloud.core.idlespin import poke
 from octacloud.protocols.grpc.servicer import InferenceServicer, _lenient, code_of
 from octacloud.protocols.internal import HANDSHAKE_TIMEOUT_S, OPEN_GRPC_METHODS, REFUSED, matches, misdirected
 from octacloud.protocols.internal import HEADER as SECRET_HEADER
@@ -310,6 +311,7 @@ class Http2Connection(asyncio.Protocol):
         self._transport = None
 
     def data_received(self, data: bytes) -> None:
+        poke()
         buf = self._buffer
         buf += data
         if not self._preface:

@@ -31,6 +31,7 @@ from urllib.parse import unquote
 import grpc
 import hpack
 
+from octacloud.core.idlespin import poke
 from octacloud.protocols.grpc.h2 import _OK_TRAILERS as _OK_TRAILERS
 from octacloud.protocols.grpc.h2 import _RESPONSE_HEADERS as _RESPONSE_HEADERS
 from octacloud.protocols.grpc.h2 import (
@@ -139,6 +140,7 @@ class _Connection(asyncio.Protocol):
             self._settle_error(c, Unreachable(f"the connection to {self._channel.label} closed"))
 
     def data_received(self, data: bytes) -> None:
+        poke()
         buf = self._buffer
         buf += data
         try:  # we never allow frames over the default size (no SETTINGS_MAX_FRAME_SIZE sent)

@@ -33,6 +33,7 @@ from typing import Any, cast
 
 import httptools
 
+from octacloud.core.idlespin import poke
 from octacloud.protocols.asgi import HttpError
 from octacloud.protocols.rest.request import Handler, Http1Request, encode_headers, status_line
 
@@ -107,6 +108,7 @@ class Http1Connection(asyncio.Protocol):
         self.server.idle_changed()
 
     def data_received(self, data: bytes) -> None:
+        poke()
         if self._broken or self._upgraded:
             return
         if not self._in_head and self.parsing is None:
