@@ -5,7 +5,9 @@ else on a model thread (:mod:`octacloud.serving.batching.handoff`). Either way t
 the model's compute share one process, and for a small model the one event loop saturates near one core while
 the model's compute is a third of its time. With ``compute: "process"`` the model is loaded in a child process
 (as Triton's python backend runs its stub): the replica's loop sends each batch over a Unix socket and goes on
-with the protocol work while the child computes, and a model that crashes takes only its child down.
+with the protocol work while the child computes, and a model that crashes takes only its child down. What it
+buys is that isolation, not speed: each batch costs two wake-ups across processes, and on the machines measured
+(docs/serving.md) that cost more CPU than the compute it moved off the loop.
 
 Mechanism, not policy: :class:`ComputeProcess` is a :class:`~octacloud.serving.runtime.ModelRuntime` whose
 batches run in the child. It adds ``run_async`` (the batcher awaits it on the loop: no thread, no futex; the
@@ -280,7 +282,9 @@ class ComputeProcess:
             if self._preparing is task and task.done():
                 self._preparing = None
         link = self._link
-        if link is None or not link.alive:
+        if self._closed or link is None:
+            raise ModelExecutionError(f"model {self.name!r}: its compute process is closed")
+        if not link.alive:
             raise ModelExecutionError(f"model {self.name!r}: its compute process stopped again as it started")
         return link
 
@@ -323,7 +327,8 @@ class ComputeProcess:
         raise ModelExecutionError(f"model {self.name!r} failed: {answer[1]}: {answer[2]}")
 
     def close(self) -> None:
-        """Stop the child: it sees the socket close, frees the model and exits."""
+        """Stop the child: it sees the socket close, frees the model and exits. Blocks until it has (at most a
+        few seconds, then it is killed); called once the model has no batch left."""
         self._closed = True
         if self._link is not None and self._link.transport is not None:
             self._link.transport.close()
