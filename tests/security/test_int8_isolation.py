@@ -25,6 +25,7 @@ from octacloud.protocols.internal import TENANT_HEADER
 from octacloud.protocols.rest.app import RestApp
 from octacloud.serving import ControlMode, DataPlane, InferenceRequest, InferenceResponse, ModelRepository, Tensor
 from octacloud.serving.batching.policy import BatchingSettings, BatchPolicy, Pending
+from octacloud.serving.compute import ComputeProcess
 from octacloud.serving.errors import ModelConfigError
 from octacloud.serving.onnxops import couples_rows, op_types, row_coupling
 
@@ -39,14 +40,16 @@ def latest(name: str) -> Path:
     return versions[-1] / "model.onnx"
 
 
-def per_batch_scales(tmp_path: Path) -> Path:
-    """A repository holding ``mlp_pt``: the example MLP as ``quantize_dynamic`` writes it (per-batch scales)."""
+def per_batch_scales(tmp_path: Path, compute: str = "replica") -> Path:
+    """A repository holding ``mlp_pt``: the example MLP as ``quantize_dynamic`` writes it (per-batch scales),
+    computed where ``compute`` says (the config parameter)."""
     quantization = pytest.importorskip("onnxruntime.quantization")
     pytest.importorskip("onnx")
     fp32 = latest("mlp")
     root = tmp_path / "repo"
     (root / "mlp_pt" / "1").mkdir(parents=True)
     config = (MODELS / "mlp" / "config.pbtxt").read_text().replace('name: "mlp"', 'name: "mlp_pt"')
+    config += f'\nparameters {{ key: "compute" value {{ string_value: "{compute}" }} }}\n'
     (root / "mlp_pt" / "config.pbtxt").write_text(config)
     quantization.quantize_dynamic(
         str(fp32), str(root / "mlp_pt" / "1" / "model.onnx"), weight_type=quantization.QuantType.QInt8
@@ -147,13 +150,16 @@ async def test_a_tenants_int8_results_do_not_depend_on_anothers_inputs_and_int8_
         await repo.close()
 
 
-async def test_a_model_with_per_batch_scales_batches_only_within_one_tenant(tmp_path: Path) -> None:
-    root = per_batch_scales(tmp_path)
+@pytest.mark.parametrize("compute", ["replica", "process"])
+async def test_a_model_with_per_batch_scales_batches_only_within_one_tenant(tmp_path: Path, compute: str) -> None:
+    """In the replica or in a compute child (which reports the graph's row coupling to the replica) alike."""
+    root = per_batch_scales(tmp_path, compute)
     repo = ModelRepository(root, control_mode=ControlMode.EXPLICIT, threads=1)
     await repo.start(["mlp_pt"])
     try:
         dp = DataPlane(repo)
         model = repo.get("mlp_pt")
+        assert isinstance(model.runtime, ComputeProcess) is (compute == "process")
         assert model.isolates_tenants and not model.isolates_requests
         assert await _differing(dp, "mlp_pt", 20) == (0, 1)  # tenant unknown (no gateway): every request alone
         rng = np.random.default_rng(5)
