@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from octacloud.cluster.internal_auth import HEADER
 from octacloud.cluster.ray_local import LocalRayCluster
 from octacloud.core import Gpu, Node
+from octacloud.core.idlespin import REPLICA_SPIN_ENV
 
 from ..cluster.conftest import IN, expected_output, write_linear_model
 from .harness import CloudThread, fast_config, ray_cloud, wait_until
@@ -58,6 +59,8 @@ def cloud(ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory
     root = tmp_path_factory.mktemp("raycloud")
     write_linear_model(root / "shared-models")
     config = fast_config(root / "var", root / "shared-models", policy="spread")
+    saved = os.environ.get(REPLICA_SPIN_ENV)
+    os.environ[REPLICA_SPIN_ENV] = "40"  # the cloud's, forwarded to its actors (Ray's workers started without it)
     c = CloudThread(lambda: ray_cloud(config, cache_root=root / "node-cache"))
     created = c.admin("POST", "/deployments", {"name": "linear", "model": "linear", "octants": 2,
                                                "min_replicas": REPLICAS, "max_replicas": REPLICAS})  # fmt: skip
@@ -65,6 +68,10 @@ def cloud(ray_cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory
     wait_until("three ready replicas", lambda: len(c.ready("linear")) == REPLICAS, timeout=120)
     yield c
     c.stop(stop_replicas=True)
+    if saved is None:
+        os.environ.pop(REPLICA_SPIN_ENV, None)
+    else:
+        os.environ[REPLICA_SPIN_ENV] = saved
 
 
 def replica_stats(cloud: CloudThread, replica_id: str) -> int:
@@ -97,6 +104,7 @@ def test_replicas_run_where_the_scheduler_placed_them(cloud: CloudThread) -> Non
         assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
         assert env["OCTACLOUD_THREADS"] == "1" and env["OCTACLOUD_REPLICA_ID"] == r.id
+        assert env[REPLICA_SPIN_ENV] == "40"  # forwarded from the cloud's environment
         secret_file = Path(env["OCTACLOUD_INTERNAL_SECRET_FILE"])  # the cloud's internal secret, private to the node
         assert secret_file.stat().st_mode & 0o777 == 0o600
         assert secret_file.read_text().strip() == cloud.cloud.internal_secret

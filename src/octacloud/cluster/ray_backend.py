@@ -43,11 +43,21 @@ from octacloud.cluster.ray_inventory import FAST_FAILURE_DETECTION, node_from_ra
 from octacloud.cluster.ray_replica import ActorLaunch, ActorStarted, ReplicaActor
 from octacloud.cluster.storage import FleetCacheStats
 from octacloud.core.errors import InvalidSpecError
+from octacloud.core.idlespin import REPLICA_SPIN_ENV
 from octacloud.core.model import Health, Node
 
 log = logging.getLogger("octacloud.ray")
 
 NAMESPACE = "octacloud"
+FORWARDED_ENV = (REPLICA_SPIN_ENV,)
+"""Variables of the cloud's environment that its replicas on Ray get too (local replicas inherit the whole
+environment; an actor gets only what its ``runtime_env`` names)."""
+
+
+def forwarded_env() -> dict[str, str]:
+    return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+
+
 """The Ray namespace of octacloud's actors (replicas are named, detached actors in it)."""
 
 __all__ = ["FAST_FAILURE_DETECTION", "NAMESPACE", "QUIET_ENVIRONMENT", "RayFleet", "RayLauncher", "connect"]
@@ -180,7 +190,7 @@ class RayLauncher:
             num_gpus=0,  # Ray's GPU accounting is not ours: the octant resources below are
             resources=slice_resources(s.gpus, s.milli_per_gpu),
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            runtime_env={"env_vars": {**spec.env, REPLICA_ID_ENV: spec.replica_id}},
+            runtime_env={"env_vars": {**forwarded_env(), **spec.env, REPLICA_ID_ENV: spec.replica_id}},
             max_concurrency=self._concurrency,
             max_restarts=0,  # a lost replica is re-placed by our scheduler, never restarted in place by Ray
         ).remote()
