@@ -46,6 +46,7 @@ import numpy.typing as npt
 from tritonclient.grpc import model_config_pb2 as mc
 
 from octacloud.serving.errors import ModelConfigError, ModelExecutionError
+from octacloud.serving.memory import resident_bytes
 from octacloud.serving.runtime import Arrays, RuntimeFactory
 from octacloud.serving.types import TensorMetadata
 
@@ -59,7 +60,6 @@ COMPUTE_VALUES = ("replica", "process")
 _LENGTH = struct.Struct("<I")
 _CLOSE_WAIT_S = 5.0
 _CHILD = "import sys; from octacloud.serving.compute import main; sys.exit(main(sys.argv[1:]))"
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _child_env() -> dict[str, str]:
@@ -226,10 +226,7 @@ class ComputeProcess:
 
     def resident_bytes(self) -> int:
         """The child's resident memory (where the model's memory is), 0 when it is gone."""
-        try:
-            return int(Path(f"/proc/{self._proc.pid}/statm").read_text().split()[1]) * _PAGE
-        except (OSError, IndexError, ValueError):
-            return 0
+        return resident_bytes(self._proc.pid)
 
     # ---- ModelRuntime -------------------------------------------------------------------------------------------
     @property

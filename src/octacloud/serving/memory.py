@@ -65,10 +65,10 @@ def default_probe(device: str) -> MemoryProbe:
     return probe
 
 
-def resident_bytes() -> int:
-    """This process's resident set size."""
+def resident_bytes(pid: int | str = "self") -> int:
+    """The resident set size of process ``pid`` (default: this one); 0 when it cannot be read (gone)."""
     try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
         return pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
