@@ -205,3 +205,95 @@ def test_the_replica_s_uvloop_carries_the_child_s_answers(tmp_path: Path) -> Non
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         assert runner.run(go()) == [5.0] * 4
+
+
+TWO_INSTANCES = (
+    PROCESS
+    + "instance_group [ { count: 2 kind: KIND_CPU } ]\n"
+    + 'parameters { key: "batch_isolation" value { string_value: "requests" } }\n'
+    + 'parameters { key: "delay_ms" value { string_value: "300" } }\n'
+)
+
+
+def pid_request(model: str = "two") -> InferenceRequest:
+    return InferenceRequest(model, [Tensor.of("INPUT0", np.zeros((1, 4), np.float32))])
+
+
+def pid_of(answer: object) -> int:
+    values = {int(v) for v in answer.outputs[0].data.reshape(-1)}  # type: ignore[attr-defined]
+    assert len(values) == 1
+    return values.pop()
+
+
+async def test_each_instance_computes_in_a_child_of_its_own(tmp_path: Path) -> None:
+    """``instance_group { count: 2 }``: two children, and two batches at once compute one in each (the second
+    batch goes to the child with nothing in hand, not behind the first)."""
+    write_fake_model(tmp_path, "two", "pid", extra=TWO_INSTANCES)
+    write_fake_model(tmp_path, "one", "pid", extra=PROCESS)
+    r = repository(tmp_path)
+    await r.start()
+    dp = DataPlane(r)
+    try:
+        runtime = r.get("two").runtime
+        assert isinstance(runtime, ComputeProcess)
+        pids = runtime.pids
+        assert len(set(pids)) == 2 and os.getpid() not in pids and all(alive(p) for p in pids)
+        assert len(r.get("one").runtime.pids) == 1  # type: ignore[attr-defined]
+        answers = await asyncio.gather(dp.infer(pid_request()), dp.infer(pid_request()))
+        assert sorted(pid_of(a) for a in answers) == sorted(pids)
+        assert r.get("two").stats.execution_count >= 2
+    finally:
+        await r.close()
+    assert all(wait_gone(p) for p in pids), "unloading the model stops every compute process"
+
+
+async def test_kill_9_of_one_instance_s_child_spares_the_other_instance(tmp_path: Path) -> None:
+    write_fake_model(tmp_path, "two", "pid", extra=TWO_INSTANCES)
+    r = repository(tmp_path)
+    await r.start()
+    dp = DataPlane(r)
+    try:
+        runtime = r.get("two").runtime
+        assert isinstance(runtime, ComputeProcess)
+        first, second = runtime.pids
+        await asyncio.gather(dp.infer(pid_request()), dp.infer(pid_request()))  # the loop owns both sockets
+        both = [asyncio.ensure_future(dp.infer(pid_request())) for _ in range(2)]
+        await asyncio.sleep(0.1)  # one batch computing in each child
+        os.kill(first, signal.SIGKILL)
+        done = await asyncio.gather(*both, return_exceptions=True)
+        failed = [d for d in done if isinstance(d, BaseException)]
+        assert len(failed) == 1 and isinstance(failed[0], ModelExecutionError)
+        assert "stopped during the batch" in str(failed[0])
+        assert [pid_of(d) for d in done if not isinstance(d, BaseException)] == [second]
+        again = await asyncio.gather(*(dp.infer(pid_request()) for _ in range(4)))
+        served = {pid_of(a) for a in again}
+        assert second in served and first not in served
+        assert runtime.restarts == 1 and runtime.pids[1] == second and alive(runtime.pids[0])
+        assert r.get("two").state.value == "READY"
+    finally:
+        await r.close()
+
+
+def children() -> set[int]:
+    """This process's child processes, zombies included (listed until reaped), from every thread."""
+    found: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        found.update(int(c) for c in (task / "children").read_text().split())
+    return found
+
+
+async def test_a_model_no_instance_can_load_is_named_and_leaves_no_process(tmp_path: Path) -> None:
+    (tmp_path / "broken" / "1").mkdir(parents=True)
+    (tmp_path / "broken" / "1" / "model.onnx").write_bytes(b"not onnx")
+    (tmp_path / "broken" / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\ninstance_group [ { count: 3 kind: KIND_CPU } ]\n' + PROCESS
+    )
+    before = children()
+    r = repository(tmp_path)
+    await r.start()
+    try:
+        errors = {e.name: e.reason for e in r.index() if e.state != "READY"}
+        assert "onnxruntime cannot load it" in errors["broken"]
+        assert not children() - before, "a compute process outlived the failed load, or was never reaped"
+    finally:
+        await r.close()

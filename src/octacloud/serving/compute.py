@@ -9,19 +9,26 @@ with the protocol work while the child computes, and a model that crashes takes 
 buys is that isolation, not speed: each batch costs two wake-ups across processes, and on the machines measured
 (docs/serving.md) that cost more CPU than the compute it moved off the loop.
 
+One child per model instance: ``instance_group { count: N }`` starts N children, each loading its own copy of
+the model with the replica's thread budget divided among them (at least one thread each), and a batch goes to
+the child with the fewest batches in hand, so that up to N batches compute at once in N processes (no
+interpreter lock shared between them). N copies cost N times the model's memory.
+
 Mechanism, not policy: :class:`ComputeProcess` is a :class:`~octacloud.serving.runtime.ModelRuntime` whose
-batches run in the child. It adds ``run_async`` (the batcher awaits it on the loop: no thread, no futex; the
-answer wakes the loop through the socket), ``pid`` and ``resident_bytes`` (the child's, for the warm-up's
-bytes-per-sample measurement). Its blocking ``run`` serves the warm-up, before the loop owns the socket.
+batches run in the children. It adds ``run_async`` (the batcher awaits it on the loop: no thread, no futex; the
+answer wakes the loop through the socket), ``pid``/``pids`` and ``resident_bytes`` (the first child's, for the
+warm-up's bytes-per-sample measurement). Its blocking ``run`` serves the warm-up, before the loop owns the
+sockets: every child computes the warm-up batches.
 
 Wire: frames of a 4-byte little-endian length and a pickle (protocol 5) between a replica and the child it
 started over a private socketpair; nothing else can reach that socket. Parent → child: ``("load", factory,
 version_dir, config bytes, threads)`` once, then ``("run", inputs, output names)``; child → parent:
 ``("ok", value)`` or ``("error", type name, message, config error?)``, one answer per frame in order.
 
-Failures: a load the child refuses raises :class:`ModelConfigError` with the child's message. A child that dies
-(kill -9, a crash in native code) fails the batches it held with :class:`ModelExecutionError` naming the exit
-status; the next batch starts a new child, loads the model again and runs on it. The child exits when the
+Failures: a load a child refuses raises :class:`ModelConfigError` with the child's message (and stops the
+others). A child that dies (kill -9, a crash in native code) fails the batches it held with
+:class:`ModelExecutionError` naming the exit status, while the other instances' children go on; the next batch
+sent to its slot starts a new child, loads the model again and runs on it. The child exits when the
 replica's end of the socket closes (the replica unloads the model, exits or is killed: the kernel closes a
 killed process's sockets), after the batch it is computing, if any.
 """
@@ -79,6 +86,11 @@ def compute_mode(config: mc.ModelConfig) -> str:
     if value not in COMPUTE_VALUES:
         raise ModelConfigError(f"parameter {PARAM_COMPUTE!r} is {value!r}; choose one of {list(COMPUTE_VALUES)}")
     return value
+
+
+def instance_count(config: mc.ModelConfig) -> int:
+    """How many instances of the model the config asks for: the ``instance_group`` counts summed, at least 1."""
+    return sum(g.count for g in config.instance_group) or 1
 
 
 def _frame(message: tuple[Any, ...]) -> bytes:
@@ -147,27 +159,24 @@ class _Link(asyncio.Protocol):
                 future.set_exception(error)
 
 
-class ComputeProcess:
-    """A model loaded and computed in a child process. Blocking to create (it starts the child and waits for
-    the load): call it from a worker thread."""
+class _Child:
+    """One compute process: started and loaded (blocking), then driven from the loop through a :class:`_Link`;
+    a dead one is replaced before its next batch."""
 
-    def __init__(
-        self, factory: RuntimeFactory, version_dir: Path, config: mc.ModelConfig, threads: int, name: str = ""
-    ) -> None:
-        self.name = name or version_dir.parent.name
-        self._load = ("load", factory, str(version_dir), config.SerializeToString(), threads)
-        self._link: _Link | None = None
+    def __init__(self, load: tuple[Any, ...], name: str) -> None:
+        self.name = name
+        self._load = load
+        self.link: _Link | None = None
         self._preparing: asyncio.Task[None] | None = None
-        self._closed = False
+        self.closed = False
         self.restarts = 0
-        self._start()
+        self.in_hand = 0
 
-    # ---- the child -------------------------------------------------------------------------------------------
-    def _start(self) -> None:
-        """Start a child and load the model in it (blocking)."""
+    def spawn(self) -> None:
+        """Start the process and send it the model to load (blocking; :meth:`loaded` reads the answer)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._proc = subprocess.Popen(
+            self.proc = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
@@ -178,29 +187,33 @@ class ComputeProcess:
             raise ModelConfigError(f"model {self.name!r}: cannot start its compute process: {e}") from None
         finally:
             theirs.close()
-        self._sock = ours
-        error: OSError | None = None
+        self.sock = ours
         try:
             ours.sendall(_frame(self._load))
-            answer = _read_frame(ours)
+        except OSError:
+            pass  # it died at once: loaded() names how
+
+    def loaded(self) -> tuple[Any, ...]:
+        """The child's description of the model it loaded; the child is stopped and the error raised if it
+        could not load it."""
+        error: OSError | None = None
+        try:
+            answer = _read_frame(self.sock)
         except OSError as e:
             answer, error = None, e
         if answer is None or answer[0] != "ok":
-            self._stop_child()
+            self.stop()
             if answer is None:
                 raise ModelConfigError(
                     f"model {self.name!r}: its compute process exited while loading it "
-                    f"({self._exit_words()}{f'; {error}' if error else ''})"
+                    f"({self.exit_words()}{f'; {error}' if error else ''})"
                 )
             raise (ModelConfigError if answer[3] else ModelExecutionError)(answer[2])
-        inputs, outputs, device, couples = answer[1]
-        self._inputs: tuple[TensorMetadata, ...] = inputs
-        self._outputs: tuple[TensorMetadata, ...] = outputs
-        self._device: str = device
-        self.couples_rows: bool = couples
+        meta: tuple[Any, ...] = answer[1]
+        return meta
 
-    def _exit_words(self) -> str:
-        code = self._proc.poll()
+    def exit_words(self) -> str:
+        code = self.proc.poll()
         if code is None:
             return "still running"
         if code < 0:
@@ -210,23 +223,164 @@ class ComputeProcess:
                 return f"killed by signal {-code}"
         return f"exit status {code}"
 
-    def _stop_child(self) -> None:
+    def stop(self) -> None:
         try:
-            self._sock.close()
+            self.sock.close()
         finally:
             try:
-                self._proc.wait(_CLOSE_WAIT_S)
+                self.proc.wait(_CLOSE_WAIT_S)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+                self.proc.kill()
+                self.proc.wait()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        """A frame on the blocking socket (before the loop owns it: load and warm-up)."""
+        if self.link is not None:
+            raise RuntimeError("the event loop owns the compute process: use run_async")
+        try:
+            self.sock.sendall(_frame(message))
+        except OSError:
+            pass  # gone: answer() names how
+
+    def answer(self) -> tuple[Any, ...]:
+        try:
+            answer = _read_frame(self.sock)
+        except OSError:
+            answer = None
+        if answer is None:
+            raise ModelExecutionError(f"model {self.name!r}: its compute process is gone ({self.exit_words()})")
+        return answer
+
+    async def run_async(self, message: bytes) -> tuple[Any, ...]:
+        """One batch's answer; :attr:`in_hand` counts it from the call (a batch waiting for the child to start
+        is in this child's hands too)."""
+        self.in_hand += 1
+        try:
+            link = self.link
+            if link is None or not link.alive:
+                link = await self._ready_link()
+            future: asyncio.Future[tuple[Any, ...]] = asyncio.get_running_loop().create_future()
+            link.pending.append(future)
+            assert link.transport is not None
+            link.transport.write(message)
+            return await future
+        finally:
+            self.in_hand -= 1
+
+    async def _ready_link(self) -> _Link:
+        """The link to a live child: the socket handed to the loop on the first batch, a dead child replaced
+        (one start for every batch waiting on it)."""
+        if self.closed:
+            raise ModelExecutionError(f"model {self.name!r}: its compute process is closed")
+        if self._preparing is None:
+            self._preparing = asyncio.get_running_loop().create_task(self._prepare())
+        task = self._preparing
+        try:
+            await asyncio.shield(task)
+        finally:
+            if self._preparing is task and task.done():
+                self._preparing = None
+        link = self.link
+        if self.closed or link is None:
+            raise ModelExecutionError(f"model {self.name!r}: its compute process is closed")
+        if not link.alive:
+            raise ModelExecutionError(f"model {self.name!r}: its compute process stopped again as it started")
+        return link
+
+    async def _prepare(self) -> None:
+        if self.link is not None and not self.link.alive:
+            self.restarts += 1
+            dead = self.proc
+            try:
+                await asyncio.to_thread(dead.wait, _CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                dead.kill()
+            log.warning("model %s: its compute process (pid %d) stopped (%s); starting another",
+                        self.name, dead.pid, self.exit_words())  # fmt: skip
+            self.link = None
+            try:
+                await asyncio.to_thread(self._restart)
+            except Exception as e:
+                raise ModelExecutionError(
+                    f"model {self.name!r}: its compute process could not be restarted: {e}"
+                ) from e
+            if self.closed:  # closed while the new child loaded
+                self.stop()
+                return
+        if self.link is None:
+            self.sock.setblocking(False)
+            _, self.link = await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: _Link(self._lost), sock=self.sock
+            )
+
+    def _restart(self) -> None:
+        self.spawn()
+        self.loaded()
+
+    def _lost(self) -> ModelExecutionError:
+        return ModelExecutionError(
+            f"model {self.name!r}: its compute process (pid {self.proc.pid}) stopped during the batch; "
+            "another is started for the next one"
+        )
+
+    def close(self) -> None:
+        self.closed = True
+        if self.link is not None and self.link.transport is not None:
+            self.link.transport.close()
+        self.stop()
+
+
+class ComputeProcess:
+    """A model loaded and computed in child processes, one per model instance (``instance_group`` counts, as
+    Triton's python backend starts a stub per instance), each with ``threads`` CPU threads. Blocking to create
+    (it starts the children and waits until each has loaded the model): call it from a worker thread."""
+
+    def __init__(
+        self,
+        factory: RuntimeFactory,
+        version_dir: Path,
+        config: mc.ModelConfig,
+        threads: int,
+        name: str = "",
+        instances: int = 1,
+    ) -> None:
+        self.name = name or version_dir.parent.name
+        load = ("load", factory, str(version_dir), config.SerializeToString(), threads)
+        self._children: list[_Child] = []
+        try:
+            for _ in range(max(1, instances)):  # every child loads at once
+                child = _Child(load, self.name)
+                child.spawn()
+                self._children.append(child)
+            metas = [child.loaded() for child in self._children]
+        except BaseException:
+            for child in self._children:  # stopping one that already stopped is a no-op
+                child.stop()
+            raise
+        inputs, outputs, device, couples = metas[0]
+        self._inputs: tuple[TensorMetadata, ...] = inputs
+        self._outputs: tuple[TensorMetadata, ...] = outputs
+        self._device: str = device
+        self.couples_rows: bool = couples
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        """The first child's process id (:attr:`pids`: every child's)."""
+        return self._children[0].proc.pid
+
+    @property
+    def pids(self) -> list[int]:
+        return [child.proc.pid for child in self._children]
+
+    @property
+    def restarts(self) -> int:
+        """Children started again after one stopped, all instances together."""
+        return sum(child.restarts for child in self._children)
 
     def resident_bytes(self) -> int:
-        """The child's resident memory (where the model's memory is), 0 when it is gone."""
-        return resident_bytes(self._proc.pid)
+        """The first child's resident memory (one copy of the model: the warm-up measures bytes per sample
+        there), 0 when it is gone."""
+        return resident_bytes(self.pid)
 
     # ---- ModelRuntime -------------------------------------------------------------------------------------------
     @property
@@ -242,80 +396,21 @@ class ComputeProcess:
         return self._device
 
     def run(self, inputs: Arrays, outputs: Sequence[str]) -> dict[str, npt.NDArray[Any]]:
-        """One batch, blocking (the warm-up's path; batches on the loop go through :meth:`run_async`)."""
-        if self._link is not None:
-            raise RuntimeError("the event loop owns the compute process: use run_async")
-        try:
-            self._sock.sendall(_frame(("run", dict(inputs), tuple(outputs))))
-            answer = _read_frame(self._sock)
-        except OSError:
-            answer = None
-        if answer is None:
-            raise ModelExecutionError(f"model {self.name!r}: its compute process is gone ({self._exit_words()})")
-        return self._result(answer)
+        """One batch, blocking: the warm-up's path (batches on the loop go through :meth:`run_async`). Every
+        child computes it, so that each instance is warm; the first child's answer is returned."""
+        message = ("run", dict(inputs), tuple(outputs))
+        for child in self._children:
+            child.send(message)
+        answers = [child.answer() for child in self._children]
+        for answer in answers[1:]:
+            self._result(answer)
+        return self._result(answers[0])
 
     async def run_async(self, inputs: Arrays, outputs: Sequence[str]) -> dict[str, npt.NDArray[Any]]:
-        """One batch on the child, awaited on the loop; a dead child is replaced first."""
-        link = self._link
-        if link is None or not link.alive:
-            link = await self._ready_link()
-        future: asyncio.Future[tuple[Any, ...]] = asyncio.get_running_loop().create_future()
-        link.pending.append(future)
-        assert link.transport is not None
-        link.transport.write(_frame(("run", dict(inputs), tuple(outputs))))
-        return self._result(await future)
-
-    async def _ready_link(self) -> _Link:
-        """The link to a live child: the socket handed to the loop on the first batch, a dead child replaced
-        (one start for every batch waiting on it)."""
-        if self._closed:
-            raise ModelExecutionError(f"model {self.name!r}: its compute process is closed")
-        if self._preparing is None:
-            self._preparing = asyncio.get_running_loop().create_task(self._prepare())
-        task = self._preparing
-        try:
-            await asyncio.shield(task)
-        finally:
-            if self._preparing is task and task.done():
-                self._preparing = None
-        link = self._link
-        if self._closed or link is None:
-            raise ModelExecutionError(f"model {self.name!r}: its compute process is closed")
-        if not link.alive:
-            raise ModelExecutionError(f"model {self.name!r}: its compute process stopped again as it started")
-        return link
-
-    async def _prepare(self) -> None:
-        if self._link is not None and not self._link.alive:
-            self.restarts += 1
-            dead = self._proc
-            try:
-                await asyncio.to_thread(dead.wait, _CLOSE_WAIT_S)
-            except subprocess.TimeoutExpired:
-                dead.kill()
-            log.warning("model %s: its compute process (pid %d) stopped (%s); starting another",
-                        self.name, dead.pid, self._exit_words())  # fmt: skip
-            self._link = None
-            try:
-                await asyncio.to_thread(self._start)
-            except Exception as e:
-                raise ModelExecutionError(
-                    f"model {self.name!r}: its compute process could not be restarted: {e}"
-                ) from e
-            if self._closed:  # closed while the new child loaded
-                self._stop_child()
-                return
-        if self._link is None:
-            self._sock.setblocking(False)
-            _, self._link = await asyncio.get_running_loop().connect_accepted_socket(
-                lambda: _Link(self._lost), sock=self._sock
-            )
-
-    def _lost(self) -> ModelExecutionError:
-        return ModelExecutionError(
-            f"model {self.name!r}: its compute process (pid {self.pid}) stopped during the batch; "
-            "another is started for the next one"
-        )
+        """One batch on the child with the fewest batches in hand, awaited on the loop; a dead child is
+        replaced first."""
+        child = min(self._children, key=lambda c: c.in_hand)
+        return self._result(await child.run_async(_frame(("run", dict(inputs), tuple(outputs)))))
 
     def _result(self, answer: tuple[Any, ...]) -> dict[str, npt.NDArray[Any]]:
         if answer[0] == "ok":
@@ -324,12 +419,10 @@ class ComputeProcess:
         raise ModelExecutionError(f"model {self.name!r} failed: {answer[1]}: {answer[2]}")
 
     def close(self) -> None:
-        """Stop the child: it sees the socket close, frees the model and exits. Blocks until it has (at most a
-        few seconds, then it is killed); called once the model has no batch left."""
-        self._closed = True
-        if self._link is not None and self._link.transport is not None:
-            self._link.transport.close()
-        self._stop_child()
+        """Stop the children: each sees its socket close, frees the model and exits. Blocks until they have
+        (at most a few seconds each, then they are killed); called once the model has no batch left."""
+        for child in self._children:
+            child.close()
 
 
 # ---- the child process ----------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from octacloud.serving.batching.batcher import Arrays, DynamicBatcher
 from octacloud.serving.batching.handoff import BatchHandoff
 from octacloud.serving.batching.policy import BatchingSettings
 from octacloud.serving.classification import load_labels
-from octacloud.serving.compute import ComputeProcess, compute_mode
+from octacloud.serving.compute import ComputeProcess, compute_mode, instance_count
 from octacloud.serving.errors import ModelConfigError, ModelNotReadyError
 from octacloud.serving.memory import (
     MemoryProbe,
@@ -111,7 +111,7 @@ class ModelVersion:
             settings = dataclasses.replace(settings, isolate_tenants=True)
         self.isolates_requests = settings.isolate_requests
         self.isolates_tenants = settings.isolate_tenants
-        instances = sum(g.count for g in config.instance_group) or 1
+        instances = instance_count(config)
         self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix=f"model-{name}")
         self._handoff = BatchHandoff(self._executor, instances)
         self._run_async = runtime.run_async if isinstance(runtime, ComputeProcess) else None
@@ -150,8 +150,9 @@ class ModelVersion:
         """Load the runtime (in a thread), complete and check the config, warm up; READY on return."""
         try:
             if compute_mode(config) == "process":
+                instances = instance_count(config)
                 runtime: ModelRuntime = await asyncio.to_thread(
-                    ComputeProcess, factory, version_dir, config, threads, name
+                    ComputeProcess, factory, version_dir, config, max(1, threads // instances), name, instances
                 )
             else:
                 runtime = await asyncio.to_thread(factory, version_dir, config, threads)

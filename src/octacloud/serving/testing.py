@@ -10,12 +10,14 @@ in ``parameters { key: "behaviour" value { string_value: "sum" } }``; pass :func
 | ``sum`` | ``INPUT0``, ``INPUT1`` FP32 [-1, 4] → ``OUTPUT0`` = sum |
 | ``echo`` | ``INPUT0`` (any datatype of the config) → ``OUTPUT0`` = the input |
 | ``slow`` | like echo, after sleeping ``delay_ms`` (parameter, default 200) |
+| ``pid`` | ``INPUT0`` → ``OUTPUT0`` of its shape, every value the computing process's id (after ``delay_ms``) |
 | ``error`` | raises on every batch with a nonzero input (warm-up sends zeros, so it loads) |
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -68,6 +70,9 @@ class FakeRuntime:
             raise RuntimeError("the fake model failed on purpose")
         if self.delay_s:
             time.sleep(self.delay_s)
+        if self.behaviour == "pid":
+            first = next(iter(inputs.values()))
+            return dict.fromkeys(outputs, np.full(first.shape, os.getpid(), first.dtype))
         sums = self.behaviour == "sum"
         result = inputs["INPUT0"] + inputs["INPUT1"] if sums else next(iter(inputs.values()))
         return dict.fromkeys(outputs, result)
