@@ -224,14 +224,22 @@ class _Child:
         return f"exit status {code}"
 
     def stop(self) -> None:
+        self.hang_up()
+        self.reap()
+
+    def hang_up(self) -> None:
+        """Close the replica's end: the child sees end of file and exits after its batch."""
+        if self.link is not None and self.link.transport is not None:
+            self.link.transport.close()
+        self.sock.close()
+
+    def reap(self) -> None:
+        """Wait for the child to exit (a few seconds, then kill it)."""
         try:
-            self.sock.close()
-        finally:
-            try:
-                self.proc.wait(_CLOSE_WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.proc.wait(_CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
     def send(self, message: tuple[Any, ...]) -> None:
         """A frame on the blocking socket (before the loop owns it: load and warm-up)."""
@@ -322,12 +330,6 @@ class _Child:
             f"model {self.name!r}: its compute process (pid {self.proc.pid}) stopped during the batch; "
             "another is started for the next one"
         )
-
-    def close(self) -> None:
-        self.closed = True
-        if self.link is not None and self.link.transport is not None:
-            self.link.transport.close()
-        self.stop()
 
 
 class ComputeProcess:
@@ -420,9 +422,12 @@ class ComputeProcess:
 
     def close(self) -> None:
         """Stop the children: each sees its socket close, frees the model and exits. Blocks until they have
-        (at most a few seconds each, then they are killed); called once the model has no batch left."""
+        (at most a few seconds, then they are killed); called once the model has no batch left."""
+        for child in self._children:  # every child told first, so that they exit together
+            child.closed = True
+            child.hang_up()
         for child in self._children:
-            child.close()
+            child.reap()
 
 
 # ---- the child process ----------------------------------------------------------------------------------------
