@@ -258,7 +258,11 @@ async def test_kill_9_of_one_instance_s_child_spares_the_other_instance(tmp_path
         first, second = runtime.pids
         await asyncio.gather(dp.infer(pid_request()), dp.infer(pid_request()))  # the loop owns both sockets
         both = [asyncio.ensure_future(dp.infer(pid_request())) for _ in range(2)]
-        await asyncio.sleep(0.1)  # one batch computing in each child
+        for _ in range(500):  # until each child has its batch (300 ms of compute each)
+            if [c.in_hand for c in runtime._children] == [1, 1]:
+                break
+            await asyncio.sleep(0.01)
+        assert [c.in_hand for c in runtime._children] == [1, 1]
         os.kill(first, signal.SIGKILL)
         done = await asyncio.gather(*both, return_exceptions=True)
         failed = [d for d in done if isinstance(d, BaseException)]
