@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from octacloud.serving import (
+    ControlMode,
     DataPlane,
     InferenceRequest,
     ModelExecutionError,
@@ -299,5 +300,40 @@ async def test_a_model_no_instance_can_load_is_named_and_leaves_no_process(tmp_p
         errors = {e.name: e.reason for e in r.index() if e.state != "READY"}
         assert "onnxruntime cannot load it" in errors["broken"]
         assert not children() - before, "a compute process outlived the failed load, or was never reaped"
+    finally:
+        await r.close()
+
+
+@pytest.mark.parametrize("compute", ["replica", "process"])
+async def test_unloading_frees_the_model_off_the_loop(tmp_path: Path, compute: str) -> None:
+    """A model that takes long to free (a large one; in process mode, its child takes long to exit) does not
+    stall the replica's other models while it unloads."""
+    slow_close = 'parameters { key: "close_delay_ms" value { string_value: "2000" } }\n'
+    mode = f'parameters {{ key: "compute" value {{ string_value: "{compute}" }} }}\n'
+    write_fake_model(tmp_path, "large", "echo", extra=mode + slow_close)
+    write_fake_model(tmp_path, "other", "echo")
+    r = ModelRepository(
+        tmp_path,
+        control_mode=ControlMode.EXPLICIT,
+        runtimes=runtimes_with_fakes(FakeRuntimeFactory()),
+        threads=1,
+    )
+    await r.start(load=["*"])
+    dp = DataPlane(r)
+    try:
+        runtime = r.get("large").runtime
+        await dp.infer(InferenceRequest("large", [Tensor.of("INPUT0", np.ones((1, 4), np.float32))]))
+        unloading = asyncio.ensure_future(r.unload("large"))
+        await asyncio.sleep(0)
+        for i in range(5):  # served while the child frees its model
+            x = np.full((1, 4), i, np.float32)
+            answer = await dp.infer(InferenceRequest("other", [Tensor.of("INPUT0", x)]))
+            np.testing.assert_array_equal(answer.outputs[0].data, x)
+        assert not unloading.done(), "the other model waited for the unload"
+        await unloading
+        if isinstance(runtime, ComputeProcess):
+            assert all(wait_gone(p) for p in runtime.pids)
+        else:
+            assert runtime.closed  # type: ignore[attr-defined]
     finally:
         await r.close()

@@ -423,9 +423,22 @@ class ComputeProcess:
     def close(self) -> None:
         """Stop the children: each sees its socket close, frees the model and exits. Blocks until they have
         (at most a few seconds, then they are killed); called once the model has no batch left."""
+        self._hang_up()
+        self._reap()
+
+    async def aclose(self) -> None:
+        """:meth:`close` for a running loop: the sockets close on the loop, and the children (which may take a
+        while to free a large model) are waited for in a thread, so that the loop goes on serving the
+        replica's other models meanwhile."""
+        self._hang_up()
+        await asyncio.to_thread(self._reap)
+
+    def _hang_up(self) -> None:
         for child in self._children:  # every child told first, so that they exit together
             child.closed = True
             child.hang_up()
+
+    def _reap(self) -> None:
         for child in self._children:
             child.reap()
 

@@ -11,6 +11,9 @@ in ``parameters { key: "behaviour" value { string_value: "sum" } }``; pass :func
 | ``echo`` | ``INPUT0`` (any datatype of the config) → ``OUTPUT0`` = the input |
 | ``slow`` | like echo, after sleeping ``delay_ms`` (parameter, default 200) |
 | ``pid`` | ``INPUT0`` → ``OUTPUT0`` of its shape, every value the computing process's id (after ``delay_ms``) |
+
+Any fake takes ``close_delay_ms`` (parameter, default 0): its ``close`` sleeps that long, as freeing a large
+model takes a while.
 | ``error`` | raises on every batch with a nonzero input (warm-up sends zeros, so it loads) |
 """
 
@@ -38,9 +41,15 @@ class FakeRuntime:
     """A runtime computing in numpy; records the batch sizes it ran (``batches``)."""
 
     def __init__(
-        self, behaviour: str, inputs: Sequence[TensorMetadata], outputs: Sequence[TensorMetadata], delay_s: float = 0.0
+        self,
+        behaviour: str,
+        inputs: Sequence[TensorMetadata],
+        outputs: Sequence[TensorMetadata],
+        delay_s: float = 0.0,
+        close_delay_s: float = 0.0,
     ) -> None:
         self.behaviour = behaviour
+        self.close_delay_s = close_delay_s
         self._inputs = tuple(inputs)
         self._outputs = tuple(outputs)
         self.delay_s = delay_s
@@ -78,6 +87,8 @@ class FakeRuntime:
         return dict.fromkeys(outputs, result)
 
     def close(self) -> None:
+        if self.close_delay_s:
+            time.sleep(self.close_delay_s)
         self.closed = True
 
 
@@ -102,7 +113,8 @@ class FakeRuntimeFactory:
             return [TensorMetadata(e.name, datatype_of_enum(e.data_type), (*batch, *map(int, e.dims))) for e in entries]
 
         delay = float(parameter(config, "delay_ms") or (200 if behaviour == "slow" else 0)) / 1000
-        runtime = FakeRuntime(behaviour, meta(config.input), meta(config.output), delay)
+        close_delay = float(parameter(config, "close_delay_ms") or 0) / 1000
+        runtime = FakeRuntime(behaviour, meta(config.input), meta(config.output), delay, close_delay)
         self.created.append(runtime)
         return runtime
 
