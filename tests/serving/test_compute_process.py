@@ -20,6 +20,7 @@ from octacloud.serving import (
     ControlMode,
     DataPlane,
     InferenceRequest,
+    ModelConfigError,
     ModelExecutionError,
     ModelRepository,
     Tensor,
@@ -335,5 +336,40 @@ async def test_unloading_frees_the_model_off_the_loop(tmp_path: Path, compute: s
             assert all(wait_gone(p) for p in runtime.pids)
         else:
             assert runtime.closed  # type: ignore[attr-defined]
+    finally:
+        await r.close()
+
+
+@pytest.mark.parametrize("compute", ["replica", "process"])
+async def test_a_failed_warm_up_frees_the_model_off_the_loop(tmp_path: Path, compute: str) -> None:
+    """A version whose warm-up fails is freed (2 s here) while the loop goes on serving the other models."""
+    warm_up_fails = (
+        'model_warmup [ { name: "w" batch_size: 1 inputs { key: "INPUT0" value { data_type: TYPE_FP32 dims: [4] '
+        "random_data: true } } } ]\n"
+        'parameters { key: "close_delay_ms" value { string_value: "2000" } }\n'
+        f'parameters {{ key: "compute" value {{ string_value: "{compute}" }} }}\n'
+    )
+    write_fake_model(tmp_path, "bad", "error", extra=warm_up_fails)
+    write_fake_model(tmp_path, "other", "echo")
+    r = ModelRepository(
+        tmp_path,
+        control_mode=ControlMode.EXPLICIT,
+        runtimes=runtimes_with_fakes(FakeRuntimeFactory()),
+        threads=1,
+    )
+    await r.start(load=["other"])
+    dp = DataPlane(r)
+    try:
+        loading = asyncio.ensure_future(r.load("bad"))
+        longest, last = 0.0, time.monotonic()
+        while not loading.done():  # the other model answers all along
+            x = np.ones((1, 4), np.float32)
+            assert (await dp.infer(InferenceRequest("other", [Tensor.of("INPUT0", x)]))).outputs[0].data.sum() == 4
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            longest, last = max(longest, now - last), now
+        with pytest.raises(ModelConfigError, match="warm-up failed"):
+            await loading
+        assert longest < 1.0, f"the loop stalled {longest:.1f} s while the failed version was freed"
     finally:
         await r.close()

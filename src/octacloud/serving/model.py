@@ -165,6 +165,9 @@ class ModelVersion:
                 config, runtime.inputs, runtime.outputs, platform=factory.platform, backend=factory.backend
             )
             model = cls(name, version, full, runtime, threads, clock=clock, probe=probe)
+        except Exception:
+            await asyncio.to_thread(runtime.close)  # off the loop, as in unload
+            raise
         except BaseException:
             runtime.close()
             raise
@@ -176,7 +179,7 @@ class ModelVersion:
             await asyncio.to_thread(model._warm_up, version_dir.parent)
         except Exception as e:
             model._executor.shutdown(wait=False)
-            runtime.close()
+            await asyncio.to_thread(runtime.close)
             if isinstance(e, ModelConfigError):
                 raise
             raise ModelConfigError(f"version {version}: warm-up failed: {type(e).__name__}: {e}") from e

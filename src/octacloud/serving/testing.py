@@ -101,6 +101,11 @@ class FakeRuntimeFactory:
     def __init__(self) -> None:
         self.created: list[FakeRuntime] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a compute process gets (``compute: "process"`` pickles the factory): not the runtimes created
+        in this process, which hold locks."""
+        return {**self.__dict__, "created": []}
+
     def __call__(self, version_dir: Path, config: ModelConfig, threads: int) -> ModelRuntime:
         from octacloud.serving.errors import ModelConfigError
 
