@@ -17,10 +17,8 @@ import numpy as np
 import pytest
 
 from octacloud.serving import (
-    ControlMode,
     DataPlane,
     InferenceRequest,
-    ModelConfigError,
     ModelExecutionError,
     ModelRepository,
     Tensor,
@@ -301,75 +299,5 @@ async def test_a_model_no_instance_can_load_is_named_and_leaves_no_process(tmp_p
         errors = {e.name: e.reason for e in r.index() if e.state != "READY"}
         assert "onnxruntime cannot load it" in errors["broken"]
         assert not children() - before, "a compute process outlived the failed load, or was never reaped"
-    finally:
-        await r.close()
-
-
-@pytest.mark.parametrize("compute", ["replica", "process"])
-async def test_unloading_frees_the_model_off_the_loop(tmp_path: Path, compute: str) -> None:
-    """A model that takes long to free (a large one; in process mode, its child takes long to exit) does not
-    stall the replica's other models while it unloads."""
-    slow_close = 'parameters { key: "close_delay_ms" value { string_value: "2000" } }\n'
-    mode = f'parameters {{ key: "compute" value {{ string_value: "{compute}" }} }}\n'
-    write_fake_model(tmp_path, "large", "echo", extra=mode + slow_close)
-    write_fake_model(tmp_path, "other", "echo")
-    r = ModelRepository(
-        tmp_path,
-        control_mode=ControlMode.EXPLICIT,
-        runtimes=runtimes_with_fakes(FakeRuntimeFactory()),
-        threads=1,
-    )
-    await r.start(load=["*"])
-    dp = DataPlane(r)
-    try:
-        runtime = r.get("large").runtime
-        await dp.infer(InferenceRequest("large", [Tensor.of("INPUT0", np.ones((1, 4), np.float32))]))
-        unloading = asyncio.ensure_future(r.unload("large"))
-        await asyncio.sleep(0)
-        for i in range(5):  # served while the child frees its model
-            x = np.full((1, 4), i, np.float32)
-            answer = await dp.infer(InferenceRequest("other", [Tensor.of("INPUT0", x)]))
-            np.testing.assert_array_equal(answer.outputs[0].data, x)
-        assert not unloading.done(), "the other model waited for the unload"
-        await unloading
-        if isinstance(runtime, ComputeProcess):
-            assert all(wait_gone(p) for p in runtime.pids)
-        else:
-            assert runtime.closed  # type: ignore[attr-defined]
-    finally:
-        await r.close()
-
-
-@pytest.mark.parametrize("compute", ["replica", "process"])
-async def test_a_failed_warm_up_frees_the_model_off_the_loop(tmp_path: Path, compute: str) -> None:
-    """A version whose warm-up fails is freed (2 s here) while the loop goes on serving the other models."""
-    warm_up_fails = (
-        'model_warmup [ { name: "w" batch_size: 1 inputs { key: "INPUT0" value { data_type: TYPE_FP32 dims: [4] '
-        "random_data: true } } } ]\n"
-        'parameters { key: "close_delay_ms" value { string_value: "2000" } }\n'
-        f'parameters {{ key: "compute" value {{ string_value: "{compute}" }} }}\n'
-    )
-    write_fake_model(tmp_path, "bad", "error", extra=warm_up_fails)
-    write_fake_model(tmp_path, "other", "echo")
-    r = ModelRepository(
-        tmp_path,
-        control_mode=ControlMode.EXPLICIT,
-        runtimes=runtimes_with_fakes(FakeRuntimeFactory()),
-        threads=1,
-    )
-    await r.start(load=["other"])
-    dp = DataPlane(r)
-    try:
-        loading = asyncio.ensure_future(r.load("bad"))
-        longest, last = 0.0, time.monotonic()
-        while not loading.done():  # the other model answers all along
-            x = np.ones((1, 4), np.float32)
-            assert (await dp.infer(InferenceRequest("other", [Tensor.of("INPUT0", x)]))).outputs[0].data.sum() == 4
-            await asyncio.sleep(0.01)
-            now = time.monotonic()
-            longest, last = max(longest, now - last), now
-        with pytest.raises(ModelConfigError, match="warm-up failed"):
-            await loading
-        assert longest < 1.0, f"the loop stalled {longest:.1f} s while the failed version was freed"
     finally:
         await r.close()

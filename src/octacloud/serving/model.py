@@ -173,10 +173,13 @@ class ModelVersion:
             raise
         if not model.bytes_per_sample:  # the config's parameter wins, then the toolchain's profile
             model.bytes_per_sample = profile_bytes_per_sample(version_dir) or 0
-        try:
+        def ready_up() -> None:  # in a thread: a tokenizer takes 30-40 ms to load, a warm-up longer
             model.text = TextInput.load(version_dir, full)
             model.labels = load_labels(version_dir.parent, full)
-            await asyncio.to_thread(model._warm_up, version_dir.parent)
+            model._warm_up(version_dir.parent)
+
+        try:
+            await asyncio.to_thread(ready_up)
         except Exception as e:
             model._executor.shutdown(wait=False)
             await asyncio.to_thread(runtime.close)
