@@ -173,6 +173,7 @@ class ModelVersion:
             raise
         if not model.bytes_per_sample:  # the config's parameter wins, then the toolchain's profile
             model.bytes_per_sample = profile_bytes_per_sample(version_dir) or 0
+
         def ready_up() -> None:  # in a thread: a tokenizer takes 30-40 ms to load, a warm-up longer
             model.text = TextInput.load(version_dir, full)
             model.labels = load_labels(version_dir.parent, full)
