@@ -11,10 +11,10 @@ in ``parameters { key: "behaviour" value { string_value: "sum" } }``; pass :func
 | ``echo`` | ``INPUT0`` (any datatype of the config) → ``OUTPUT0`` = the input |
 | ``slow`` | like echo, after sleeping ``delay_ms`` (parameter, default 200) |
 | ``pid`` | ``INPUT0`` → ``OUTPUT0`` of its shape, every value the computing process's id (after ``delay_ms``) |
+| ``error`` | raises on every batch with a nonzero input (warm-up sends zeros, so it loads) |
 
 Any fake takes ``close_delay_ms`` (parameter, default 0): its ``close`` sleeps that long, as freeing a large
 model takes a while.
-| ``error`` | raises on every batch with a nonzero input (warm-up sends zeros, so it loads) |
 """
 
 from __future__ import annotations
