@@ -340,7 +340,6 @@ def up(
         _print_sample(cloud, deploy, base, f"{host}:{cloud.grpc_port}", state_dir / "admin.key")
         await cloud.serve_forever()
 
-    from octacloud.core.idlespin import GATEWAY_SPIN_ENV
     from octacloud.protocols.server import new_event_loop
 
     info = {"backend": "ray" if on_ray else "local", "ray_address": ray_address, "host": host}

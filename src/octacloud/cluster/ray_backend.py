@@ -49,6 +49,7 @@ from octacloud.core.model import Health, Node
 log = logging.getLogger("octacloud.ray")
 
 NAMESPACE = "octacloud"
+"""The Ray namespace of octacloud's actors (replicas are named, detached actors in it)."""
 FORWARDED_ENV = (REPLICA_SPIN_ENV,)
 """Variables of the cloud's environment that its replicas on Ray get too (local replicas inherit the whole
 environment; an actor gets only what its ``runtime_env`` names)."""
@@ -57,8 +58,6 @@ environment; an actor gets only what its ``runtime_env`` names)."""
 def forwarded_env() -> dict[str, str]:
     return {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
 
-
-"""The Ray namespace of octacloud's actors (replicas are named, detached actors in it)."""
 
 __all__ = ["FAST_FAILURE_DETECTION", "NAMESPACE", "QUIET_ENVIRONMENT", "RayFleet", "RayLauncher", "connect"]
 

@@ -391,10 +391,9 @@ def new_event_loop(spin_env: str = "") -> asyncio.AbstractEventLoop:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvicorn[standard] brings uvloop
-        plain = asyncio.new_event_loop()
-        idlespin.install(plain, window)
-        return plain
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        loop = asyncio.new_event_loop()
+    else:
+        loop = uvloop.new_event_loop()
     idlespin.install(loop, window)
     return loop
 
