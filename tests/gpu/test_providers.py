@@ -98,8 +98,8 @@ class _FakeBinding:
     def bind_cpu_input(self, name: str, array: object) -> None:
         self.inputs[name] = array
 
-    def bind_output(self, name: str, device: str) -> None:
-        self.outputs.append((name, device))
+    def bind_output(self, name: str, device: str, device_id: int = 0) -> None:
+        self.outputs.append((name, f"{device}:{device_id}"))
 
     def copy_outputs_to_cpu(self) -> list[object]:
         return [f"{name}@{device}" for name, device in self.outputs]
@@ -128,9 +128,10 @@ def test_gpu_batches_go_through_io_binding() -> None:
     runtime = OnnxRuntime.__new__(OnnxRuntime)
     session = _FakeSession()
     runtime._session = session  # type: ignore[assignment]
+    runtime._device_id = 1  # the second card of a two-card slice: the outputs stay on it
     x = np.ones((4, 16), dtype=np.float32)[:, ::2]  # not contiguous: binding needs a contiguous copy
     out = runtime._run_bound({"INPUT0": x}, ["OUTPUT0"])
-    assert out == ["OUTPUT0@cuda"]
+    assert out == ["OUTPUT0@cuda:1"]
     assert session.bound_runs == 1
     bound = session.binding.inputs["INPUT0"]
     assert isinstance(bound, np.ndarray)

@@ -9,7 +9,8 @@ with the protocol work while the child computes, and a model that crashes takes 
 buys is that isolation, not speed: each batch costs two wake-ups across processes, and on the machines measured
 (docs/serving.md) that cost more CPU than the compute it moved off the loop.
 
-One child per model instance: ``instance_group { count: N }`` starts N children, each loading its own copy of
+One child per model instance: ``instance_group { count: N }`` starts N children (on GPUs, N per card:
+``serving/instances.py``, each child on its instance's card), each loading its own copy of
 the model with the replica's thread budget divided among them (at least one thread each), and a batch goes to
 the child with the fewest batches in hand, so that up to N batches compute at once in N processes (no
 interpreter lock shared between them). N copies cost N times the model's memory.
@@ -86,11 +87,6 @@ def compute_mode(config: mc.ModelConfig) -> str:
     if value not in COMPUTE_VALUES:
         raise ModelConfigError(f"parameter {PARAM_COMPUTE!r} is {value!r}; choose one of {list(COMPUTE_VALUES)}")
     return value
-
-
-def instance_count(config: mc.ModelConfig) -> int:
-    """How many instances of the model the config asks for: the ``instance_group`` counts summed, at least 1."""
-    return sum(g.count for g in config.instance_group) or 1
 
 
 def _frame(message: tuple[Any, ...]) -> bytes:
@@ -345,13 +341,15 @@ class ComputeProcess:
         threads: int,
         name: str = "",
         instances: int = 1,
+        configs: Sequence[mc.ModelConfig] | None = None,
     ) -> None:
         self.name = name or version_dir.parent.name
-        load = ("load", factory, str(version_dir), config.SerializeToString(), threads)
+        # Each instance's config: its own place's where the instances are on GPUs (serving/instances.py).
+        each = list(configs) if configs else [config] * max(1, instances)
         self._children: list[_Child] = []
         try:
-            for _ in range(max(1, instances)):  # every child loads at once
-                child = _Child(load, self.name)
+            for own in each:  # every child loads at once
+                child = _Child(("load", factory, str(version_dir), own.SerializeToString(), threads), self.name)
                 child.spawn()
                 self._children.append(child)
             metas = [child.loaded() for child in self._children]

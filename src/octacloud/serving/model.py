@@ -22,8 +22,9 @@ from octacloud.serving.batching.batcher import Arrays, DynamicBatcher
 from octacloud.serving.batching.handoff import BatchHandoff
 from octacloud.serving.batching.policy import BatchingSettings
 from octacloud.serving.classification import load_labels
-from octacloud.serving.compute import ComputeProcess, compute_mode, instance_count
+from octacloud.serving.compute import ComputeProcess, compute_mode
 from octacloud.serving.errors import ModelConfigError, ModelNotReadyError
+from octacloud.serving.instances import PlacedRuntimes, factory_gpus, instance_plan, load_runtime, place_configs
 from octacloud.serving.memory import (
     MemoryProbe,
     default_probe,
@@ -84,7 +85,10 @@ class ModelVersion:
         *,
         clock: Clock | None = None,
         probe: MemoryProbe | None = None,
+        instances: int | None = None,
     ) -> None:
+        """``instances``: how many batches may compute at once (the instance plan's length, as
+        :meth:`load` finds it for the GPUs the replica sees; default: the config's counts, on the CPU)."""
         self.name = name
         self.version = version
         self.config = config
@@ -111,7 +115,7 @@ class ModelVersion:
             settings = dataclasses.replace(settings, isolate_tenants=True)
         self.isolates_requests = settings.isolate_requests
         self.isolates_tenants = settings.isolate_tenants
-        instances = instance_count(config)
+        instances = instances or len(instance_plan(config, 0))
         self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix=f"model-{name}")
         self._handoff = BatchHandoff(self._executor, instances)
         self._run_async = runtime.run_async if isinstance(runtime, ComputeProcess) else None
@@ -149,13 +153,20 @@ class ModelVersion:
     ) -> ModelVersion:
         """Load the runtime (in a thread), complete and check the config, warm up; READY on return."""
         try:
+            gpus = factory_gpus(factory)
+            plan = instance_plan(config, gpus)  # one place per instance: a GPU of the slice, or the CPU
             if compute_mode(config) == "process":
-                instances = instance_count(config)
                 runtime: ModelRuntime = await asyncio.to_thread(
-                    ComputeProcess, factory, version_dir, config, max(1, threads // instances), name, instances
+                    ComputeProcess,
+                    factory,
+                    version_dir,
+                    config,
+                    max(1, threads // len(plan)),
+                    name,
+                    configs=place_configs(config, plan, gpus),
                 )
             else:
-                runtime = await asyncio.to_thread(factory, version_dir, config, threads)
+                runtime = await asyncio.to_thread(load_runtime, factory, version_dir, config, threads, plan, gpus)
         except ModelConfigError:
             raise
         except Exception as e:
@@ -164,7 +175,7 @@ class ModelVersion:
             full = complete_config(
                 config, runtime.inputs, runtime.outputs, platform=factory.platform, backend=factory.backend
             )
-            model = cls(name, version, full, runtime, threads, clock=clock, probe=probe)
+            model = cls(name, version, full, runtime, threads, clock=clock, probe=probe, instances=len(plan))
         except Exception:
             await asyncio.to_thread(runtime.close)  # off the loop, as in unload
             raise
@@ -227,15 +238,17 @@ class ModelVersion:
     def _warm_up(self, model_dir: Path) -> None:
         """Run the config's ``model_warmup`` samples (or one zero batch), and measure bytes per sample."""
         batch_dims = 1 if self.max_batch_size > 0 else 0
+        # every instance warms up: a compute process's run goes to every child, PlacedRuntimes.warm to every place
+        run = self.runtime.warm if isinstance(self.runtime, PlacedRuntimes) else self.runtime.run
         for w in self.config.model_warmup:
             rows = max(1, w.batch_size) if batch_dims else 1
             arrays = {}
             for key, spec in w.inputs.items():
                 arrays[key] = self._warmup_array(model_dir, key, spec, rows if batch_dims else 0)
             for _ in range(max(1, w.count)):
-                self.runtime.run(arrays, self.output_names)
+                run(arrays, self.output_names)
         if not self.config.model_warmup:
-            self.runtime.run(self._zeros(1), self.output_names)
+            run(self._zeros(1), self.output_names)
         if batch_dims and not self.bytes_per_sample:
             rows = min(self.max_batch_size, WARMUP_MEASURE_ROWS)
             rss = self.runtime.resident_bytes if isinstance(self.runtime, ComputeProcess) else resident_bytes

@@ -16,7 +16,9 @@ is refused with a :class:`ModelConfigError` that names the missing provider and 
 run on the CPU.
 
 The CUDA provider gets the replica's memory budget (``$OCTACLOUD_MEMORY_BYTES``, the slice's share of the card)
-as ``gpu_mem_limit``, so the budget holds inside the replica even where no MPS daemon enforces it.
+as ``gpu_mem_limit``, so the budget holds inside the replica even where no MPS daemon enforces it. It opens on
+the GPU the config's instance group names (``gpus: [1]``), else on GPU 0; a model whose instances span several
+GPUs gets one runtime per GPU, each loaded with its own group (``instances.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ TRT_CACHE_ENV = "OCTACLOUD_TRT_CACHE"
 
 ProviderOptions = dict[str, str]
 
+GPU_KINDS = (mc.ModelInstanceGroup.KIND_GPU, mc.ModelInstanceGroup.KIND_AUTO, mc.ModelInstanceGroup.KIND_MODEL)
+"""Instance group kinds that compute on a GPU where one is visible."""
+
 
 @dataclass(frozen=True, slots=True)
 class ProviderChoice:
@@ -48,6 +53,8 @@ class ProviderChoice:
     providers: tuple[tuple[str, ProviderOptions], ...]
     device: str
     """``cuda`` when the first provider runs on a GPU, else ``cpu``."""
+    device_id: int = 0
+    """The GPU, as this process numbers them (``CUDA_VISIBLE_DEVICES`` renumbers a slice's cards from 0)."""
 
     @property
     def names(self) -> list[str]:
@@ -61,8 +68,36 @@ def gpu_visible(environ: Mapping[str, str] | None = None) -> bool:
     return value is None or value.strip() != ""
 
 
+def visible_gpu_count(environ: Mapping[str, str] | None = None) -> int:
+    """How many GPUs this process may use, as CUDA numbers them: the entries of ``CUDA_VISIBLE_DEVICES``, or
+    every GPU NVML finds when it is unset (1 when NVML cannot be asked); 0 when it is set and empty."""
+    env = os.environ if environ is None else environ
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is not None:
+        return len([d for d in value.split(",") if d.strip()])
+    try:
+        import pynvml  # nvidia-ml-py, in the GPU install set
+
+        pynvml.nvmlInit()
+    except Exception:  # ImportError, no NVML library, no driver: CUDA finds the GPUs itself
+        return 1
+    try:
+        return max(1, int(pynvml.nvmlDeviceGetCount()))
+    except Exception:
+        return 1
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def _kinds(config: mc.ModelConfig) -> set[int]:
     return {g.kind for g in config.instance_group}
+
+
+def config_device(config: mc.ModelConfig) -> int:
+    """The GPU a runtime loaded with ``config`` computes on: the one GPU its ``KIND_GPU``/``KIND_AUTO`` groups
+    name, else 0 (a config naming several GPUs for one runtime gets the first)."""
+    named = [d for g in config.instance_group if g.kind in GPU_KINDS for d in g.gpus]
+    return named[0] if named else 0
 
 
 def _accelerators(config: mc.ModelConfig) -> list[tuple[str, dict[str, str]]]:
@@ -108,8 +143,9 @@ def choose_providers(
         raise ModelConfigError(f"{name} asks for a GPU ({asks}) but {why}")
     if not cuda:
         return ProviderChoice(((CPU, {}),), "cpu")
+    device = config_device(config)  # the instance group's GPU (instances.py); CUDA_VISIBLE_DEVICES numbers from 0
     cuda_options: ProviderOptions = {
-        "device_id": "0",  # CUDA_VISIBLE_DEVICES renumbers the slice's card to 0
+        "device_id": str(device),
         "arena_extend_strategy": "kSameAsRequested",
         "cudnn_conv_algo_search": "HEURISTIC",
         "do_copy_in_default_stream": "1",
@@ -125,16 +161,18 @@ def choose_providers(
                     f"has no {TENSORRT}; install TensorRT's wheels next to octacloud's GPU set, or drop the "
                     "accelerator from the config to run on CUDA"
                 )
-            chosen.append((TENSORRT, _trt_options(params, memory_budget, trt_cache)))
+            chosen.append((TENSORRT, _trt_options(params, memory_budget, trt_cache, device)))
     chosen.append((CUDA, cuda_options))
     chosen.append((CPU, {}))
-    return ProviderChoice(tuple(chosen), "cuda")
+    return ProviderChoice(tuple(chosen), "cuda", device)
 
 
-def _trt_options(params: Mapping[str, str], memory_budget: int | None, cache: Path | None) -> ProviderOptions:
+def _trt_options(
+    params: Mapping[str, str], memory_budget: int | None, cache: Path | None, device: int = 0
+) -> ProviderOptions:
     folder = cache or Path(os.environ.get(TRT_CACHE_ENV) or Path.home() / ".cache" / "octacloud" / "tensorrt")
     options: ProviderOptions = {
-        "device_id": "0",
+        "device_id": str(device),
         "trt_engine_cache_enable": "True",
         "trt_engine_cache_path": str(folder),
     }

@@ -14,7 +14,7 @@ import numpy.typing as npt
 from octacloud.serving.errors import ModelConfigError
 from octacloud.serving.memory import MEMORY_ENV
 from octacloud.serving.onnxops import couples_rows
-from octacloud.serving.providers import CPU, ProviderChoice, choose_providers, gpu_visible
+from octacloud.serving.providers import CPU, CUDA, ProviderChoice, choose_providers, gpu_visible, visible_gpu_count
 from octacloud.serving.repository.config import ONNX_BACKEND, ONNX_PLATFORM, ModelConfig
 from octacloud.serving.types import TensorMetadata
 
@@ -124,6 +124,7 @@ class OnnxRuntime:
                 "missing); the replica refuses to fall back to the CPU silently"
             )
         self._device = choice.device
+        self._device_id = choice.device_id
         self._inputs = tuple(self._meta(x) for x in self._session.get_inputs())
         self._outputs = tuple(self._meta(x) for x in self._session.get_outputs())
         self._string_inputs = {t.name for t in self._inputs if t.datatype == "BYTES"}
@@ -173,7 +174,7 @@ class OnnxRuntime:
         for name, array in feed.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(array))
         for name in outputs:
-            binding.bind_output(name, "cuda")
+            binding.bind_output(name, "cuda", self._device_id)
         self._session.run_with_iobinding(binding)
         return list(binding.copy_outputs_to_cpu())
 
@@ -192,15 +193,23 @@ class OnnxRuntimeFactory:
     def __init__(self, available: Sequence[str] | None = None) -> None:
         self._available = available
 
-    def choice(self, config: ModelConfig) -> ProviderChoice:
+    def available(self) -> Sequence[str]:
         if self._available is None:
             import onnxruntime as ort
 
-            available: Sequence[str] = ort.get_available_providers()
-        else:
-            available = self._available
+            return list(ort.get_available_providers())
+        return self._available
+
+    def choice(self, config: ModelConfig) -> ProviderChoice:
         budget = int(os.environ.get(MEMORY_ENV, "0") or 0)
-        return choose_providers(config, available, visible=gpu_visible(), memory_budget=budget or None)
+        return choose_providers(config, self.available(), visible=gpu_visible(), memory_budget=budget or None)
+
+    def gpus(self) -> int:
+        """How many GPUs a model loaded here may compute on (``serving/instances.py`` places its instances on
+        them): 0 without onnxruntime's CUDA provider or on a CPU slice."""
+        if CUDA not in self.available() or not gpu_visible():
+            return 0
+        return visible_gpu_count()
 
     def __call__(self, version_dir: Path, config: ModelConfig, threads: int) -> ModelRuntime:
         path = version_dir / (config.default_model_filename or "model.onnx")

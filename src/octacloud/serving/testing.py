@@ -11,10 +11,12 @@ in ``parameters { key: "behaviour" value { string_value: "sum" } }``; pass :func
 | ``echo`` | ``INPUT0`` (any datatype of the config) → ``OUTPUT0`` = the input |
 | ``slow`` | like echo, after sleeping ``delay_ms`` (parameter, default 200) |
 | ``pid`` | ``INPUT0`` → ``OUTPUT0`` of its shape, every value the computing process's id (after ``delay_ms``) |
+| ``device`` | like ``pid``, every value the GPU the fake was placed on (-1: the CPU) |
 | ``error`` | raises on every batch with a nonzero input (warm-up sends zeros, so it loads) |
 
 Any fake takes ``close_delay_ms`` (parameter, default 0): its ``close`` sleeps that long, as freeing a large
-model takes a while.
+model takes a while. ``FakeRuntimeFactory(gpus=N)`` pretends the replica sees N GPUs: instances are then placed
+on them as on a GPU host (``serving/instances.py``), and each fake records the GPU its config put it on.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from octacloud.serving.providers import GPU_KINDS, config_device
 from octacloud.serving.repository.config import ModelConfig, datatype_of_enum, parameter
 from octacloud.serving.runtime import Arrays, ModelRuntime, RuntimeFactory, default_runtimes
 from octacloud.serving.types import TensorMetadata
@@ -47,8 +50,11 @@ class FakeRuntime:
         outputs: Sequence[TensorMetadata],
         delay_s: float = 0.0,
         close_delay_s: float = 0.0,
+        gpu: int | None = None,
     ) -> None:
         self.behaviour = behaviour
+        self.gpu = gpu
+        """The GPU the config placed it on (``FakeRuntimeFactory(gpus=N)``), None for the CPU."""
         self.close_delay_s = close_delay_s
         self._inputs = tuple(inputs)
         self._outputs = tuple(outputs)
@@ -79,9 +85,10 @@ class FakeRuntime:
             raise RuntimeError("the fake model failed on purpose")
         if self.delay_s:
             time.sleep(self.delay_s)
-        if self.behaviour == "pid":
+        if self.behaviour in ("pid", "device"):
             first = next(iter(inputs.values()))
-            return dict.fromkeys(outputs, np.full(first.shape, os.getpid(), first.dtype))
+            value = os.getpid() if self.behaviour == "pid" else (-1 if self.gpu is None else self.gpu)
+            return dict.fromkeys(outputs, np.full(first.shape, value, first.dtype))
         sums = self.behaviour == "sum"
         result = inputs["INPUT0"] + inputs["INPUT1"] if sums else next(iter(inputs.values()))
         return dict.fromkeys(outputs, result)
@@ -98,8 +105,13 @@ class FakeRuntimeFactory:
     platform = "fake"
     backend = FAKE_BACKEND
 
-    def __init__(self) -> None:
+    def __init__(self, gpus: int = 0) -> None:
         self.created: list[FakeRuntime] = []
+        self.visible_gpus = gpus
+
+    def gpus(self) -> int:
+        """How many GPUs the fake replica pretends to see."""
+        return self.visible_gpus
 
     def __getstate__(self) -> dict[str, Any]:
         """What a compute process gets (``compute: "process"`` pickles the factory): not the runtimes created
@@ -119,7 +131,9 @@ class FakeRuntimeFactory:
 
         delay = float(parameter(config, "delay_ms") or (200 if behaviour == "slow" else 0)) / 1000
         close_delay = float(parameter(config, "close_delay_ms") or 0) / 1000
-        runtime = FakeRuntime(behaviour, meta(config.input), meta(config.output), delay, close_delay)
+        on_gpu = self.visible_gpus > 0 and any(g.kind in GPU_KINDS for g in config.instance_group)
+        gpu = config_device(config) if on_gpu else None
+        runtime = FakeRuntime(behaviour, meta(config.input), meta(config.output), delay, close_delay, gpu)
         self.created.append(runtime)
         return runtime
 
