@@ -56,6 +56,29 @@ async def test_a_crash_restarts_after_the_back_off_at_a_health_tick(tmp_path: Pa
     assert h.replicas("a")[0].state is ReplicaState.STARTING
 
 
+async def test_the_gateway_hears_a_crashed_replica_is_gone_and_a_drained_one_is_not(tmp_path: Path) -> None:
+    """A replica whose process exits is dropped from the routes as *gone* (the gateway ends what it has in flight
+    there at once, to retry it elsewhere); one scaled away is dropped and drains."""
+    h = Harness(tmp_path)
+    h.controller.deploy(DeploymentSpec("a", "m", octants=4, min_replicas=1, max_replicas=2))
+    h.controller.scale("a", 2)
+    await h.reconcile()
+    await h.health()
+    assert len(h.ready("a")) == 2
+    gone: list[str] = []
+    dropped: list[str] = []
+    h.routes.on_gone.append(lambda e: gone.append(e.replica_id))
+    h.routes.on_drop.append(lambda e: dropped.append(e.replica_id))
+    h.controller.scale("a", 1)
+    await h.controller.reconcile()
+    await h.settle()
+    (kept,) = h.ready("a")
+    assert gone == [] and len(dropped) == 1 and kept.id not in dropped  # the one scaled away drained: not gone
+    h.launcher.crash(kept.id)
+    await h.health()
+    assert gone == [kept.id] and dropped[1:] == [kept.id]
+
+
 async def test_a_model_that_fails_to_load_fails_at_once_with_an_event(tmp_path: Path) -> None:
     h = Harness(tmp_path)
     h.deploy("a")

@@ -52,6 +52,26 @@ def test_snapshot_round_trip_keeps_live_endpoint_state() -> None:
     assert r1.failures == 0
 
 
+def test_a_replica_found_dead_is_gone_in_each_worker_too() -> None:
+    """The main table's ``gone`` reaches a worker with the next snapshot: the worker drops the endpoint and reports
+    it gone (its REST front ends what it has in flight there), once; an older snapshot without ``gone`` applies."""
+    main, worker = main_table(), RouteTable()
+    apply_snapshot(worker, route_snapshot(main))
+    seen: list[str] = []
+    worker.on_drop.append(lambda e: seen.append(f"drop {e.replica_id}"))
+    worker.on_gone.append(lambda e: seen.append(f"gone {e.replica_id}"))
+    main.drop_endpoint("r1", gone=True)
+    main.drop_endpoint("r2")
+    snapshot = json.loads(json.dumps(route_snapshot(main)))
+    assert snapshot["gone"] == ["r1"]
+    apply_snapshot(worker, snapshot)
+    apply_snapshot(worker, snapshot)  # the same news twice: reported once
+    assert seen == ["drop r1", "gone r1", "drop r2"] and worker.routes["a"] == []
+    older = {k: v for k, v in route_snapshot(main_table()).items() if k != "gone"}
+    apply_snapshot(worker, older)
+    assert [e.replica_id for e in worker.routes["a"]] == ["r1", "r2"]
+
+
 @pytest.mark.parametrize(
     "snapshot",
     [
@@ -61,6 +81,8 @@ def test_snapshot_round_trip_keeps_live_endpoint_state() -> None:
         {"routes": {"a": [["r1", "h", 1]]}, "owners": {}, "inflight": {}},
         {"routes": {}, "owners": {"a": ["acme", "yes"]}, "inflight": {}},
         {"routes": {}, "owners": {}, "inflight": {"a": True}},
+        {"routes": {}, "owners": {}, "inflight": {}, "gone": "r1"},
+        {"routes": {}, "owners": {}, "inflight": {}, "gone": [1]},
     ],
 )
 def test_malformed_snapshot_changes_nothing(snapshot: dict[str, object]) -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from octacloud.cluster.gateway.grpc_proxy import model_name
 from octacloud.cluster.gateway.routing import (
+    GONE_MEMORY_S,
     MAX_CONSECUTIVE_FAILURES,
     Endpoint,
     NotAdmitted,
@@ -144,6 +145,22 @@ def test_dropped_endpoints_are_reported() -> None:
     table.update("m", [Endpoint("b", "127.0.0.1", 3, 4)])
     table.drop_endpoint("b")
     assert dropped == ["a", "b"]
+
+
+def test_a_replica_found_dead_is_reported_gone_after_its_drop_and_one_stopped_on_purpose_is_not() -> None:
+    now = [100.0]
+    table = RouteTable(now=lambda: now[0])
+    seen: list[str] = []
+    table.on_drop.append(lambda e: seen.append(f"drop {e.replica_id}"))
+    table.on_gone.append(lambda e: seen.append(f"gone {e.replica_id}"))
+    table.update("m", [Endpoint("a", "127.0.0.1", 1, 2), Endpoint("b", "127.0.0.1", 3, 4)])
+    table.drop_endpoint("a")  # drained and stopped: what it has in flight finishes
+    table.drop_endpoint("b", gone=True)  # its process died
+    assert seen == ["drop a", "drop b", "gone b"] and table.routes == {"m": []}
+    assert table.gone == {"b": 100.0}
+    now[0] += GONE_MEMORY_S + 1
+    table.drop_endpoint("c")
+    assert table.gone == {}  # remembered only as long as workers need to hear of it
 
 
 def test_the_in_flight_bound_scales_with_ready_replicas_and_can_be_set_per_deployment() -> None:

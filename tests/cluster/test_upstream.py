@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 import uvicorn
 
-from octacloud.cluster.gateway.upstream import UpstreamError, UpstreamPool
+from octacloud.cluster.gateway.upstream import ReplicaGone, UpstreamError, UpstreamPool
 
 
 class _Server:
@@ -293,3 +293,41 @@ def test_the_pool_works_on_uvloop() -> None:
         return first.body, second.body
 
     assert uvloop.run(run()) == (b"uv", b"loop")
+
+
+async def test_an_exchange_with_a_replica_found_dead_ends_at_once_and_is_not_retried_there() -> None:
+    """A replica that took the request and will never answer (its process died, the connection lingers): once the
+    controller finds it dead, the exchange ends with ReplicaGone within the loop's turn, not at the timeout, and
+    the pool does not send it to the same replica again on a fresh connection."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(_ok(b"first"))  # the first request is answered: the connection goes back to the pool
+        await reader.readuntil(b"\r\n\r\n")  # the second is read and never answered
+        await asyncio.sleep(60)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = UpstreamPool()
+    try:
+        assert (await pool.request("127.0.0.1", port, b"GET", b"/", [], b"", timeout=5)).body == b"first"
+        assert pool.idle_connections() == 1
+        exchange = asyncio.ensure_future(pool.request("127.0.0.1", port, b"GET", b"/", [], b"", timeout=30))
+        await asyncio.sleep(0.1)
+        assert not exchange.done()
+        assert pool.abandon("127.0.0.1", 9, "unrelated") == 0  # another replica's address: nothing ends
+        started = asyncio.get_running_loop().time()
+        assert pool.abandon("127.0.0.1", port, "the controller found it stopped") == 1
+        with pytest.raises(ReplicaGone, match="the controller found it stopped"):
+            await exchange
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert len(accepted) == 1 and pool.idle_connections() == 0
+        assert pool.abandon("127.0.0.1", port, "again") == 0  # nothing left in flight
+    finally:
+        await pool.close()
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()

@@ -475,7 +475,7 @@ class Controller:
             if r.replaces:  # a replacement that was starting there: rolled back
                 self.executor.failed(r, why, kill=True)
                 continue
-            w.unroute(r.id)  # first: the gateway stops routing to it at once
+            w.unroute(r.id, gone=True)  # first: the gateway stops routing to it, and ends what is in flight there
             if r.handle:
                 self.executor.kill(r.handle)
             w.release(r.id)

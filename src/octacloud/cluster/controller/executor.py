@@ -142,7 +142,7 @@ class Executor:
         """``r`` died or will never be ready: stop routing to it; restart it with back-off, or (a surge replica)
         roll its replacement back. ``kill``: its process may still run and is stopped in the background."""
         w = self.w
-        w.unroute(r.id)
+        w.unroute(r.id, gone=True)
         if kill and r.handle:
             self.kill(r.handle)
         if r.replaces:

@@ -205,8 +205,9 @@ class World:
         ]
         self.routes.update(deployment, ready)
 
-    def unroute(self, replica_id: str) -> list[Endpoint]:
-        """Stop routing new requests to ``replica_id`` at once; returns its endpoints (to watch them drain)."""
+    def unroute(self, replica_id: str, gone: bool = False) -> list[Endpoint]:
+        """Stop routing new requests to ``replica_id`` at once; returns its endpoints (to watch them drain).
+        ``gone``: it died, so the gateway ends what it has in flight there at once (to retry it elsewhere)."""
         found = [e for endpoints in self.routes.routes.values() for e in endpoints if e.replica_id == replica_id]
-        self.routes.drop_endpoint(replica_id)
+        self.routes.drop_endpoint(replica_id, gone=gone)
         return found

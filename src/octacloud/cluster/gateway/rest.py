@@ -155,6 +155,7 @@ class RestGateway:
         self._internal = [(HEADER_BYTES, internal_secret.encode())] if internal_secret else []
         """Added to every request forwarded to a replica: it proves the request comes from this cloud."""
         routes.on_drop.append(lambda e: self.pool.forget(e.host, e.http_port))
+        routes.on_gone.append(self._abandon)
         self._bridge = AsgiBridge(self)
 
     async def serve_http1(self, request: Http1Request) -> None:
@@ -234,6 +235,13 @@ class RestGateway:
         finally:
             counters.outstanding -= 1
             counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
+
+    def _abandon(self, endpoint: Endpoint) -> None:
+        """The controller found ``endpoint``'s replica dead: what is in flight there is retried elsewhere now."""
+        ended = self.pool.abandon(endpoint.host, endpoint.http_port, "the controller found it stopped")
+        if ended:
+            log.warning("replica %s stopped with %d request(s) in flight: retried on another replica",
+                        endpoint.replica_id, ended)  # fmt: skip
 
     async def _attempts(
         self,

@@ -77,6 +77,9 @@ class NotAdmitted:
 
 MAX_CONSECUTIVE_FAILURES = 3
 
+GONE_MEMORY_S = 30.0
+"""How long the route table remembers a replica found dead (long enough for every gateway worker to hear)."""
+
 
 @dataclass(frozen=True, slots=True)
 class OutlierPolicy:
@@ -118,6 +121,13 @@ class RouteTable:
     never keeps the batcher from filling its batches."""
     on_drop: list[Callable[[Endpoint], None]] = field(default_factory=list)
     """Called with each endpoint the table stops routing to (the front ends close their connections to it)."""
+    on_gone: list[Callable[[Endpoint], None]] = field(default_factory=list)
+    """Called, after ``on_drop``, with each endpoint whose replica the controller found dead: nothing in flight to
+    it will be answered (the REST front ends those exchanges at once, to retry them elsewhere). A replica
+    stopped on purpose is dropped without this: what it has in flight drains."""
+    gone: dict[str, float] = field(default_factory=dict)
+    """Replica id → when it was found dead (the route table's clock), for :data:`GONE_MEMORY_S` (gateway
+    workers learn of it from the route snapshots)."""
 
     def update(self, deployment: str, endpoints: Iterable[Endpoint]) -> None:
         """Set the ready endpoints of ``deployment``, keeping the live counts of endpoints that stay."""
@@ -138,11 +148,23 @@ class RouteTable:
         self._dropped(self.routes.pop(deployment, []))
         self.owners.pop(deployment, None)
 
-    def drop_endpoint(self, replica_id: str) -> None:
-        """Stop routing to a replica at once (it died or is being stopped)."""
+    def drop_endpoint(self, replica_id: str, gone: bool = False) -> None:
+        """Stop routing to a replica at once: it is being stopped, or (``gone``) it died."""
+        now = self.now()
+        if gone:
+            self.gone[replica_id] = now
+        for stale in [k for k, at in self.gone.items() if now - at > GONE_MEMORY_S]:
+            del self.gone[stale]
         for name, endpoints in self.routes.items():
+            dropped = [e for e in endpoints if e.replica_id == replica_id]
+            if not dropped:
+                continue
             self.routes[name] = [e for e in endpoints if e.replica_id != replica_id]
-            self._dropped(e for e in endpoints if e.replica_id == replica_id)
+            self._dropped(dropped)
+            if gone:
+                for e in dropped:
+                    for callback in self.on_gone:
+                        callback(e)
 
     def _dropped(self, endpoints: Iterable[Endpoint]) -> None:
         for e in endpoints:

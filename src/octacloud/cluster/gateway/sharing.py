@@ -25,12 +25,20 @@ from typing import Any
 
 from octacloud.cluster.auth.keys import Quota
 from octacloud.cluster.auth.limits import RateLimiter, TokenBucket
-from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, Owner, RouteTable, TenantTraffic
+from octacloud.cluster.gateway.routing import (
+    GONE_MEMORY_S,
+    DeploymentCounters,
+    Endpoint,
+    Owner,
+    RouteTable,
+    TenantTraffic,
+)
 from octacloud.core.clock import Clock
 
 Snapshot = dict[str, Any]
 """``{"routes": {deployment: [[replica_id, host, http_port, grpc_port], ...]}, "owners": {deployment: [tenant,
-published]}, "inflight": {deployment: per_replica}}``: JSON-ready."""
+published]}, "inflight": {deployment: per_replica}, "gone": [replica_id, ...]}``: JSON-ready. ``gone``: the
+replicas found dead lately (``RouteTable.gone``), whose exchanges in flight a worker ends at once."""
 
 
 class ShareError(ValueError):
@@ -46,6 +54,7 @@ def route_snapshot(table: RouteTable) -> Snapshot:
         },
         "owners": {name: [o.tenant, o.published] for name, o in table.owners.items()},
         "inflight": dict(table.inflight_per_replica),
+        "gone": [rid for rid, at in table.gone.items() if table.now() - at <= GONE_MEMORY_S],
     }
 
 
@@ -66,6 +75,12 @@ def apply_snapshot(table: RouteTable, snapshot: Snapshot) -> None:
             raise ShareError(f"owner of {name!r} is not [tenant, published]")
         new_owners[_text(name)] = Owner(_text(owner[0]), owner[1])
     new_inflight = {_text(name): _count(n) for name, n in inflight.items()}
+    gone = snapshot.get("gone", [])  # absent in a snapshot of an older main process
+    if not (isinstance(gone, list) and all(isinstance(g, str) for g in gone)):
+        raise ShareError("gone is not a list of replica ids")
+    for replica_id in gone:
+        if replica_id not in table.gone:  # found dead since the last snapshot: end what is in flight to it
+            table.drop_endpoint(replica_id, gone=True)
     for name in [n for n in table.routes if n not in parsed]:
         table.remove(name)
     for name, endpoints in parsed.items():

@@ -13,7 +13,10 @@ connection reads the previous one's answer (another tenant's). So:
   and not one byte more arrived; bytes that arrive on an idle connection close it.
 
 A transport failure (refused, reset, closed before a full answer) raises :class:`UpstreamError`, which the
-gateway answers by retrying on another replica: OIP inference is idempotent.
+gateway answers by retrying on another replica: OIP inference is idempotent. A replica the controller found
+dead is *abandoned* (:meth:`UpstreamPool.abandon`): the exchanges in flight to it end at once with
+:class:`ReplicaGone` and are retried elsewhere, instead of waiting out the request timeout on a connection the
+kernel may never close (one accepted by a listener that died with the replica, but not yet by the replica).
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from octacloud.core.idlespin import poke
 
 class UpstreamError(Exception):
     """The replica could not be reached or dropped the connection before answering."""
+
+
+class ReplicaGone(UpstreamError):
+    """The replica was found dead while the exchange waited for its answer (never retried on the same one)."""
 
 
 @dataclass(slots=True)
@@ -198,6 +205,13 @@ class _Connection(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
 
+    def abandon(self, why: str) -> None:
+        """The replica is gone: the exchange in flight (if any) ends with :class:`ReplicaGone`, and the connection
+        closes."""
+        if not self._done:
+            self._fail(ReplicaGone(f"replica {self.label}: {why}"))
+        self.close()
+
     def _timed_out(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_exception(TimeoutError())
@@ -255,6 +269,8 @@ class UpstreamPool:
         """Internal TLS: connections are TLS, the replica's certificate checked against this context's CA and
         the address dialled (or the ``server_name`` a request names)."""
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._busy: dict[tuple[str, int], set[_Connection]] = {}
+        """Connections with an exchange in flight, by replica address (for :meth:`abandon`)."""
         self.max_idle = max_idle_per_host
         self.connect_timeout = connect_timeout
         self.sweep_s = sweep_s
@@ -286,6 +302,8 @@ class UpstreamPool:
         if conn is not None:
             try:
                 return await self._exchange(key, conn, wire, head_only, timeout)
+            except ReplicaGone:
+                raise
             except UpstreamError:
                 pass  # a pooled connection the replica closed while idle: try once on a fresh one
         conn = await self._connect(host, port, server_name)
@@ -316,11 +334,19 @@ class UpstreamPool:
     async def _exchange(
         self, key: tuple[str, int], conn: _Connection, wire: bytes, head_only: bool, timeout: float | None
     ) -> Response:
+        busy = self._busy.get(key)
+        if busy is None:
+            busy = self._busy[key] = set()
+        busy.add(conn)
         try:
             response = await conn.exchange(wire, head_only, timeout)
         except BaseException:  # failed, timed out or cancelled: the answer's end is unknown
             conn.close()
             raise
+        finally:
+            busy.discard(conn)
+            if not busy and self._busy.get(key) is busy:
+                del self._busy[key]
         if conn.reusable:
             conn.idle()
             idle = self._idle.setdefault(key, [])
@@ -354,6 +380,15 @@ class UpstreamPool:
         """Close idle connections to a replica that went away (the route table calls this when it drops one)."""
         for conn in self._idle.pop((host, port), []):
             conn.close()
+
+    def abandon(self, host: str, port: int, why: str) -> int:
+        """A replica found dead: close its idle connections, and end each exchange in flight to it with
+        :class:`ReplicaGone` (the caller retries it on another replica); returns how many were in flight."""
+        self.forget(host, port)
+        busy = list(self._busy.get((host, port), ()))
+        for conn in busy:
+            conn.abandon(why)
+        return len(busy)
 
     async def close(self) -> None:
         conns = [conn for idle in self._idle.values() for conn in idle]
