@@ -187,3 +187,69 @@ def test_a_process_that_takes_a_killed_replicas_port_gets_none_of_its_traffic(
         impostor.stop()
     assert outcomes.count(200) > 20
     assert stats["model_stats"][0]["inference_count"] == 0, stats  # the newcomer answered none of them
+
+
+def _steal_fd(pid: int, fd: int) -> socket.socket:
+    """A copy of process ``pid``'s socket at ``fd`` (``pidfd_getfd``, Linux 5.6+), as a child it had leaked the
+    socket to would hold it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = os.pidfd_open(pid)
+    try:
+        copy = libc.syscall(438, pidfd, fd, 0)  # SYS_pidfd_getfd on x86-64 and arm64
+    finally:
+        os.close(pidfd)
+    if copy < 0:
+        pytest.skip(f"pidfd_getfd is not allowed here: errno {ctypes.get_errno()}")
+    return socket.socket(fileno=copy)
+
+
+def test_requests_a_dead_replica_took_but_the_kernel_never_resets_are_retried_at_once(
+    cloud: CloudThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kill -9 resets a replica's connections, except those its listener had queued and it had not accepted yet
+    when its listener outlives it: here this test holds a copy of the listener, as a child the replica leaked it
+    to would; under load the same happens without one, rarely. The controller finds the replica dead and marks it
+    gone; the gateway then retries what it had in flight there on the other replica, at once: every request is
+    answered well before the gateway's request timeout (20 s here), none waits it out."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = make_tenant(cloud, "a")
+    spec = {"name": "lin", "model": "linear", "min_replicas": 2, "max_replicas": 2}
+    assert call(cloud, key, "POST", "/admin/deployments", spec).status_code == 201
+    wait_until("two ready replicas", lambda: len(ready_ids(cloud, "lin")) == 2)
+    victim = cloud.deployment("lin")["instances"][0]
+    listener = _steal_fd(victim["pid"], 3)  # the launcher hands the REST socket at fd 3
+    assert listener.getsockname()[1] == victim["http_port"]
+    cloud.cloud.rest_gateway.request_timeout = 20
+    stop = threading.Event()
+    outcomes: list[tuple[int, float]] = []
+
+    def load() -> None:
+        with httpx.Client(timeout=15) as client:
+            while not stop.is_set():
+                started = time.monotonic()
+                r = client.post(
+                    f"{cloud.url}/v2/models/lin/infer", json=BODY, headers={"Authorization": f"Bearer {key}"}
+                )
+                outcomes.append((r.status_code, time.monotonic() - started))
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(load) for _ in range(4)]
+            time.sleep(0.5)
+            os.kill(victim["pid"], signal.SIGSTOP)  # requests pile up on it, some on new connections in its queue
+            time.sleep(0.5)
+            os.kill(victim["pid"], signal.SIGKILL)
+            time.sleep(2.0)
+            stop.set()
+            for f in futures:
+                f.result(timeout=30)  # a client timeout (15 s) raises here
+    finally:
+        listener.close()
+    assert len(outcomes) > 20
+    assert all(status == 200 for status, _ in outcomes), [o for o in outcomes if o[0] != 200][:3]
+    assert max(elapsed for _, elapsed in outcomes) < 10, sorted(elapsed for _, elapsed in outcomes)[-3:]
+    assert "request(s) in flight: retried on another replica" in caplog.text
