@@ -324,3 +324,46 @@ def test_a_replica_address_taken_by_another_replica_is_retried_not_answered_from
             await b.kill()
 
     run(go)
+
+
+def test_a_replica_dropped_on_purpose_answers_its_calls_in_flight_and_one_found_dead_does_not() -> None:
+    """Scale-down, move, rollout drop a replica from the routes while it still runs: the calls it holds are
+    answered by it (not cut and computed again elsewhere). A replica the controller found dead is dropped as
+    gone: its calls in flight go to the other replica at once."""
+
+    async def go() -> None:
+        front, port, (a, b), routes = await setup()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                pending = [asyncio.ensure_future(call(channel, request(f"s{i}", 0.5))) for i in range(6)]
+                for _ in range(200):
+                    if a.slow and b.slow:
+                        break
+                    await asyncio.sleep(0.01)
+                held = a.slow
+                assert held and b.slow
+                routes.drop_endpoint("a")  # stopped on purpose: it drains
+                done = await asyncio.gather(*pending)
+                assert all(isinstance(x, pb.ModelInferResponse) for x in done), done
+                assert sum(x.id.startswith("a:") for x in done) == held  # type: ignore[union-attr]
+                assert len(a.seen) == held  # none computed twice
+
+                routes.update("lin", [Endpoint("a", "127.0.0.1", 1, a.port), Endpoint("b", "127.0.0.1", 1, b.port)])
+                pending = [asyncio.ensure_future(call(channel, request(f"t{i}", 2.0))) for i in range(6)]
+                for _ in range(200):
+                    if a.slow and b.slow:
+                        break
+                    await asyncio.sleep(0.01)
+                assert a.slow and b.slow
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                routes.drop_endpoint("a", gone=True)  # found dead (here it still runs: only the gateway reacts)
+                done = await asyncio.gather(*pending)
+                assert all(isinstance(x, pb.ModelInferResponse) and x.id.startswith("b:") for x in done), done
+                assert loop.time() - started < 3.9  # retried at once on b (2 s), not after a's answer (2 s) plus b's
+        finally:
+            await a.kill()
+            await b.kill()
+            await front.stop(0.5)
+
+    run(go)

@@ -532,3 +532,37 @@ def test_turn_output_write_now_keeps_the_order_of_what_was_queued_and_schedules_
         assert writes == [b"alone", b"queued then this"]
 
     run(go)
+
+
+def test_a_drained_channel_finishes_its_calls_in_flight_then_closes() -> None:
+    """``drain`` (a replica stopped on purpose): the call in flight is answered, no new call is taken, and the
+    connection closes once it is done; ``close`` (a replica found dead) ends a call in flight at once."""
+
+    async def go() -> None:
+        async with serving() as (_, _, port):
+            channel = Channel("127.0.0.1", port)
+            slow = asyncio.ensure_future(channel.call("/t.T/Slow", GOOD, b"0.5", 5))
+            await asyncio.sleep(0.1)
+            assert channel.open_connections == 1
+            channel.drain()
+            assert channel.open_connections == 1  # still answering
+            with pytest.raises(Unreachable):
+                await channel.call(PATH, GOOD, b"ab", 5)  # no new call
+            assert (await slow).message == b"late"
+            for _ in range(100):
+                if not channel.open_connections:
+                    break
+                await asyncio.sleep(0.01)
+            assert channel.open_connections == 0
+
+            other = Channel("127.0.0.1", port)
+            cut = asyncio.ensure_future(other.call("/t.T/Slow", GOOD, b"5", 10))
+            await asyncio.sleep(0.1)
+            started = time.monotonic()
+            other.drain()
+            other.close()
+            with pytest.raises(Unreachable):
+                await cut
+            assert time.monotonic() - started < 1.0
+
+    run(go)

@@ -137,10 +137,13 @@ class GrpcGateway:
         ``h2``, ``http/1.1`` is set on it); None: plain text (replicas on loopback)."""
         self._internal = ((HEADER, internal_secret),) if internal_secret else ()
         self._channels: dict[tuple[str, int], Channel] = {}
+        self._draining: dict[tuple[str, int], Channel] = {}
+        """Channels to replicas dropped from the routes, finishing their calls in flight."""
         self._named: dict[str, bytes] = {}
         """Each replica's ``x-octacloud-replica`` field, encoded once."""
         self._per_model = frozenset(f"/{SERVICE}/{name}" for name in PER_MODEL)
         routes.on_drop.append(self._forget)
+        routes.on_gone.append(self._gone)
 
     def methods(self) -> dict[str, Method]:
         """Every method the gateway serves, by HTTP/2 path: raw (the message stays bytes)."""
@@ -238,9 +241,22 @@ class GrpcGateway:
         return block
 
     def _forget(self, endpoint: Endpoint) -> None:
-        """Close the connections to a replica the route table dropped."""
+        """A replica the route table dropped: no new call goes to it, and its connections close once the calls in
+        flight there are answered (a replica stopped on purpose drains them)."""
         self._named.pop(endpoint.replica_id, None)
-        channel = self._channels.pop((endpoint.host, endpoint.grpc_port), None)
+        for key in [k for k, c in self._draining.items() if not c.open_connections]:
+            del self._draining[key]
+        key = (endpoint.host, endpoint.grpc_port)
+        channel = self._channels.pop(key, None)
+        if channel is not None:
+            channel.drain()
+            if channel.open_connections:
+                self._draining[key] = channel
+
+    def _gone(self, endpoint: Endpoint) -> None:
+        """A replica found dead: its calls in flight end now (and are retried on another replica)."""
+        key = (endpoint.host, endpoint.grpc_port)
+        channel = self._draining.pop(key, None) or self._channels.pop(key, None)
         if channel is not None:
             channel.close()
 
@@ -371,9 +387,10 @@ class GrpcGateway:
         return bytes(merged.SerializeToString())
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel in (*self._channels.values(), *self._draining.values()):
             channel.close()
         self._channels.clear()
+        self._draining.clear()
 
 
 def _retry_after(answer: Answer) -> str | None:

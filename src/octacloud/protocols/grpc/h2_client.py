@@ -380,6 +380,13 @@ class _Connection(asyncio.Protocol):
         self._write(frame(GOAWAY, 0, 0, _U32.pack(0) + _U32.pack(NO_ERROR)))
         self.close()
 
+    def drain(self) -> None:
+        """No new call on this connection; it closes once the calls in flight are answered."""
+        if not self.going_away and not self.closed:
+            self._write(frame(GOAWAY, 0, 0, _U32.pack(0) + _U32.pack(NO_ERROR)))
+        self.going_away = True
+        self._maybe_close()
+
 
 def _expire(future: asyncio.Future[Answer]) -> None:
     if not future.done():
@@ -489,6 +496,13 @@ class Channel:
         self.closed = True
         for conn in list(self._connections):
             conn.goodbye()
+
+    def drain(self) -> None:
+        """Take no new call, and close each connection once its calls in flight are answered (a server stopped
+        on purpose finishes them); :meth:`close` still ends them at once."""
+        self.closed = True
+        for conn in list(self._connections):
+            conn.drain()
 
 
 __all__ = ["Answer", "Channel", "Unreachable"]
