@@ -565,4 +565,17 @@ def test_a_drained_channel_finishes_its_calls_in_flight_then_closes() -> None:
                 await cut
             assert time.monotonic() - started < 1.0
 
+            # Drained while its first connection is being made: the call that waited for it is answered there,
+            # and the connection closes after it instead of staying open with no channel to close it.
+            late = Channel("127.0.0.1", port)
+            waiting = asyncio.ensure_future(late.call("/t.T/Slow", GOOD, b"0.2", 5))
+            await asyncio.sleep(0)  # the call is connecting
+            late.drain()
+            assert (await waiting).message == b"late"
+            for _ in range(100):
+                if not late.open_connections:
+                    break
+                await asyncio.sleep(0.01)
+            assert late.open_connections == 0
+
     run(go)

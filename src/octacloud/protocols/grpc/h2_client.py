@@ -474,6 +474,8 @@ class Channel:
                     conn.close()
                     raise Unreachable(f"{self.label} did not agree to HTTP/2 (ALPN h2)")
             self._connections.append(conn)
+            if self.closed:  # closed or drained while connecting: the calls that waited for it go, then it closes
+                conn.going_away = True
             self._connecting.set_result(conn)
             return conn
         except BaseException as e:
