@@ -95,6 +95,14 @@ async def setup(
     return front, port, replicas, routes
 
 
+async def busy(*replicas: Replica) -> None:
+    """Wait (up to 2 s) until every one of ``replicas`` holds a slow call."""
+    for _ in range(200):
+        if all(r.slow for r in replicas):
+            return
+        await asyncio.sleep(0.01)
+
+
 async def call(channel: grpc.aio.Channel, message: bytes) -> pb.ModelInferResponse | tuple[object, ...]:
     try:
         raw = await channel.unary_unary(INFER)(message, metadata=(("authorization", "Bearer x"),), timeout=10)
@@ -113,10 +121,7 @@ def test_calls_go_through_and_a_replica_killed_mid_call_costs_nothing() -> None:
                 assert a.seen and b.seen  # both replicas served
                 # calls in flight on both when a dies: those on a are served again by b
                 pending = [asyncio.ensure_future(call(channel, request(f"s{i}", 0.5))) for i in range(6)]
-                for _ in range(200):
-                    if a.slow and b.slow:
-                        break
-                    await asyncio.sleep(0.01)
+                await busy(a, b)
                 assert a.slow and b.slow
                 await a.kill()
                 done = await asyncio.gather(*pending)
@@ -196,10 +201,7 @@ def test_a_call_over_the_in_flight_bound_gets_one_trailers_only_frame_and_never_
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 slow = [asyncio.ensure_future(call(channel, request(f"s{i}", 0.5))) for i in range(2)]
-                for _ in range(200):
-                    if all(r.slow for r in replicas):
-                        break
-                    await asyncio.sleep(0.01)
+                await busy(*replicas)
                 assert all(r.slow for r in replicas) and routes.counter("lin").outstanding == 2
                 seen, billed = sum(len(r.seen) for r in replicas), dict(routes.traffic)
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -336,10 +338,7 @@ def test_a_replica_dropped_on_purpose_answers_its_calls_in_flight_and_one_found_
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 pending = [asyncio.ensure_future(call(channel, request(f"s{i}", 0.5))) for i in range(6)]
-                for _ in range(200):
-                    if a.slow and b.slow:
-                        break
-                    await asyncio.sleep(0.01)
+                await busy(a, b)
                 held = a.slow
                 assert held and b.slow
                 routes.drop_endpoint("a")  # stopped on purpose: it drains
@@ -350,10 +349,7 @@ def test_a_replica_dropped_on_purpose_answers_its_calls_in_flight_and_one_found_
 
                 routes.update("lin", [Endpoint("a", "127.0.0.1", 1, a.port), Endpoint("b", "127.0.0.1", 1, b.port)])
                 pending = [asyncio.ensure_future(call(channel, request(f"t{i}", 2.0))) for i in range(6)]
-                for _ in range(200):
-                    if a.slow and b.slow:
-                        break
-                    await asyncio.sleep(0.01)
+                await busy(a, b)
                 assert a.slow and b.slow
                 loop = asyncio.get_running_loop()
                 started = loop.time()

@@ -534,6 +534,15 @@ def test_turn_output_write_now_keeps_the_order_of_what_was_queued_and_schedules_
     run(go)
 
 
+async def closed(channel: Channel) -> bool:
+    """Whether ``channel`` has no open connection left within a second."""
+    for _ in range(100):
+        if not channel.open_connections:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
 def test_a_drained_channel_finishes_its_calls_in_flight_then_closes() -> None:
     """``drain`` (a replica stopped on purpose): the call in flight is answered, no new call is taken, and the
     connection closes once it is done; ``close`` (a replica found dead) ends a call in flight at once."""
@@ -549,11 +558,7 @@ def test_a_drained_channel_finishes_its_calls_in_flight_then_closes() -> None:
             with pytest.raises(Unreachable):
                 await channel.call(PATH, GOOD, b"ab", 5)  # no new call
             assert (await slow).message == b"late"
-            for _ in range(100):
-                if not channel.open_connections:
-                    break
-                await asyncio.sleep(0.01)
-            assert channel.open_connections == 0
+            assert await closed(channel)
 
             other = Channel("127.0.0.1", port)
             cut = asyncio.ensure_future(other.call("/t.T/Slow", GOOD, b"5", 10))
@@ -572,10 +577,6 @@ def test_a_drained_channel_finishes_its_calls_in_flight_then_closes() -> None:
             await asyncio.sleep(0)  # the call is connecting
             late.drain()
             assert (await waiting).message == b"late"
-            for _ in range(100):
-                if not late.open_connections:
-                    break
-                await asyncio.sleep(0.01)
-            assert late.open_connections == 0
+            assert await closed(late)
 
     run(go)
