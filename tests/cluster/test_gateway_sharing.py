@@ -16,6 +16,7 @@ from octacloud.cluster.gateway.routing import Endpoint, Owner, RouteTable
 from octacloud.cluster.gateway.sharing import (
     CounterMerger,
     CounterTracker,
+    RateShares,
     SharedRateLimiter,
     ShareError,
     apply_snapshot,
@@ -150,7 +151,7 @@ def test_split_rate_limit_never_admits_more_than_the_tenant_rate() -> None:
         clock.advance(0.1)
         assert admitted <= 10.0 * (step + 1) * 0.1 + 4 * math.ceil(5 / 4)
     assert admitted >= 10.0 * 9.9  # and the whole rate is usable when traffic is spread
-    one = SharedRateLimiter(clock, 4)  # a tenant whose connections all reach one worker gets a quarter of its rate
+    one = SharedRateLimiter(clock, 4)  # until the main process rebalances, one worker holds a quarter of the rate
     got = 0
     for _ in range(100):
         got += sum(one.check("acme", quota) == 0 for _ in range(10))
@@ -159,6 +160,97 @@ def test_split_rate_limit_never_admits_more_than_the_tenant_rate() -> None:
     assert SharedRateLimiter(clock, 2).check("acme", Quota()) == 0
     with pytest.raises(ValueError, match="at least 1"):
         SharedRateLimiter(clock, 0)
+
+
+QUOTA = Quota(requests_per_s=100.0, burst=20)
+
+
+def test_rate_shares_follow_demand_and_never_sum_past_the_rate() -> None:
+    """Four workers and the main process's rebalance every 0.25 s, on a manual clock. A tenant sends twice its rate,
+    first all to worker 0, then all to worker 2, then spread evenly: it gets about its whole rate in each phase,
+    never more than its rate (plus the bursts), and the fractions held never sum past 1 even when the workers apply
+    a rebalance at different times (here: the odd workers one rebalance late)."""
+    clock = ManualClock()
+    limiters = [SharedRateLimiter(clock, 4) for _ in range(4)]
+    shares = RateShares(4)
+    late: list[dict[str, float]] = [{} for _ in range(4)]
+    admitted = 0
+    per_phase: list[int] = []
+    for phase in ([0], [2], [0, 1, 2, 3]):
+        got = 0
+        for _step in range(40):  # 10 s of 0.25 s
+            for tick in range(25):  # 200 requests/s, every 10 ms
+                worker = phase[tick % len(phase)]
+                for _ in range(2):
+                    got += limiters[worker].check("acme", QUOTA) == 0
+                clock.advance(0.01)
+            for w, limiter in enumerate(limiters):
+                shares.add(w, limiter.take_demand())
+            held = shares.rebalance()
+            for w, limiter in enumerate(limiters):
+                if w % 2:  # applies the previous rebalance now, this one at the next
+                    limiter.set_fractions(late[w])
+                    late[w] = held[w]
+                else:
+                    limiter.set_fractions(held[w])
+            fractions = [lim.fractions.get("acme", 0.25) for lim in limiters]
+            assert sum(fractions) <= 1 + 1e-9, fractions
+            assert admitted + got <= 100.0 * clock.monotonic() + 20 + 3, (admitted + got, clock.monotonic())
+        admitted += got
+        per_phase.append(got)
+    # 10 s at 100/s each: the first second of a move runs on the old fractions
+    assert all(got >= 850 for got in per_phase), per_phase
+    for _ in range(10):  # quiet: back to the even split
+        for w, limiter in enumerate(limiters):
+            shares.add(w, limiter.take_demand())
+        shares.rebalance()
+    assert shares.held == [{}, {}, {}, {}]
+
+
+def test_a_gone_worker_passes_its_fraction_to_the_others() -> None:
+    shares = RateShares(2)
+    shares.add(0, {"acme": 100})
+    shares.add(1, {"acme": 100})
+    for _ in range(2):
+        shares.rebalance()
+    assert shares.held == [{}, {}]  # even demand: the even split
+    shares.gone(1)
+    for _ in range(2):
+        shares.add(0, {"acme": 100})
+        held = shares.rebalance()
+    assert held[0]["acme"] == pytest.approx(0.95) and held[1]["acme"] == pytest.approx(0.05)
+
+
+def test_a_resized_bucket_keeps_its_tokens() -> None:
+    """A new fraction does not refill the bucket: a worker told to hold more cannot admit a fresh burst with it."""
+    clock = ManualClock()
+    limiter = SharedRateLimiter(clock, 4)
+    assert sum(limiter.check("acme", QUOTA) == 0 for _ in range(10)) == 5  # burst 20 / 4
+    limiter.set_fractions({"acme": 0.9})
+    assert limiter.check("acme", QUOTA) > 0  # no token left: no new burst of 18
+    clock.advance(0.1)  # 90/s for 0.1 s
+    assert sum(limiter.check("acme", QUOTA) == 0 for _ in range(20)) == 9
+    # where a slow tenant holds a small fraction, Retry-After is by its whole rate: 0.5/s, retry in 2 s, not 80 s
+    limiter.set_fractions({"slow": 0.025})
+    slow = Quota(requests_per_s=0.5, burst=1)
+    assert limiter.check("slow", slow) == 0 and limiter.check("slow", slow) == 2
+
+
+@pytest.mark.parametrize("fractions", [[], {"acme": 0}, {"acme": 1.5}, {"acme": True}, {"acme": "0.5"}, {"acme": -1}])
+def test_malformed_fractions_change_nothing(fractions: object) -> None:
+    limiter = SharedRateLimiter(ManualClock(), 4)
+    limiter.set_fractions({"acme": 0.5})
+    with pytest.raises(ShareError):
+        limiter.set_fractions(fractions)
+    assert limiter.fractions == {"acme": 0.5}
+
+
+@pytest.mark.parametrize(("worker", "demand"), [(2, {"acme": 1}), (-1, {"acme": 1}), (0, []), (0, {"a": 1, "b": -1})])
+def test_malformed_demand_adds_nothing(worker: int, demand: object) -> None:
+    shares = RateShares(2)
+    with pytest.raises(ShareError):
+        shares.add(worker, demand)
+    assert shares.rebalance() == [{}, {}]
 
 
 async def _until(predicate: object, timeout: float = 5.0) -> None:
@@ -172,11 +264,21 @@ async def _until(predicate: object, timeout: float = 5.0) -> None:
 async def test_feed_pushes_routes_readmits_forgets_and_merges(tmp_path: Path) -> None:
     main = main_table()
     ready = [True]
-    hub = FeedHub(main, SECRET, tmp_path / "feed.sock", lambda: ready[0], poll_s=0.01, heartbeat_s=0.05)
+    hub = FeedHub(
+        main,
+        SECRET,
+        tmp_path / "feed.sock",
+        lambda: ready[0],
+        workers=4,
+        poll_s=0.01,
+        heartbeat_s=0.05,
+        rebalance_s=0.01,
+    )
     await hub.start()
     forgotten: list[tuple[str | None, str | None]] = []
     worker = RouteTable()
-    client = FeedClient(hub.path, SECRET, 3, worker, lambda k, t: forgotten.append((k, t)), push_s=0.01)
+    limiter = SharedRateLimiter(ManualClock(), 4)
+    client = FeedClient(hub.path, SECRET, 3, worker, lambda k, t: forgotten.append((k, t)), limiter, push_s=0.01)
     try:
         await client.connect()
         assert route_snapshot(worker) == route_snapshot(main)  # before it serves anything
@@ -194,6 +296,13 @@ async def test_feed_pushes_routes_readmits_forgets_and_merges(tmp_path: Path) ->
         await _until(lambda: ejected.failures == 0)
         hub.forget("k1", None)
         await _until(lambda: forgotten == [("k1", None)])
+
+        # acme's requests all reach this worker (each poll below is one): the hub gives it most of acme's rate,
+        # then the even split back once acme goes quiet
+        quota = Quota(requests_per_s=100.0, burst=10)
+        await _until(lambda: limiter.check("acme", quota) >= 0 and limiter.fractions.get("acme", 0) > 0.9)
+        assert all(hub.shares.held[w]["acme"] < 0.03 for w in range(3))
+        await _until(lambda: "acme" not in limiter.fractions)
 
         worker.counter("b").requests = 7
         worker.tenant_traffic("acme", "b").requests = 7
@@ -216,7 +325,9 @@ async def test_feed_refuses_a_client_without_the_secret(tmp_path: Path) -> None:
     hub = FeedHub(RouteTable(), SECRET, tmp_path / "feed.sock", lambda: True)
     await hub.start()
     try:
-        stranger = FeedClient(hub.path, "wrong", 0, RouteTable(), lambda k, t: None)
+        stranger = FeedClient(
+            hub.path, "wrong", 0, RouteTable(), lambda k, t: None, SharedRateLimiter(ManualClock(), 1)
+        )
         with pytest.raises(ShareError, match="internal secret"):
             await stranger.connect()
         await stranger.close()
@@ -224,6 +335,10 @@ async def test_feed_refuses_a_client_without_the_secret(tmp_path: Path) -> None:
         writer.write(b"x" * 100 + b"\n")
         assert b"refused" in await reader.readline()
         writer.close()
-        assert hub.refused == 2 and not hub.workers
+        unknown = FeedClient(hub.path, SECRET, 1, RouteTable(), lambda k, t: None, SharedRateLimiter(ManualClock(), 2))
+        with pytest.raises(ShareError, match="worker index 1 is not one of 0..0"):
+            await unknown.connect()
+        await unknown.close()
+        assert hub.refused == 3 and not hub.workers
     finally:
         await hub.stop()

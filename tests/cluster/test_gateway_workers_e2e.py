@@ -215,6 +215,49 @@ def test_two_workers_share_routes_auth_metering_and_survive_kill(cloud: CloudThr
     print(f"kill -9 of a worker under load: {len(failed)} failed of {len(outcomes)}; {answered - counted} not metered")
 
 
+def test_a_tenant_on_one_connection_gets_its_whole_rate_and_never_more(cloud: CloudThread) -> None:
+    """Each worker holds a fraction of a tenant's rate; the main process moves it to where the tenant's requests
+    arrive. One keep-alive connection (as a gRPC client always has) reaches one worker and still gets about the
+    whole rate, not half; another tenant keeps its own; after kill -9 of that worker the tenant, on a new
+    connection, again gets about its rate and never more."""
+    c = cloud
+    w = workers_of(c)
+    wait_until("ready", lambda: httpx.get(f"{c.url}/v2/health/ready").json() == {"ready": True}, timeout=30)
+    rate, burst = 20, 4
+    acme = make_tenant(c, "acme", requests_per_s=rate, burst=burst)
+    globex = make_tenant(c, "globex", requests_per_s=rate, burst=burst)
+
+    def admitted(client: httpx.Client, seconds: float) -> int:
+        """Requests admitted by the rate limit (404: no such deployment; 429: refused) over ``seconds``."""
+        n, end = 0, time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                status = client.get("/v2/models/nothing/ready").status_code
+            except httpx.TransportError:  # the worker was killed: the client connects anew
+                continue
+            assert status in (404, 429), status
+            n += status == 404
+        return n
+
+    with httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {acme}"}, timeout=10) as one:
+        admitted(one, 1.0)  # the main process learns where acme's requests arrive
+        got = admitted(one, 4.0)
+        assert 0.8 * rate * 4 <= got <= rate * 4 + burst + 1, got  # an even split would give half
+        print(f"one connection over two workers: {got} admitted in 4 s at {rate}/s", end="; ")
+        [holder] = [i for i, held in enumerate(w.hub.shares.held) if held.get("acme", 0) > 0.9]
+        with httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {globex}"}, timeout=10) as other:
+            for _ in range(5):  # globex's own rate, whichever worker it reaches
+                assert other.get("/v2/models/nothing/ready").status_code == 404
+                time.sleep(0.25)
+
+        victim = w.pids()[holder]
+        os.kill(victim, signal.SIGKILL)
+        got = admitted(one, 4.0)  # on a new connection, to either worker (the restarted one holds the old share)
+        assert 0.5 * rate * 4 <= got <= rate * 4 + 2 * burst + 1, got
+        print(f"{got} in the 4 s after kill -9 of its worker")
+    wait_until("the worker restarted", lambda: w.pids().get(holder) not in (None, victim), 20)
+
+
 def test_workers_serve_tls_on_both_ports_and_to_replicas(tmp_path: Path) -> None:
     """TLS to clients on both ports, and internal TLS to the replicas: each worker presents its own client
     certificate from the cloud's CA."""

@@ -6,11 +6,14 @@ say ``{"t": "hello", "secret": <the cloud's internal secret>, "worker": i, "pid"
 ``{"t": "refused", "error": ...}`` and the connection is closed. Then:
 
 - main → worker: ``snapshot`` (the route table, at once and then whenever it changes: the hub compares a fresh
-  snapshot every ``poll_s``), ``readmit`` (a replica the controller found ready again: its ejection ends at every
-  worker), ``forget`` (a key revoked, a tenant disabled or its quota changed: every worker drops its cached
-  verification at once), ``ready`` (the controller loop's readiness, every ``heartbeat_s``);
+  snapshot every ``poll_s``), ``shares`` (the worker's fractions of the tenants' rate limits, at once and then
+  whenever a rebalance every ``rebalance_s`` changed them; see ``gateway.sharing``), ``readmit`` (a replica the
+  controller found ready again: its ejection ends at every worker), ``forget`` (a key revoked, a tenant disabled
+  or its quota changed: every worker drops its cached verification at once), ``ready`` (the controller loop's
+  readiness, every ``heartbeat_s``);
 - worker → main: ``serving`` (its fronts listen), ``counters`` (what it counted since its last push, every
-  ``push_s``; see ``gateway.sharing``).
+  ``push_s``; see ``gateway.sharing``), ``demand`` (the requests each rate-limited tenant sent it since its last
+  push, admitted or not).
 
 A worker that stops hearing from the main process for ``stale_s`` reports not ready; one whose connection
 ends exits (its supervisor, in the main process, starts a new one).
@@ -30,7 +33,15 @@ from typing import Any
 
 from octacloud.cluster import internal_auth
 from octacloud.cluster.gateway.routing import RouteTable
-from octacloud.cluster.gateway.sharing import CounterMerger, CounterTracker, ShareError, apply_snapshot, route_snapshot
+from octacloud.cluster.gateway.sharing import (
+    CounterMerger,
+    CounterTracker,
+    RateShares,
+    SharedRateLimiter,
+    ShareError,
+    apply_snapshot,
+    route_snapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +71,8 @@ class _Worker:
         self.pid = pid
         self.writer = writer
         self.ports: tuple[int, int] | None = None
+        self.shares: dict[str, float] | None = None
+        """The rate fractions last sent to it."""
 
     def send(self, data: bytes) -> None:
         if self.writer.is_closing():
@@ -81,8 +94,10 @@ class FeedHub:
         path: Path,
         ready: Callable[[], bool],
         *,
+        workers: int = 1,
         poll_s: float = 0.05,
         heartbeat_s: float = 0.5,
+        rebalance_s: float = 0.25,
     ) -> None:
         self.routes = routes
         self.secret = secret
@@ -90,7 +105,9 @@ class FeedHub:
         self.ready = ready
         self.poll_s = poll_s
         self.heartbeat_s = heartbeat_s
+        self.rebalance_s = rebalance_s
         self.merger = CounterMerger(routes)
+        self.shares = RateShares(workers)
         self.workers: dict[int, _Worker] = {}
         """pid → connected worker."""
         self.refused = 0
@@ -147,8 +164,14 @@ class FeedHub:
             out[index] = out.get(index, 0) + n
         return out
 
+    def _send_shares(self, worker: _Worker) -> None:
+        held = self.shares.held[worker.index]
+        if held != worker.shares:
+            worker.shares = held
+            worker.send(_line({"t": "shares", "fractions": held}))
+
     async def _publish(self) -> None:
-        last_beat = 0.0
+        last_beat = last_rebalance = 0.0
         was_ready: bool | None = None
         while True:
             snapshot = _line({"t": "snapshot", **route_snapshot(self.routes)})
@@ -158,6 +181,11 @@ class FeedHub:
                     w.send(snapshot)
             ready = self.ready()
             now = time.monotonic()
+            if now - last_rebalance >= self.rebalance_s:
+                self.shares.rebalance()
+                for w in list(self.workers.values()):
+                    self._send_shares(w)
+                last_rebalance = now
             if ready != was_ready or now - last_beat >= self.heartbeat_s:
                 self.broadcast({"t": "ready", "ready": ready})
                 was_ready, last_beat = ready, now
@@ -170,16 +198,22 @@ class FeedHub:
             index, pid = hello.get("worker"), hello.get("pid")
             if hello["t"] != "hello" or not internal_auth.matches(self.secret, hello.get("secret")):
                 raise ShareError("the first message must be hello with the cloud's internal secret")
-            if not (isinstance(index, int) and isinstance(pid, int) and 0 <= index < 2**16 and 0 < pid < 2**32):
+            if not (isinstance(index, int) and isinstance(pid, int) and 0 < pid < 2**32):
                 raise ShareError("hello needs an integer worker index and pid")
+            if not 0 <= index < self.shares.workers:
+                raise ShareError(f"worker index {index} is not one of 0..{self.shares.workers - 1}")
             worker = self.workers[pid] = _Worker(index, pid, writer)
             worker.send(self._snapshot)
+            worker.shares = self.shares.held[index]
+            worker.send(_line({"t": "shares", "fractions": worker.shares}))
             worker.send(_line({"t": "ready", "ready": self.ready()}))
             while True:
                 line = await reader.readuntil(b"\n")
                 message = _parse(line)
                 if message["t"] == "counters":
                     self.merger.add(index * 2**32 + pid, message)
+                elif message["t"] == "demand":
+                    self.shares.add(index, message.get("tenants"))
                 elif message["t"] == "serving":
                     ports = message.get("ports")
                     if not (isinstance(ports, list) and len(ports) == 2 and all(isinstance(p, int) for p in ports)):
@@ -201,11 +235,13 @@ class FeedHub:
             if worker is not None:
                 self.workers.pop(worker.pid, None)
                 self.merger.gone(worker.index * 2**32 + worker.pid)
+                self.shares.gone(worker.index)
             writer.close()
 
 
 class FeedClient:
-    """A worker's end: keeps ``routes`` a copy of the main table and pushes what it counted."""
+    """A worker's end: keeps ``routes`` a copy of the main table and ``limiter``'s fractions those the main process
+    set, and pushes what it counted."""
 
     def __init__(
         self,
@@ -214,6 +250,7 @@ class FeedClient:
         worker: int,
         routes: RouteTable,
         forget: Callable[[str | None, str | None], None],
+        limiter: SharedRateLimiter,
         *,
         push_s: float = 0.25,
         stale_s: float = 3.0,
@@ -223,6 +260,7 @@ class FeedClient:
         self.worker = worker
         self.routes = routes
         self.forget = forget
+        self.limiter = limiter
         self.push_s = push_s
         self.stale_s = stale_s
         self.tracker = CounterTracker(routes)
@@ -236,13 +274,15 @@ class FeedClient:
         return self._main_ready and time.monotonic() - self._heard < self.stale_s
 
     async def connect(self) -> None:
-        """Connect, say hello, and apply the first snapshot (a worker serves only with the routes it was given)."""
+        """Connect, say hello, and apply the first snapshot and rate fractions (a worker serves only with the routes
+        and the rate it was given)."""
         self._reader, self._writer = await asyncio.open_unix_connection(str(self.path), limit=MAX_LINE)
         self._send({"t": "hello", "secret": self.secret, "worker": self.worker, "pid": os.getpid()})
-        first = _parse(await asyncio.wait_for(self._reader.readuntil(b"\n"), HELLO_TIMEOUT_S))
-        if first["t"] != "snapshot":
-            raise ShareError(f"the main process answered {first.get('error') or first['t']!r}")
-        self._apply(first)
+        for expected in ("snapshot", "shares"):
+            message = _parse(await asyncio.wait_for(self._reader.readuntil(b"\n"), HELLO_TIMEOUT_S))
+            if message["t"] != expected:
+                raise ShareError(f"the main process answered {message.get('error') or message['t']!r}")
+            self._apply(message)
 
     def _send(self, message: dict[str, Any]) -> None:
         if self._writer is not None and not self._writer.is_closing():
@@ -255,6 +295,9 @@ class FeedClient:
         delta = self.tracker.take()
         if delta is not None:
             self._send({"t": "counters", **delta})
+        demand = self.limiter.take_demand()
+        if demand:
+            self._send({"t": "demand", "tenants": demand})
 
     async def flush(self) -> None:
         """Push what was counted and wait until it left this process."""
@@ -290,6 +333,8 @@ class FeedClient:
         kind = message["t"]
         if kind == "snapshot":
             apply_snapshot(self.routes, message)
+        elif kind == "shares":
+            self.limiter.set_fractions(message.get("fractions"))
         elif kind == "ready":
             self._main_ready = message.get("ready") is True
         elif kind == "readmit":

@@ -11,9 +11,12 @@
   written), so a worker killed with -9 loses at most what it counted since its last push and nothing is ever
   counted twice. Requests in flight are a level: each worker's count replaces its previous one, and leaves
   with the worker.
-- **Rate limits.** Each of N workers enforces 1/N of every tenant's rate and burst (:class:`SharedRateLimiter`):
-  together they never admit more than the tenant's rate (plus at most N-1 requests of rounding in the burst),
-  and a tenant whose connections all land on one worker gets 1/N of its rate.
+- **Rate limits.** Each worker enforces a fraction of every tenant's rate and burst (:class:`SharedRateLimiter`),
+  1/N until the main process says otherwise. Workers report how many requests each rate-limited tenant sent
+  them; every rebalance the main process (:class:`RateShares`) splits each busy tenant's rate by that demand, so
+  that a tenant whose connections all land on one worker (a gRPC client has one connection) gets most of its
+  rate there. Together the workers never admit more than the tenant's rate, plus at most N-1 requests of
+  rounding in the burst.
 """
 
 from __future__ import annotations
@@ -205,26 +208,134 @@ def _counts(values: Any, n: int) -> list[int]:
     return [_count(v) for v in values]
 
 
+RESERVE = 0.1
+"""Of a busy tenant's rate, the part split evenly over the workers whatever their demand: a worker the tenant sent
+nothing lately still admits a first request at once, and gets more at the next rebalance."""
+DECAY = 0.5
+"""A worker's demand for a tenant is halved every rebalance, then what it reported since is added."""
+IDLE_DEMAND = 0.5
+"""A tenant whose demand over all workers decays below this goes back to the even split."""
+
+
 class SharedRateLimiter(RateLimiter):
-    """One worker's share (1/``share``) of every tenant's token bucket: rate/share, burst ceil(burst/share)."""
+    """One worker's part of every tenant's token bucket: ``fraction`` of the rate and ceil(fraction × burst) tokens,
+    the fraction being 1/``share`` unless the main process set another (:meth:`set_fractions`). It counts what
+    each rate-limited tenant asked (:meth:`take_demand`), for the main process to rebalance by."""
 
     def __init__(self, clock: Clock, share: int) -> None:
         super().__init__(clock)
         if share < 1:
             raise ValueError(f"a rate-limit share is at least 1, got {share}")
         self.share = share
+        self.fractions: dict[str, float] = {}
+        self.demand: dict[str, int] = {}
+
+    def set_fractions(self, fractions: Any) -> None:
+        """Hold these fractions (tenant → 0 < f ≤ 1; a tenant not named: 1/share); raises ShareError when
+        malformed (then nothing changes). A bucket keeps its tokens, up to its new burst."""
+        if not isinstance(fractions, Mapping):
+            raise ShareError("fractions is not an object")
+        parsed = {_text(tenant): _fraction(f) for tenant, f in fractions.items()}
+        self.fractions = parsed
+
+    def take_demand(self) -> dict[str, int]:
+        """Requests each rate-limited tenant made since the last call (admitted or not)."""
+        demand, self.demand = self.demand, {}
+        return demand
 
     def check(self, tenant: str, quota: Quota) -> int:
         if quota.requests_per_s is None:
             return 0
-        rate = quota.requests_per_s / self.share
-        burst = max(1, math.ceil(quota.burst / self.share))
+        self.demand[tenant] = self.demand.get(tenant, 0) + 1
+        fraction = self.fractions.get(tenant, 1 / self.share)
+        rate = quota.requests_per_s * fraction
+        burst = max(1, math.ceil(quota.burst * fraction))
         now = self.clock.monotonic()
         bucket = self._buckets.get(tenant)
-        if bucket is None or bucket.rate != rate or bucket.burst != burst:
+        if bucket is None:
             bucket = self._buckets[tenant] = TokenBucket(rate, burst, float(burst), now)
+        elif bucket.rate != rate or bucket.burst != burst:  # refilled at the old rate until now, then resized
+            tokens = min(float(bucket.burst), bucket.tokens + (now - bucket.at) * bucket.rate)
+            bucket.rate, bucket.burst, bucket.tokens, bucket.at = rate, burst, min(tokens, float(burst)), now
         wait = bucket.take(now)
-        return 0 if wait == 0.0 else max(1, math.ceil(wait))
+        if wait == 0.0:
+            return 0
+        # Retry-After by the tenant's whole rate: by then the rebalance has moved its rate to where it asks
+        return max(1, math.ceil(min(wait, 1 / quota.requests_per_s)))
+
+
+class RateShares:
+    """The main process's side of rate limits: each worker's fraction of every busy tenant's rate, by demand.
+
+    Each worker reports (:meth:`add`) how many requests each rate-limited tenant sent it. Every :meth:`rebalance`
+    a tenant's rate is split ``RESERVE`` evenly and the rest in proportion to each worker's recent demand (halved
+    each rebalance); a tenant that went quiet goes back to the even split. What a worker is told to hold is the
+    lower of this rebalance's plan and the previous one's: a fraction grows one rebalance after it was planned,
+    so workers that applied consecutive rebalances never hold more than the whole rate between them.
+    """
+
+    def __init__(self, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"gateway workers: at least 1, got {workers}")
+        self.workers = workers
+        self._pending: dict[int, dict[str, int]] = {}
+        self._demand: dict[str, list[float]] = {}
+        self._plan: dict[str, list[float]] = {}
+        self.held: list[dict[str, float]] = [{} for _ in range(workers)]
+        """Worker index → what the last rebalance told it to hold (tenants at the even split left out)."""
+
+    def add(self, worker: int, demand: Any) -> None:
+        """Add what ``worker`` reported; raises ShareError (adding nothing) when malformed."""
+        if not (isinstance(worker, int) and 0 <= worker < self.workers):
+            raise ShareError(f"worker index {worker!r} is not one of 0..{self.workers - 1}")
+        if not isinstance(demand, Mapping):
+            raise ShareError("demand is not an object")
+        counts = {_text(tenant): _count(n) for tenant, n in demand.items()}
+        mine = self._pending.setdefault(worker, {})
+        for tenant, n in counts.items():
+            mine[tenant] = mine.get(tenant, 0) + n
+
+    def gone(self, worker: int) -> None:
+        """The worker's process is gone: its demand is forgotten (its fractions pass to the others over the next
+        rebalances; a worker started in its place holds them meanwhile)."""
+        self._pending.pop(worker, None)
+        if 0 <= worker < self.workers:
+            for demand in self._demand.values():
+                demand[worker] = 0.0
+
+    def rebalance(self) -> list[dict[str, float]]:
+        """Plan the next fractions; returns (and keeps in ``held``) each worker's fractions to hold now."""
+        n = self.workers
+        for demand in self._demand.values():
+            for w in range(n):
+                demand[w] *= DECAY
+        for w, counts in self._pending.items():
+            for tenant, count in counts.items():
+                self._demand.setdefault(tenant, [0.0] * n)[w] += count
+        self._pending = {}
+        for tenant in [t for t, d in self._demand.items() if sum(d) < IDLE_DEMAND]:
+            del self._demand[tenant]
+        even = 1 / n
+        plan: dict[str, list[float]] = {}
+        for tenant, demand in self._demand.items():
+            total = sum(demand)
+            plan[tenant] = [RESERVE * even + (1 - RESERVE) * d / total for d in demand]
+        held: list[dict[str, float]] = [{} for _ in range(n)]
+        for tenant in plan.keys() | self._plan.keys():
+            now, before = plan.get(tenant), self._plan.get(tenant)
+            for w in range(n):
+                f = min(now[w] if now else even, before[w] if before else even)
+                if f != even:
+                    held[w][tenant] = f
+        self._plan = plan
+        self.held = held
+        return held
+
+
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ShareError(f"a rate fraction is a number in (0, 1], got {value!r}")
+    return float(value)
 
 
 class Unlimited(RateLimiter):

@@ -121,7 +121,7 @@ class GatewayWorkers:
         self.on_event = on_event
         self.push_s = push_s
         self.internal_ca = internal_ca
-        self.hub = FeedHub(routes, secret, self._feed_path(), ready)
+        self.hub = FeedHub(routes, secret, self._feed_path(), ready, workers=count)
         self.admin = InternalOnly(admin_app, secret)
         self._admin_front = RestFront(self.admin, limits)
         self._procs: dict[int, asyncio.subprocess.Process] = {}
@@ -284,11 +284,12 @@ async def serve_worker(spec: WorkerSpec, index: int) -> None:
     clock = SystemClock()
     store = StateStore(spec.store_url)
     keys = KeyStore(store.engine, server_secret(state_dir / "server.secret"), clock, cache_s=spec.key_cache_s)
-    guard = Guard(keys, SharedRateLimiter(clock, spec.count))
+    limiter = SharedRateLimiter(clock, spec.count)
+    guard = Guard(keys, limiter)
     limits = spec.gateway_limits()
     pool, channel_tls = _internal_tls(spec)
     routes = RouteTable()
-    feed = FeedClient(Path(spec.feed), secret, index, routes, keys.forget, push_s=spec.push_s)
+    feed = FeedClient(Path(spec.feed), secret, index, routes, keys.forget, limiter, push_s=spec.push_s)
     proxy = AdminProxy("127.0.0.1", spec.admin_port, secret)
     rest = RestGateway(
         routes,
