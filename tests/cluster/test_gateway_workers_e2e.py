@@ -250,6 +250,28 @@ def test_a_tenant_on_one_connection_gets_its_whole_rate_and_never_more(cloud: Cl
                 assert other.get("/v2/models/nothing/ready").status_code == 404
                 time.sleep(0.25)
 
+        # the same over gRPC: one channel, one connection, one worker
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        channel = grpcclient.InferenceServerClient(f"127.0.0.1:{c.cloud.grpc_port}")
+        metadata = {"authorization": f"Bearer {globex}"}
+
+        def admitted_grpc(seconds: float) -> int:
+            n, end = 0, time.monotonic() + seconds
+            while time.monotonic() < end:
+                with pytest.raises(InferenceServerException) as refused:
+                    channel.is_model_ready("nothing", headers=metadata)
+                assert refused.value.status() in ("StatusCode.NOT_FOUND", "StatusCode.RESOURCE_EXHAUSTED")
+                n += refused.value.status() == "StatusCode.NOT_FOUND"
+            return n
+
+        admitted_grpc(1.0)
+        got_grpc = admitted_grpc(4.0)
+        channel.close()
+        assert 0.8 * rate * 4 <= got_grpc <= rate * 4 + burst + 1, got_grpc
+        print(f"over gRPC {got_grpc}", end="; ")
+
         victim = w.pids()[holder]
         os.kill(victim, signal.SIGKILL)
         got = admitted(one, 4.0)  # on a new connection, to either worker (the restarted one holds the old share)
