@@ -12,11 +12,11 @@ import pytest
 
 from octacloud.cluster.auth.keys import Quota
 from octacloud.cluster.gateway.feed import FeedClient, FeedHub
-from octacloud.cluster.gateway.routing import Endpoint, Owner, RouteTable
+from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, Owner, RouteTable
 from octacloud.cluster.gateway.sharing import (
     CounterMerger,
     CounterTracker,
-    RateShares,
+    DemandShares,
     SharedRateLimiter,
     ShareError,
     apply_snapshot,
@@ -172,7 +172,7 @@ def test_rate_shares_follow_demand_and_never_sum_past_the_rate() -> None:
     a rebalance at different times (here: the odd workers one rebalance late)."""
     clock = ManualClock()
     limiters = [SharedRateLimiter(clock, 4) for _ in range(4)]
-    shares = RateShares(4)
+    shares = DemandShares(4)
     late: list[dict[str, float]] = [{} for _ in range(4)]
     admitted = 0
     per_phase: list[int] = []
@@ -208,7 +208,7 @@ def test_rate_shares_follow_demand_and_never_sum_past_the_rate() -> None:
 
 
 def test_a_gone_worker_passes_its_fraction_to_the_others() -> None:
-    shares = RateShares(2)
+    shares = DemandShares(2)
     shares.add(0, {"acme": 100})
     shares.add(1, {"acme": 100})
     for _ in range(2):
@@ -247,10 +247,55 @@ def test_malformed_fractions_change_nothing(fractions: object) -> None:
 
 @pytest.mark.parametrize(("worker", "demand"), [(2, {"acme": 1}), (-1, {"acme": 1}), (0, []), (0, {"a": 1, "b": -1})])
 def test_malformed_demand_adds_nothing(worker: int, demand: object) -> None:
-    shares = RateShares(2)
+    shares = DemandShares(2)
     with pytest.raises(ShareError):
         shares.add(worker, demand)
     assert shares.rebalance() == [{}, {}]
+
+
+def test_a_worker_counts_what_the_others_have_in_flight_against_the_bound() -> None:
+    """The main process tells each worker what the others have in flight (as they pushed it); a worker admits only
+    while its own and theirs stay under the deployment's bound, and may use all of it while they use none."""
+    main = main_table()  # "a": two replicas, 16 in flight per replica
+    merger = CounterMerger(main)
+    merger.add(1, {"deployments": {}, "outstanding": {"a": 20}, "traffic": []})
+    merger.add(2, {"deployments": {}, "outstanding": {"a": 10, "starting": 0}, "traffic": []})
+    assert merger.elsewhere(1) == {"a": 10} and merger.elsewhere(2) == {"a": 20} and merger.elsewhere(3) == {"a": 30}
+    worker = main_table()
+    worker.inflight_elsewhere = merger.elsewhere(2)
+    worker.counter("a").outstanding = 11
+    assert worker.admit("a", None, 8) is worker.counter("a")  # 11 + 20 < 32
+    worker.counter("a").outstanding = 12
+    refused = worker.admit("a", None, 8)
+    assert not isinstance(refused, DeploymentCounters) and refused.why == "at capacity"
+    merger.gone(1)  # the busy worker went away: its requests no longer count anywhere
+    worker.inflight_elsewhere = merger.elsewhere(2)
+    assert worker.inflight_elsewhere == {} and worker.admit("a", None, 8) is worker.counter("a")
+
+
+async def test_feed_tells_each_worker_what_the_others_have_in_flight(tmp_path: Path) -> None:
+    hub = FeedHub(main_table(), SECRET, tmp_path / "feed.sock", lambda: True, workers=2, poll_s=0.01)
+    await hub.start()
+    tables = [RouteTable(), RouteTable()]
+    clients = [
+        FeedClient(hub.path, SECRET, i, t, lambda k, t: None, SharedRateLimiter(ManualClock(), 2), push_s=0.01)
+        for i, t in enumerate(tables)
+    ]
+    try:
+        for client in clients:
+            await client.connect()
+        running = [asyncio.create_task(client.run()) for client in clients]
+        tables[0].counter("a").outstanding = 5
+        await _until(lambda: tables[1].inflight_elsewhere == {"a": 5})
+        assert tables[0].inflight_elsewhere == {}
+        await clients[0].close()  # the worker went away with what it had in flight
+        await _until(lambda: tables[1].inflight_elsewhere == {})
+        await clients[1].close()
+        await asyncio.wait_for(asyncio.gather(*running), 5)
+    finally:
+        for client in clients:
+            await client.close()
+        await hub.stop()
 
 
 async def _until(predicate: object, timeout: float = 5.0) -> None:
@@ -301,7 +346,7 @@ async def test_feed_pushes_routes_readmits_forgets_and_merges(tmp_path: Path) ->
         # then the even split back once acme goes quiet
         quota = Quota(requests_per_s=100.0, burst=10)
         await _until(lambda: limiter.check("acme", quota) >= 0 and limiter.fractions.get("acme", 0) > 0.9)
-        assert all(hub.shares.held[w]["acme"] < 0.03 for w in range(3))
+        assert all(hub.rates.held[w]["acme"] < 0.03 for w in range(3))
         await _until(lambda: "acme" not in limiter.fractions)
 
         worker.counter("b").requests = 7

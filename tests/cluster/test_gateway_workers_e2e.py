@@ -244,7 +244,7 @@ def test_a_tenant_on_one_connection_gets_its_whole_rate_and_never_more(cloud: Cl
         got = admitted(one, 4.0)
         assert 0.8 * rate * 4 <= got <= rate * 4 + burst + 1, got  # an even split would give half
         print(f"one connection over two workers: {got} admitted in 4 s at {rate}/s", end="; ")
-        [holder] = [i for i, held in enumerate(w.hub.shares.held) if held.get("acme", 0) > 0.9]
+        [holder] = [i for i, held in enumerate(w.hub.rates.held) if held.get("acme", 0) > 0.9]
         with httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {globex}"}, timeout=10) as other:
             for _ in range(5):  # globex's own rate, whichever worker it reaches
                 assert other.get("/v2/models/nothing/ready").status_code == 404
@@ -278,6 +278,51 @@ def test_a_tenant_on_one_connection_gets_its_whole_rate_and_never_more(cloud: Cl
         assert 0.5 * rate * 4 <= got <= rate * 4 + 2 * burst + 1, got
         print(f"{got} in the 4 s after kill -9 of its worker")
     wait_until("the worker restarted", lambda: w.pids().get(holder) not in (None, victim), 20)
+
+
+def test_two_workers_hold_a_deployment_to_its_in_flight_bound_together(tmp_path: Path) -> None:
+    """A stalled replica with a bound of 4 requests in flight: clients arriving one after another on fresh
+    connections, which the kernel spreads over both workers, get 4 requests into it between them, not 4 per
+    worker (each worker counts what the other pushed it has in flight); the others are refused at once with 503,
+    and the ones held are answered once the replica resumes."""
+    from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
+
+    repo = tmp_path / "models"
+    write_linear_model(repo)
+    cfg = config(tmp_path, repo)
+    cfg.gateway_workers = 2
+    cfg.limits = replace(cfg.limits, max_inflight_per_replica=4)
+    # the controller must not replace the stalled replica during the test
+    cfg.controller = replace(cfg.controller, probe_failures_to_fail=1000, probe_timeout_s=0.2)
+    c = CloudThread(cfg)
+    try:
+        wait_until("ready", lambda: httpx.get(f"{c.url}/v2/health/ready").json() == {"ready": True}, timeout=30)
+        key = make_tenant(c, "acme")
+        assert call(c, key, "POST", "/admin/deployments", {"name": "lin", "model": "linear"}).status_code == 201
+        wait_until("a ready replica", lambda: bool(ready_ids(c, "lin")))
+        wait_until("the route at both workers", lambda: all(infer(c.url, key, "lin") == 200 for _ in range(8)), 10)
+        served = workers_of(c).hub.served()
+        [instance] = c.deployment("lin")["instances"]
+        os.kill(instance["pid"], signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(12) as pool:
+                calls = []
+                for _ in range(12):  # one every 0.75 s: longer than a push (0.25 s) and its relay
+                    calls.append(pool.submit(infer, c.url, key, "lin"))
+                    time.sleep(0.75)
+                held = [f for f in calls if not f.done()]
+                refused = [f.result() for f in calls if f.done()]
+                assert set(refused) == {503} and len(held) == 4, (len(held), refused)
+                print(f"in flight at a stalled replica through two workers: {len(held)} (bound 4)")
+                os.kill(instance["pid"], signal.SIGCONT)
+                assert [f.result(timeout=30) for f in held] == [200] * 4
+        finally:
+            os.kill(instance["pid"], signal.SIGCONT)
+        after = workers_of(c).hub.served()
+        assert all(after[i] > served.get(i, 0) for i in (0, 1)), (served, after)  # both workers took some
+    finally:
+        c.stop(stop_replicas=True)
 
 
 def test_workers_serve_tls_on_both_ports_and_to_replicas(tmp_path: Path) -> None:

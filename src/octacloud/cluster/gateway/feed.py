@@ -6,8 +6,9 @@ say ``{"t": "hello", "secret": <the cloud's internal secret>, "worker": i, "pid"
 ``{"t": "refused", "error": ...}`` and the connection is closed. Then:
 
 - main → worker: ``snapshot`` (the route table, at once and then whenever it changes: the hub compares a fresh
-  snapshot every ``poll_s``), ``shares`` (the worker's fractions of the tenants' rate limits, at once and then
-  whenever a rebalance every ``rebalance_s`` changed them; see ``gateway.sharing``), ``readmit`` (a replica the
+  snapshot every ``poll_s``), ``shares`` (the worker's fractions of the tenants' rate limits, rebalanced every
+  ``rebalance_s``, and what the other workers have in flight at each deployment; at once and then whenever it
+  changed; see ``gateway.sharing``), ``readmit`` (a replica the
   controller found ready again: its ejection ends at every worker), ``forget`` (a key revoked, a tenant disabled
   or its quota changed: every worker drops its cached verification at once), ``ready`` (the controller loop's
   readiness, every ``heartbeat_s``);
@@ -36,10 +37,12 @@ from octacloud.cluster.gateway.routing import RouteTable
 from octacloud.cluster.gateway.sharing import (
     CounterMerger,
     CounterTracker,
-    RateShares,
+    DemandShares,
     SharedRateLimiter,
     ShareError,
     apply_snapshot,
+    parse_fractions,
+    parse_levels,
     route_snapshot,
 )
 
@@ -71,8 +74,9 @@ class _Worker:
         self.pid = pid
         self.writer = writer
         self.ports: tuple[int, int] | None = None
-        self.shares: dict[str, float] | None = None
-        """The rate fractions last sent to it."""
+        self.key = index * 2**32 + pid
+        self.shares: dict[str, Any] | None = None
+        """The ``shares`` last sent to it."""
 
     def send(self, data: bytes) -> None:
         if self.writer.is_closing():
@@ -107,9 +111,10 @@ class FeedHub:
         self.heartbeat_s = heartbeat_s
         self.rebalance_s = rebalance_s
         self.merger = CounterMerger(routes)
-        self.shares = RateShares(workers)
+        self.rates = DemandShares(workers)
+        """Each worker's fractions of the tenants' rates."""
         self.workers: dict[int, _Worker] = {}
-        """pid → connected worker."""
+        """Connected workers by :attr:`_Worker.key` (index and pid)."""
         self.refused = 0
         """Connections refused (wrong secret, malformed): for tests and logs."""
         self._server: asyncio.AbstractServer | None = None
@@ -165,10 +170,13 @@ class FeedHub:
         return out
 
     def _send_shares(self, worker: _Worker) -> None:
-        held = self.shares.held[worker.index]
+        held = {
+            "rates": self.rates.held[worker.index],
+            "inflight_elsewhere": self.merger.elsewhere(worker.key),
+        }
         if held != worker.shares:
             worker.shares = held
-            worker.send(_line({"t": "shares", "fractions": held}))
+            worker.send(_line({"t": "shares", **held}))
 
     async def _publish(self) -> None:
         last_beat = last_rebalance = 0.0
@@ -182,10 +190,10 @@ class FeedHub:
             ready = self.ready()
             now = time.monotonic()
             if now - last_rebalance >= self.rebalance_s:
-                self.shares.rebalance()
-                for w in list(self.workers.values()):
-                    self._send_shares(w)
+                self.rates.rebalance()
                 last_rebalance = now
+            for w in list(self.workers.values()):
+                self._send_shares(w)
             if ready != was_ready or now - last_beat >= self.heartbeat_s:
                 self.broadcast({"t": "ready", "ready": ready})
                 was_ready, last_beat = ready, now
@@ -200,20 +208,20 @@ class FeedHub:
                 raise ShareError("the first message must be hello with the cloud's internal secret")
             if not (isinstance(index, int) and isinstance(pid, int) and 0 < pid < 2**32):
                 raise ShareError("hello needs an integer worker index and pid")
-            if not 0 <= index < self.shares.workers:
-                raise ShareError(f"worker index {index} is not one of 0..{self.shares.workers - 1}")
-            worker = self.workers[pid] = _Worker(index, pid, writer)
+            if not 0 <= index < self.rates.workers:
+                raise ShareError(f"worker index {index} is not one of 0..{self.rates.workers - 1}")
+            worker = _Worker(index, pid, writer)
+            self.workers[worker.key] = worker
             worker.send(self._snapshot)
-            worker.shares = self.shares.held[index]
-            worker.send(_line({"t": "shares", "fractions": worker.shares}))
+            self._send_shares(worker)
             worker.send(_line({"t": "ready", "ready": self.ready()}))
             while True:
                 line = await reader.readuntil(b"\n")
                 message = _parse(line)
                 if message["t"] == "counters":
-                    self.merger.add(index * 2**32 + pid, message)
+                    self.merger.add(worker.key, message)
                 elif message["t"] == "demand":
-                    self.shares.add(index, message.get("tenants"))
+                    self.rates.add(index, message.get("tenants"))
                 elif message["t"] == "serving":
                     ports = message.get("ports")
                     if not (isinstance(ports, list) and len(ports) == 2 and all(isinstance(p, int) for p in ports)):
@@ -233,15 +241,15 @@ class FeedHub:
                 await asyncio.wait_for(writer.drain(), 1.0)
         finally:
             if worker is not None:
-                self.workers.pop(worker.pid, None)
-                self.merger.gone(worker.index * 2**32 + worker.pid)
-                self.shares.gone(worker.index)
+                self.workers.pop(worker.key, None)
+                self.merger.gone(worker.key)
+                self.rates.gone(worker.index)
             writer.close()
 
 
 class FeedClient:
-    """A worker's end: keeps ``routes`` a copy of the main table and ``limiter``'s fractions those the main process
-    set, and pushes what it counted."""
+    """A worker's end: keeps ``routes`` a copy of the main table (and of what the other workers have in flight) and
+    ``limiter``'s rate fractions those the main process set, and pushes what it counted."""
 
     def __init__(
         self,
@@ -334,7 +342,9 @@ class FeedClient:
         if kind == "snapshot":
             apply_snapshot(self.routes, message)
         elif kind == "shares":
-            self.limiter.set_fractions(message.get("fractions"))
+            rates, elsewhere = parse_fractions(message.get("rates")), parse_levels(message.get("inflight_elsewhere"))
+            self.limiter.fractions = rates
+            self.routes.inflight_elsewhere = elsewhere
         elif kind == "ready":
             self._main_ready = message.get("ready") is True
         elif kind == "readmit":

@@ -128,6 +128,9 @@ class RouteTable:
     gone: dict[str, float] = field(default_factory=dict)
     """Replica id → when it was found dead (the route table's clock), for :data:`GONE_MEMORY_S` (gateway
     workers learn of it from the route snapshots)."""
+    inflight_elsewhere: dict[str, int] = field(default_factory=dict)
+    """In a gateway worker: deployment → requests the other workers have in flight, as they last pushed it (every
+    0.25 s; ``gateway.sharing``). They count against the deployment's in-flight bound here too."""
 
     def update(self, deployment: str, endpoints: Iterable[Endpoint]) -> None:
         """Set the ready endpoints of ``deployment``, keeping the live counts of endpoints that stay."""
@@ -226,7 +229,7 @@ class RouteTable:
             return NotAdmitted("no replica", f"deployment '{deployment}' has no ready replica yet")
         counters = self.counter(deployment)
         bound = self.inflight_bound(deployment, default_per_replica)
-        if bound and counters.outstanding >= bound:
+        if bound and counters.outstanding + self.inflight_elsewhere.get(deployment, 0) >= bound:
             counters.shed += 1
             return NotAdmitted("at capacity", f"deployment '{deployment}' is at capacity ({bound} requests in flight)")
         return counters

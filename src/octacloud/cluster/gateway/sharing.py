@@ -13,10 +13,14 @@
   with the worker.
 - **Rate limits.** Each worker enforces a fraction of every tenant's rate and burst (:class:`SharedRateLimiter`),
   1/N until the main process says otherwise. Workers report how many requests each rate-limited tenant sent
-  them; every rebalance the main process (:class:`RateShares`) splits each busy tenant's rate by that demand, so
-  that a tenant whose connections all land on one worker (a gRPC client has one connection) gets most of its
-  rate there. Together the workers never admit more than the tenant's rate, plus at most N-1 requests of
-  rounding in the burst.
+  them; every rebalance the main process (:class:`DemandShares`) splits each busy tenant's rate by that demand,
+  so that a client whose connections all land on one worker (a gRPC client has one connection) gets most of it
+  there. Together the workers never admit more than the tenant's rate, plus at most N-1 requests of rounding
+  in the burst.
+- **In-flight bounds.** A worker counts what the others have in flight at a deployment, as they last pushed it
+  (:meth:`CounterMerger.elsewhere`), against the deployment's bound: no worker's share is fixed, so none sheds
+  while the others leave the bound unused; workers that take requests in the same push interval may together
+  pass the bound by what they took in it.
 """
 
 from __future__ import annotations
@@ -195,6 +199,16 @@ class CounterMerger:
             t.bytes_out += values[2]
             self.served[worker] = self.served.get(worker, 0) + values[0]
 
+    def elsewhere(self, worker: int) -> dict[str, int]:
+        """Deployment → requests the workers other than ``worker`` have in flight (as they last pushed)."""
+        out: dict[str, int] = {}
+        for w, levels in self._outstanding.items():
+            if w != worker:
+                for name, n in levels.items():
+                    if n:
+                        out[name] = out.get(name, 0) + n
+        return out
+
     def gone(self, worker: int) -> None:
         """The worker's process is gone: its requests in flight are no longer in flight."""
         for name, n in self._outstanding.pop(worker, {}).items():
@@ -233,10 +247,7 @@ class SharedRateLimiter(RateLimiter):
     def set_fractions(self, fractions: Any) -> None:
         """Hold these fractions (tenant → 0 < f ≤ 1; a tenant not named: 1/share); raises ShareError when
         malformed (then nothing changes). A bucket keeps its tokens, up to its new burst."""
-        if not isinstance(fractions, Mapping):
-            raise ShareError("fractions is not an object")
-        parsed = {_text(tenant): _fraction(f) for tenant, f in fractions.items()}
-        self.fractions = parsed
+        self.fractions = parse_fractions(fractions)
 
     def take_demand(self) -> dict[str, int]:
         """Requests each rate-limited tenant made since the last call (admitted or not)."""
@@ -264,14 +275,15 @@ class SharedRateLimiter(RateLimiter):
         return max(1, math.ceil(min(wait, 1 / quota.requests_per_s)))
 
 
-class RateShares:
-    """The main process's side of rate limits: each worker's fraction of every busy tenant's rate, by demand.
+class DemandShares:
+    """The main process's side of a budget the workers share (a tenant's rate): each worker's fraction of every busy
+    key's budget, by demand.
 
-    Each worker reports (:meth:`add`) how many requests each rate-limited tenant sent it. Every :meth:`rebalance`
-    a tenant's rate is split ``RESERVE`` evenly and the rest in proportion to each worker's recent demand (halved
-    each rebalance); a tenant that went quiet goes back to the even split. What a worker is told to hold is the
-    lower of this rebalance's plan and the previous one's: a fraction grows one rebalance after it was planned,
-    so workers that applied consecutive rebalances never hold more than the whole rate between them.
+    Each worker reports (:meth:`add`) how many requests each key got from it. Every :meth:`rebalance` a key's
+    budget is split ``RESERVE`` evenly and the rest in proportion to each worker's recent demand (halved each
+    rebalance); a key that went quiet goes back to the even split. What a worker is told to hold is the lower of
+    this rebalance's plan and the previous one's: a fraction grows one rebalance after it was planned, so
+    workers that applied consecutive rebalances never hold more than the whole budget between them.
     """
 
     def __init__(self, workers: int) -> None:
@@ -285,7 +297,7 @@ class RateShares:
         """Worker index → what the last rebalance told it to hold (tenants at the even split left out)."""
 
     def add(self, worker: int, demand: Any) -> None:
-        """Add what ``worker`` reported; raises ShareError (adding nothing) when malformed."""
+        """Add what ``worker`` reported (key → requests); raises ShareError (adding nothing) when malformed."""
         if not (isinstance(worker, int) and 0 <= worker < self.workers):
             raise ShareError(f"worker index {worker!r} is not one of 0..{self.workers - 1}")
         if not isinstance(demand, Mapping):
@@ -330,6 +342,20 @@ class RateShares:
         self._plan = plan
         self.held = held
         return held
+
+
+def parse_fractions(fractions: Any) -> dict[str, float]:
+    """Key → fraction in (0, 1], as a ``shares`` message carries them; raises ShareError when malformed."""
+    if not isinstance(fractions, Mapping):
+        raise ShareError("fractions is not an object")
+    return {_text(key): _fraction(f) for key, f in fractions.items()}
+
+
+def parse_levels(levels: Any) -> dict[str, int]:
+    """Key → non-negative count, as a ``shares`` message carries them; raises ShareError when malformed."""
+    if not isinstance(levels, Mapping):
+        raise ShareError("levels is not an object")
+    return {_text(key): _count(n) for key, n in levels.items()}
 
 
 def _fraction(value: Any) -> float:
