@@ -8,10 +8,9 @@ say ``{"t": "hello", "secret": <the cloud's internal secret>, "worker": i, "pid"
 - main → worker: ``snapshot`` (the route table, at once and then whenever it changes: the hub compares a fresh
   snapshot every ``poll_s``), ``shares`` (the worker's fractions of the tenants' rate limits, rebalanced every
   ``rebalance_s``, and what the other workers have in flight at each deployment; at once and then whenever it
-  changed; see ``gateway.sharing``), ``readmit`` (a replica the
-  controller found ready again: its ejection ends at every worker), ``forget`` (a key revoked, a tenant disabled
-  or its quota changed: every worker drops its cached verification at once), ``ready`` (the controller loop's
-  readiness, every ``heartbeat_s``);
+  changed; see ``gateway.sharing``), ``readmit`` (a replica the controller found ready again: its ejection ends
+  at every worker), ``forget`` (a key revoked, a tenant disabled or its quota changed: every worker drops its
+  cached verification at once), ``ready`` (the controller loop's readiness, every ``heartbeat_s``);
 - worker → main: ``serving`` (its fronts listen), ``counters`` (what it counted since its last push, every
   ``push_s``; see ``gateway.sharing``), ``demand`` (the requests each rate-limited tenant sent it since its last
   push, admitted or not).
