@@ -36,12 +36,27 @@ def cloud(tmp_path: Path) -> Iterator[CloudThread]:
     c.stop(stop_replicas=True)
 
 
-def test_a_stalled_replica_is_ejected_then_serves_again(cloud: CloudThread, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.fixture
+def quick_cloud(tmp_path: Path) -> Iterator[CloudThread]:
+    """As ``cloud``, with the gateway waiting 0.5 s for a replica's answer (``--limit upstream_timeout_s=0.5``)."""
+    write_linear_model(tmp_path / "models")
+    cfg = config(tmp_path, tmp_path / "models")
+    cfg.controller = replace(cfg.controller, probe_failures_to_fail=1000, probe_timeout_s=0.2)
+    cfg.limits = replace(cfg.limits, upstream_timeout_s=0.5)
+    c = CloudThread(cfg)
+    yield c
+    c.stop(stop_replicas=True)
+
+
+def test_a_stalled_replica_is_ejected_then_serves_again(
+    quick_cloud: CloudThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    cloud = quick_cloud
     key = make_tenant(cloud, "a")
     assert call(cloud, key, "POST", "/admin/deployments", {"name": "lin", "model": "linear"}).status_code == 201
     wait_until("lin ready", lambda: bool(ready_ids(cloud, "lin")))
     [instance] = cloud.deployment("lin")["instances"]
-    cloud.cloud.rest_gateway.request_timeout = 0.5
+    assert cloud.cloud.rest_gateway.request_timeout == 0.5
     headers = {"Authorization": f"Bearer {key}"}
     url = f"{cloud.url}/v2/models/lin/infer"
     assert httpx.post(url, json=BODY, headers=headers, timeout=10).status_code == 200

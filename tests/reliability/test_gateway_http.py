@@ -10,7 +10,7 @@ import httpx
 
 from octacloud.cluster.deployments import Replica
 from octacloud.cluster.gateway.limits import GatewayLimits
-from octacloud.cluster.gateway.routing import Endpoint, OutlierPolicy
+from octacloud.cluster.gateway.routing import Endpoint, OutlierPolicy, RouteTable
 from octacloud.cluster.health import HttpProber
 from tests.reliability.harness import SECRET, answers, complete, exchange, gateway, parse, read, serve, stop
 
@@ -210,14 +210,21 @@ async def test_a_replica_that_went_away_is_ejected_then_taken_back_without_the_c
 def test_limits_from_the_command_line_and_bad_ones_refused() -> None:
     import pytest
 
+    from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
+    from octacloud.cluster.gateway.rest import RestGateway
     from octacloud.core.errors import InvalidSpecError
 
-    limits = GatewayLimits.parse(["max_inflight_per_replica=32", "header-timeout-s=2.5"])
+    limits = GatewayLimits.parse(["max_inflight_per_replica=32", "header-timeout-s=2.5", "upstream_timeout_s=300"])
     assert (limits.max_inflight_per_replica, limits.header_timeout_s) == (32, 2.5)
+    # both fronts wait that long for a replica's answer
+    assert RestGateway(RouteTable(), limits=limits).request_timeout == 300
+    assert GrpcGateway(RouteTable(), limits=limits).timeout == 300
+    assert RestGateway(RouteTable()).request_timeout == GrpcGateway(RouteTable()).timeout == 60
     for bad, why in (
         (["nope=1"], "NAME=VALUE"),
         (["max_connections=x"], "needs a number"),
         (["keep_alive_s=0"], "positive"),
+        (["upstream_timeout_s=-1"], "upstream_timeout_s must be a positive number"),
     ):
         with pytest.raises(InvalidSpecError, match=why):
             GatewayLimits.parse(bad)

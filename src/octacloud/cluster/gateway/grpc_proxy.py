@@ -119,7 +119,7 @@ class GrpcGateway:
         self,
         routes: RouteTable,
         ready: Callable[[], bool] = lambda: True,
-        timeout: float = 60.0,
+        timeout: float | None = None,
         guard: Guard | None = None,
         limits: GatewayLimits | None = None,
         internal_secret: str | None = None,
@@ -130,8 +130,9 @@ class GrpcGateway:
         self.guard = guard
         self.routes = routes
         self.ready = ready
-        self.timeout = timeout
         self.limits = limits or GatewayLimits()
+        self.timeout = self.limits.upstream_timeout_s if timeout is None else timeout
+        """Seconds to wait for a replica's answer (``GatewayLimits.upstream_timeout_s`` unless given)."""
         self.replica_ssl = replica_ssl
         """Internal TLS to the replicas' gRPC ports (a client context of the cloud CA's, for this hop alone: ALPN
         ``h2``, ``http/1.1`` is set on it); None: plain text (replicas on loopback)."""

@@ -38,6 +38,9 @@ class GatewayLimits:
     """Open client connections (REST); one more is closed at once. Keep it below the process's file limit."""
     max_concurrent_rpcs: int = 4_096
     """gRPC calls in progress; more are refused with RESOURCE_EXHAUSTED by gRPC itself."""
+    upstream_timeout_s: float = 60.0
+    """How long the gateway waits for a replica's answer to one request (REST and gRPC); 504 / DEADLINE_EXCEEDED
+    after it, and the replica counts one transport failure. Raise it for models that answer slowly."""
     max_inflight_per_replica: int = 8
     """Requests one deployment may have in flight per ready replica; more are refused at once with 503 and
     ``Retry-After`` (load shedding), so the queue at the replicas, and the latency of what is admitted, stay
@@ -54,7 +57,7 @@ class GatewayLimits:
         ):
             if getattr(self, name) <= 0:
                 raise InvalidSpecError(f"gateway limit {name} must be positive, got {getattr(self, name)}")
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "upstream_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InvalidSpecError(f"gateway limit {name} must be a positive number of seconds")
         if self.max_inflight_per_replica < 0:

@@ -133,7 +133,7 @@ class RestGateway:
         pool: UpstreamPool | None = None,
         admin: ASGIApp | None = None,
         ready: Callable[[], bool] = lambda: True,
-        request_timeout: float = 60.0,
+        request_timeout: float | None = None,
         guard: Guard | None = None,
         dashboard: ASGIApp | None = None,
         metrics: ASGIApp | None = None,
@@ -150,8 +150,9 @@ class RestGateway:
         self.pool = pool or UpstreamPool()
         self.admin = admin
         self.ready = ready
-        self.request_timeout = request_timeout
         self.limits = limits or GatewayLimits()
+        self.request_timeout = self.limits.upstream_timeout_s if request_timeout is None else request_timeout
+        """Seconds to wait for a replica's answer (``GatewayLimits.upstream_timeout_s`` unless given)."""
         self._internal = [(HEADER_BYTES, internal_secret.encode())] if internal_secret else []
         """Added to every request forwarded to a replica: it proves the request comes from this cloud."""
         routes.on_drop.append(lambda e: self.pool.forget(e.host, e.http_port))
