@@ -71,3 +71,21 @@ def test_the_gpu_set_installs_beside_the_runtime_without_the_cpu_onnxruntime() -
     assert declared_gpu <= set(gpu), "requirements/gpu.lock lacks what gpu.in asks for: run `make lock`"
     differ = {n: (v, runtime[n]) for n, v in gpu.items() if n in runtime and runtime[n] != v}
     assert not differ, f"gpu.lock and runtime.lock disagree (name: (gpu, runtime)): {differ}; run `make lock`"
+
+
+PEERS = ("peer-triton.lock", "peer-perf-analyzer.lock")
+"""The benchmark peers' environments (bench/peers/setup.sh installs each from its lock, outside the project's)."""
+
+
+@pytest.mark.parametrize("lock", PEERS)
+def test_each_peer_lock_pins_what_its_input_asks_for(lock: str) -> None:
+    source = (REQUIREMENTS / lock).with_suffix(".in")
+    asked = [line.split("#")[0].strip() for line in source.read_text().splitlines() if line.split("#")[0].strip()]
+    missing = declared(asked) - set(pins(lock))
+    assert not missing, f"requirements/{lock} lacks {sorted(missing)}: run `make lock`"
+    assert lock in (ROOT / "bench" / "peers" / "setup.sh").read_text()
+
+
+def test_the_triton_peer_runs_the_onnxruntime_octacloud_runs() -> None:
+    """bench/serving.py compares the two servers on the same model: their onnxruntime must be the same."""
+    assert pins("peer-triton.lock")["onnxruntime"] == pins("runtime.lock")["onnxruntime"]

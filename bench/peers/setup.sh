@@ -5,24 +5,28 @@
 #   bench/peers/setup.sh [perf_analyzer|triton|all]     (default: all)
 #
 # Cache: $OCTACLOUD_PEERS (default ~/.cache/octacloud-peers). Prints nothing else on success but the paths.
+# Each peer's Python packages come from its lock file (requirements/peer-*.lock, made by `make lock`); a peer
+# set up from another lock is installed again.
 # docs/serving.md (the benchmark section) says what each peer is and how it is run.
 set -euo pipefail
 WHAT=${1:-all}
 ROOT=${OCTACLOUD_PEERS:-$HOME/.cache/octacloud-peers}
 PY=${PYTHON:-python3}
+LOCKS=$(cd "$(dirname "$0")/../../requirements" && pwd)
 mkdir -p "$ROOT"
 
 setup_perf_analyzer() {
   local pa=$ROOT/perf_analyzer
   local bin=$pa/whl/tritonclient-2.51.0.data/data/bin/perf_analyzer
-  if [ -x "$pa/run-perf_analyzer" ] && "$pa/run-perf_analyzer" --version >/dev/null 2>&1; then
+  if [ -x "$pa/run-perf_analyzer" ] && cmp -s "$LOCKS/peer-perf-analyzer.lock" "$pa/installed.lock" \
+    && "$pa/run-perf_analyzer" --version >/dev/null 2>&1; then
     echo "perf_analyzer: $pa/run-perf_analyzer"; return
   fi
   if ! ldconfig -p | grep -q libb64.so.0d; then
     (apt-get install -y libb64-0d >/dev/null 2>&1) || (apt-get update >/dev/null && apt-get install -y libb64-0d >/dev/null)
   fi
   [ -x "$pa/bin/pip" ] || "$PY" -m venv "$pa"
-  "$pa/bin/pip" install --quiet nvidia-cuda-runtime-cu12     # libcudart.so.12; loads without a GPU
+  "$pa/bin/pip" install --quiet -r "$LOCKS/peer-perf-analyzer.lock"     # libcudart.so.12; loads without a GPU
   "$pa/bin/pip" download --quiet --no-deps tritonclient==2.51.0 -d "$pa/whl"
   (cd "$pa/whl" && unzip -qo tritonclient-2.51.0-*.whl 'tritonclient-2.51.0.data/*')
   local cudart
@@ -34,16 +38,18 @@ exec $bin "\$@"
 WRAP
   chmod +x "$pa/run-perf_analyzer"
   "$pa/run-perf_analyzer" --version >/dev/null
+  cp "$LOCKS/peer-perf-analyzer.lock" "$pa/installed.lock"
   echo "perf_analyzer: $pa/run-perf_analyzer"
 }
 
 setup_triton() {
   local t=$ROOT/triton
-  if [ -x "$t/run-tritonserver" ] && [ -x "$t/dist/backends/python/triton_python_backend_stub" ]; then
+  if [ -x "$t/run-tritonserver" ] && [ -x "$t/dist/backends/python/triton_python_backend_stub" ] \
+    && cmp -s "$LOCKS/peer-triton.lock" "$t/installed.lock"; then
     echo "tritonserver: $t/run-tritonserver"; return
   fi
   [ -x "$t/bin/pip" ] || "$PY" -m venv "$t"
-  "$t/bin/pip" install --quiet nvidia-pytriton==0.7.0 onnxruntime
+  "$t/bin/pip" install --quiet -r "$LOCKS/peer-triton.lock"
   local sp
   sp=$(echo "$t"/lib/python3*/site-packages)
   mkdir -p "$t/dist"
@@ -57,6 +63,7 @@ exec $t/dist/bin/tritonserver --backend-directory=$t/dist/backends --cache-direc
 WRAP
   chmod +x "$t/run-tritonserver"
   echo "$sp" >"$t/site-packages.txt"
+  cp "$LOCKS/peer-triton.lock" "$t/installed.lock"
   echo "tritonserver: $t/run-tritonserver"
 }
 
