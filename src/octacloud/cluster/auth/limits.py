@@ -24,10 +24,14 @@ class TokenBucket:
     tokens: float
     at: float
 
-    def take(self, now: float) -> float:
-        """Take a token: 0.0 when granted, else the seconds until one will be available."""
+    def refill(self, now: float) -> None:
+        """Add the tokens earned since the last refill, up to ``burst``."""
         self.tokens = min(float(self.burst), self.tokens + (now - self.at) * self.rate)
         self.at = now
+
+    def take(self, now: float) -> float:
+        """Take a token: 0.0 when granted, else the seconds until one will be available."""
+        self.refill(now)
         if self.tokens >= 1.0:
             self.tokens -= 1.0
             return 0.0

@@ -40,7 +40,6 @@ from octacloud.cluster.gateway.sharing import (
     SharedRateLimiter,
     ShareError,
     apply_snapshot,
-    parse_fractions,
     parse_levels,
     route_snapshot,
 )
@@ -341,8 +340,8 @@ class FeedClient:
         if kind == "snapshot":
             apply_snapshot(self.routes, message)
         elif kind == "shares":
-            rates, elsewhere = parse_fractions(message.get("rates")), parse_levels(message.get("inflight_elsewhere"))
-            self.limiter.fractions = rates
+            elsewhere = parse_levels(message.get("inflight_elsewhere"))
+            self.limiter.set_fractions(message.get("rates"))  # checked before anything changes, as elsewhere was
             self.routes.inflight_elsewhere = elsewhere
         elif kind == "ready":
             self._main_ready = message.get("ready") is True

@@ -266,8 +266,8 @@ class SharedRateLimiter(RateLimiter):
         if bucket is None:
             bucket = self._buckets[tenant] = TokenBucket(rate, burst, float(burst), now)
         elif bucket.rate != rate or bucket.burst != burst:  # refilled at the old rate until now, then resized
-            tokens = min(float(bucket.burst), bucket.tokens + (now - bucket.at) * bucket.rate)
-            bucket.rate, bucket.burst, bucket.tokens, bucket.at = rate, burst, min(tokens, float(burst)), now
+            bucket.refill(now)
+            bucket.rate, bucket.burst, bucket.tokens = rate, burst, min(bucket.tokens, float(burst))
         wait = bucket.take(now)
         if wait == 0.0:
             return 0
