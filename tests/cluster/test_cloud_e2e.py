@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from octacloud.cluster.internal_auth import HEADER
 from octacloud.core import Gpu, Node
 
 from ..ray.harness import ray_cloud
-from .conftest import IN, expected_output
+from .conftest import IN, expected_output, write_linear_model
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +96,16 @@ def config(tmp_path: Path, repo: Path) -> CloudConfig:
         grpc_port=0,
         controller=ControllerSettings(interval_s=0.5, health_interval_s=0.2, backoff_base_s=0.2, stop_grace_s=3),
     )
+
+
+def stall_config(tmp_path: Path, **limits: Any) -> CloudConfig:
+    """``config`` for the linear model, with a controller that never replaces a stalled replica during a test (only
+    the gateway reacts) and these gateway limits changed."""
+    write_linear_model(tmp_path / "models")
+    cfg = config(tmp_path, tmp_path / "models")
+    cfg.controller = replace(cfg.controller, probe_failures_to_fail=1000, probe_timeout_s=0.2)
+    cfg.limits = replace(cfg.limits, **limits)
+    return cfg
 
 
 @pytest.fixture(scope="module")

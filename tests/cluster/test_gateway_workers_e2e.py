@@ -14,7 +14,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -24,7 +24,7 @@ import pytest
 from octacloud.cluster.gateway.workers import GatewayWorkers
 from octacloud.cluster.internal_auth import HEADER
 from tests.cluster.conftest import IN, expected_output, write_linear_model
-from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, wait_until
+from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, stall_config, wait_until
 from tests.security.conftest import call, make_tenant
 
 pytestmark = pytest.mark.slow
@@ -227,21 +227,27 @@ def test_a_tenant_on_one_connection_gets_its_whole_rate_and_never_more(cloud: Cl
     acme = make_tenant(c, "acme", requests_per_s=rate, burst=burst)
     globex = make_tenant(c, "globex", requests_per_s=rate, burst=burst)
 
-    def admitted(client: httpx.Client, seconds: float) -> int:
-        """Requests admitted by the rate limit (404: no such deployment; 429: refused) over ``seconds``."""
+    def admitted(ask: Callable[[], bool | None], seconds: float) -> int:
+        """How many of ``ask``'s calls over ``seconds`` the rate limit admitted (True; None: not answered)."""
         n, end = 0, time.monotonic() + seconds
         while time.monotonic() < end:
+            n += ask() is True
+        return n
+
+    def over_http(client: httpx.Client) -> Callable[[], bool | None]:
+        def ask() -> bool | None:  # 404: admitted, no such deployment; 429: refused
             try:
                 status = client.get("/v2/models/nothing/ready").status_code
             except httpx.TransportError:  # the worker was killed: the client connects anew
-                continue
+                return None
             assert status in (404, 429), status
-            n += status == 404
-        return n
+            return status == 404
+
+        return ask
 
     with httpx.Client(base_url=c.url, headers={"Authorization": f"Bearer {acme}"}, timeout=10) as one:
-        admitted(one, 1.0)  # the main process learns where acme's requests arrive
-        got = admitted(one, 4.0)
+        admitted(over_http(one), 1.0)  # the main process learns where acme's requests arrive
+        got = admitted(over_http(one), 4.0)
         assert 0.8 * rate * 4 <= got <= rate * 4 + burst + 1, got  # an even split would give half
         print(f"one connection over two workers: {got} admitted in 4 s at {rate}/s", end="; ")
         [holder] = [i for i, held in enumerate(w.hub.rates.held) if held.get("acme", 0) > 0.9]
@@ -257,24 +263,22 @@ def test_a_tenant_on_one_connection_gets_its_whole_rate_and_never_more(cloud: Cl
         channel = grpcclient.InferenceServerClient(f"127.0.0.1:{c.cloud.grpc_port}")
         metadata = {"authorization": f"Bearer {globex}"}
 
-        def admitted_grpc(seconds: float) -> int:
-            n, end = 0, time.monotonic() + seconds
-            while time.monotonic() < end:
-                with pytest.raises(InferenceServerException) as refused:
-                    channel.is_model_ready("nothing", headers=metadata)
-                assert refused.value.status() in ("StatusCode.NOT_FOUND", "StatusCode.RESOURCE_EXHAUSTED")
-                n += refused.value.status() == "StatusCode.NOT_FOUND"
-            return n
+        def over_grpc() -> bool:  # NOT_FOUND: admitted, no such deployment; RESOURCE_EXHAUSTED: refused
+            with pytest.raises(InferenceServerException) as refused:
+                channel.is_model_ready("nothing", headers=metadata)
+            assert refused.value.status() in ("StatusCode.NOT_FOUND", "StatusCode.RESOURCE_EXHAUSTED")
+            return refused.value.status() == "StatusCode.NOT_FOUND"
 
-        admitted_grpc(1.0)
-        got_grpc = admitted_grpc(4.0)
+        admitted(over_grpc, 1.0)
+        got_grpc = admitted(over_grpc, 4.0)
         channel.close()
         assert 0.8 * rate * 4 <= got_grpc <= rate * 4 + burst + 1, got_grpc
         print(f"over gRPC {got_grpc}", end="; ")
 
         victim = w.pids()[holder]
         os.kill(victim, signal.SIGKILL)
-        got = admitted(one, 4.0)  # on a new connection, to either worker (the restarted one holds the old share)
+        # on a new connection, to either worker (the restarted one holds the old share)
+        got = admitted(over_http(one), 4.0)
         assert 0.5 * rate * 4 <= got <= rate * 4 + 2 * burst + 1, got
         print(f"{got} in the 4 s after kill -9 of its worker")
     wait_until("the worker restarted", lambda: w.pids().get(holder) not in (None, victim), 20)
@@ -286,15 +290,9 @@ def test_two_workers_hold_a_deployment_to_its_in_flight_bound_together(tmp_path:
     it between them, not 4 per worker (each worker counts what the other pushed it has in flight); the others are
     refused at once with 503, and the ones held are answered once the replica resumes."""
     from concurrent.futures import ThreadPoolExecutor
-    from dataclasses import replace
 
-    repo = tmp_path / "models"
-    write_linear_model(repo)
-    cfg = config(tmp_path, repo)
+    cfg = stall_config(tmp_path, max_inflight_per_replica=4)
     cfg.gateway_workers = 2
-    cfg.limits = replace(cfg.limits, max_inflight_per_replica=4)
-    # the controller must not replace the stalled replica during the test
-    cfg.controller = replace(cfg.controller, probe_failures_to_fail=1000, probe_timeout_s=0.2)
     c = CloudThread(cfg)
     try:
         wait_until("ready", lambda: httpx.get(f"{c.url}/v2/health/ready").json() == {"ready": True}, timeout=30)

@@ -10,14 +10,13 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.cluster.conftest import IN, write_linear_model
-from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, wait_until
+from tests.cluster.test_cloud_e2e import CloudThread, ready_ids, stall_config, wait_until
 from tests.security.conftest import call, make_tenant
 
 pytestmark = pytest.mark.slow
@@ -27,11 +26,7 @@ BODY = {"inputs": [{"name": "INPUT0", "shape": [1, IN], "datatype": "FP32", "dat
 
 @pytest.fixture
 def cloud(tmp_path: Path) -> Iterator[CloudThread]:
-    write_linear_model(tmp_path / "models")
-    cfg = config(tmp_path, tmp_path / "models")
-    # the controller must not replace the stalled replica during the test: only the gateway reacts
-    cfg.controller = replace(cfg.controller, probe_failures_to_fail=1000, probe_timeout_s=0.2)
-    c = CloudThread(cfg)
+    c = CloudThread(stall_config(tmp_path))
     yield c
     c.stop(stop_replicas=True)
 
@@ -39,11 +34,7 @@ def cloud(tmp_path: Path) -> Iterator[CloudThread]:
 @pytest.fixture
 def quick_cloud(tmp_path: Path) -> Iterator[CloudThread]:
     """As ``cloud``, with the gateway waiting 0.5 s for a replica's answer (``--limit upstream_timeout_s=0.5``)."""
-    write_linear_model(tmp_path / "models")
-    cfg = config(tmp_path, tmp_path / "models")
-    cfg.controller = replace(cfg.controller, probe_failures_to_fail=1000, probe_timeout_s=0.2)
-    cfg.limits = replace(cfg.limits, upstream_timeout_s=0.5)
-    c = CloudThread(cfg)
+    c = CloudThread(stall_config(tmp_path, upstream_timeout_s=0.5))
     yield c
     c.stop(stop_replicas=True)
 
