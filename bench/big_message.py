@@ -29,7 +29,7 @@ import httpx
 from tritonclient.grpc import service_pb2 as pb
 
 from benchutil import LocalCloud
-from octacloud.cluster.internal_auth import HEADER
+from octacloud.security.internal_auth import HEADER
 
 GIB = 1 << 30
 

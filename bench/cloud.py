@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from benchutil import LocalCloud, cpu_s, find_replica_pid, syscalls
-from octacloud.cluster.internal_auth import HEADER
+from octacloud.security.internal_auth import HEADER
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -152,7 +152,7 @@ class Up:
         raise SystemExit("octacloud up did not become ready")
 
     def gateway_pids(self) -> list[int]:
-        workers = [p for p in children(self.proc.pid) if "octacloud.cluster.gateway.workers" in cmdline(p)]
+        workers = [p for p in children(self.proc.pid) if "octacloud.gateway.workers" in cmdline(p)]
         if self.workers > 1 and len(workers) != self.workers:
             raise SystemExit(f"expected {self.workers} gateway workers, found {len(workers)}")
         return [self.proc.pid, *workers]

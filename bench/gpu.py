@@ -6,7 +6,7 @@ Needs an NVIDIA GPU (NVML), onnxruntime with the CUDA execution provider (octacl
 example repository (``make models``: ResNet-50 and BERT-base). Without them it refuses and says what is missing.
 Every replica is a real ``octacloud serve`` process confined to its slice exactly as the cloud confines it
 (``slice_environment``: ``CUDA_VISIBLE_DEVICES``, MPS active-thread percentage and pinned-memory limit, the memory
-budget), behind one MPS control daemon started for the run (:mod:`octacloud.cluster.mps`; time-slicing when MPS
+budget), behind one MPS control daemon started for the run (:mod:`octacloud.control.mps`; time-slicing when MPS
 is unavailable, which the report says). Load comes from separate client processes (tritonclient gRPC, binary
 tensors, closed loop), so the client's interpreter is never the bottleneck.
 
@@ -47,9 +47,9 @@ from typing import Any
 
 import numpy as np
 
-from octacloud.cluster.fleet import nvml_host_node
-from octacloud.cluster.mps import MpsDaemon, NvmlComputeModes
-from octacloud.cluster.slices import Slice, slice_environment
+from octacloud.control.fleet import nvml_host_node
+from octacloud.control.mps import MpsDaemon, NvmlComputeModes
+from octacloud.control.slices import Slice, slice_environment
 from octacloud.observability.dcgm import open_nvml
 
 

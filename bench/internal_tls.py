@@ -2,7 +2,7 @@
 
 Two replica processes of the same model (``octacloud serve``, the cloud's internal secret on both), one given
 a certificate of a fresh internal CA (mutual TLS), one plain. The client is the gateway's own upstream pool
-(:class:`~octacloud.cluster.gateway.upstream.UpstreamPool`, keep-alive connections; with the cloud's client
+(:class:`~octacloud.gateway.upstream.UpstreamPool`, keep-alive connections; with the cloud's client
 context for TLS) for REST, a ``grpc.aio`` channel (insecure, or secure with the cloud's client certificate)
 for gRPC, as the gateway's gRPC proxy. Rounds alternate plain / TLS, side by side in one run; per round:
 inferences per second and CPU µs per inference, the client's (this process) and the replica's
@@ -33,9 +33,9 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from benchutil import cpu_s, free_port
-from octacloud.cluster import internal_auth
-from octacloud.cluster.gateway.upstream import UpstreamPool
-from octacloud.cluster.internal_tls import InternalCa, InternalClientTls
+from octacloud.gateway.upstream import UpstreamPool
+from octacloud.security import internal_auth
+from octacloud.security.internal_tls import InternalCa, InternalClientTls
 
 
 @dataclass

@@ -41,7 +41,7 @@ from benchutil import LocalCloud, find_replica_pid, proc_stat
 from benchutil import cpu_s as process_cpu_s
 
 HERE = Path(__file__).resolve().parent
-INTERNAL_HEADER = "x-octacloud-internal"  # octacloud.cluster.internal_auth.HEADER
+INTERNAL_HEADER = "x-octacloud-internal"  # octacloud.security.internal_auth.HEADER
 
 
 def _openloop() -> ModuleType:

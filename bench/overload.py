@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchutil import free_port
-from octacloud.cluster.gateway.limits import GatewayLimits
+from octacloud.gateway.limits import GatewayLimits
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -63,13 +63,13 @@ def run_gateway(port: int, replica_port: int, bound: int, secret_file: str, mode
     sys.path.insert(0, str(SRC))
     import contextvars
 
-    from octacloud.cluster.gateway.fronts import RestFront
-    from octacloud.cluster.gateway.limits import GatewayLimits
-    from octacloud.cluster.gateway.rest import RestGateway
-    from octacloud.cluster.gateway.routing import Endpoint, Owner, RouteTable
-    from octacloud.cluster.internal_auth import read_secret
+    from octacloud.gateway.fronts import RestFront
+    from octacloud.gateway.limits import GatewayLimits
+    from octacloud.gateway.rest import RestGateway
+    from octacloud.gateway.routing import Endpoint, Owner, RouteTable
     from octacloud.protocols.rest.request import Http1Request
     from octacloud.protocols.server import new_event_loop
+    from octacloud.security.internal_auth import read_secret
 
     limits = GatewayLimits(max_inflight_per_replica=bound)
     routes = RouteTable()

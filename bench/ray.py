@@ -35,9 +35,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"
 sys.path.insert(0, str(ROOT / "src"))
 
 from octacloud.app import Cloud, CloudConfig, ray_cloud  # noqa: E402
-from octacloud.cluster.controller import ControllerSettings  # noqa: E402
-from octacloud.cluster.fleet import CPU_CARD_MODEL  # noqa: E402
-from octacloud.cluster.ray_local import LocalRayCluster  # noqa: E402
+from octacloud.control.controller import ControllerSettings  # noqa: E402
+from octacloud.control.fleet import CPU_CARD_MODEL  # noqa: E402
+from octacloud.control.ray.local import LocalRayCluster  # noqa: E402
 from octacloud.core import Gpu, Node  # noqa: E402
 
 

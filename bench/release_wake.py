@@ -20,8 +20,8 @@ import statistics
 import time
 from typing import Any
 
-from octacloud.cluster.controller import ControllerSettings
-from octacloud.cluster.fleet import CPU_CARD_MODEL
+from octacloud.control.controller import ControllerSettings
+from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
 from scale_down import CloudThread
 

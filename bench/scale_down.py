@@ -32,8 +32,8 @@ import httpx
 import numpy as np
 
 from octacloud.app import Cloud, CloudConfig
-from octacloud.cluster.controller import ControllerSettings
-from octacloud.cluster.fleet import CPU_CARD_MODEL
+from octacloud.control.controller import ControllerSettings
+from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
 
 IN, OUT = 64, 8

@@ -2,7 +2,7 @@
 
 ``Cloud`` runs in one asyncio loop: the controller's reconcile loop, the REST gateway (octacloud's HTTP/1.1
 server) with the admin API under ``/admin``, and the gRPC gateway. With ``gateway_workers`` ≥ 2 the public
-ports are served by that many worker processes instead (``cluster.gateway.workers``), and this process keeps
+ports are served by that many worker processes instead (``gateway.workers``), and this process keeps
 the rest. Replicas run as their own processes (local) or actors (Ray).
 """
 
@@ -16,33 +16,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from octacloud.cluster import internal_auth
-from octacloud.cluster.admin import build_admin_app
-from octacloud.cluster.auth import Guard, KeyStore, server_secret
-from octacloud.cluster.controller import Controller, ControllerSettings, NodeChange
-from octacloud.cluster.dashboard.monitoring import CloudMonitoring, admin_authorizer, local_nvml_node
-from octacloud.cluster.deployments import ReplicaState
-from octacloud.cluster.fleet import discover_fleet
-from octacloud.cluster.gateway.fronts import Fronts, gateway_fronts
-from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
-from octacloud.cluster.gateway.limits import GatewayLimits
-from octacloud.cluster.gateway.rest import RestGateway
-from octacloud.cluster.gateway.routing import RouteTable
-from octacloud.cluster.gateway.sharing import Unlimited
-from octacloud.cluster.gateway.upstream import UpstreamPool
-from octacloud.cluster.gateway.workers import GatewayWorkers
-from octacloud.cluster.health import HttpProber, RepositoryFootprints
-from octacloud.cluster.internal_tls import RENEW_INTERVAL_S, InternalCa, InternalClientTls, InternalTlsMode
-from octacloud.cluster.launcher import LocalProcessLauncher, ReplicaLauncher
-from octacloud.cluster.mps import MpsDaemon, SharingCollector
-from octacloud.cluster.storage import FleetCacheStats, ModelCacheCollector
-from octacloud.cluster.store import StateStore
-from octacloud.cluster.tls import TlsConfig, check_exposure
-from octacloud.cluster.usage import ClusterUsage
+from octacloud.admin.api import build_admin_app
+from octacloud.admin.dashboard.monitoring import CloudMonitoring, admin_authorizer, local_nvml_node
+from octacloud.control.controller import Controller, ControllerSettings, NodeChange
+from octacloud.control.deployments import ReplicaState
+from octacloud.control.fleet import discover_fleet
+from octacloud.control.launcher import LocalProcessLauncher, ReplicaLauncher
+from octacloud.control.mps import MpsDaemon, SharingCollector
+from octacloud.control.probes import HttpProber, RepositoryFootprints
+from octacloud.control.store import StateStore
+from octacloud.control.usage import ClusterUsage
 from octacloud.core.clock import Clock, SystemClock
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node, Request
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
+from octacloud.gateway.fronts import Fronts, gateway_fronts
+from octacloud.gateway.grpc_proxy import GrpcGateway
+from octacloud.gateway.limits import GatewayLimits
+from octacloud.gateway.rest import RestGateway
+from octacloud.gateway.routing import RouteTable
+from octacloud.gateway.sharing import Unlimited
+from octacloud.gateway.upstream import UpstreamPool
+from octacloud.gateway.workers import GatewayWorkers
 from octacloud.metering import Ledger, Meter, PriceSheet
 from octacloud.observability.card_health import CardHealthWatch
 from octacloud.observability.dcgm import CardReading
@@ -50,6 +45,11 @@ from octacloud.scheduler.fragmentation import TargetWorkload
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
 from octacloud.scheduler.policies import PRODUCT_DEFAULT, build_profile
+from octacloud.security import internal_auth
+from octacloud.security.internal_tls import RENEW_INTERVAL_S, InternalCa, InternalClientTls, InternalTlsMode
+from octacloud.security.tls import TlsConfig, check_exposure
+from octacloud.storage.cache import FleetCacheStats, ModelCacheCollector
+from octacloud.tenancy import Guard, KeyStore, server_secret
 
 log = logging.getLogger("octacloud")
 
@@ -92,7 +92,7 @@ class CloudConfig:
     worker processes share the ports (SO_REUSEPORT) and this process keeps the controller, store and meter."""
     internal_tls: InternalTlsMode = InternalTlsMode.AUTO
     """TLS with the cloud's own CA on the gateway → replica hop: auto = on with the Ray launcher (replicas may be
-    on other machines), off for local replicas on loopback (see cluster/internal_tls.py)."""
+    on other machines), off for local replicas on loopback (see security/internal_tls.py)."""
 
 
 class Cloud:
@@ -424,7 +424,7 @@ def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
     from octacloud.core.extras import require
 
     require("ray")
-    from octacloud.cluster.ray_backend import RayFleet, RayLauncher, connect
+    from octacloud.control.ray.backend import RayFleet, RayLauncher, connect
 
     connect(config.ray_address)
     fleet = RayFleet()

@@ -27,8 +27,8 @@ from typing import Any
 import httpx
 import pytest
 
-from octacloud.cluster.launcher import _pid_alive
-from octacloud.cluster.store import StateStore
+from octacloud.control.launcher import _pid_alive
+from octacloud.control.store import StateStore
 
 from ..cluster.conftest import write_linear_model
 

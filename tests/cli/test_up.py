@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from octacloud.cli.up import _Lines, event_line, log_events, sample_inputs, sample_requests
-from octacloud.cluster.store import StateStore
+from octacloud.control.store import StateStore
 
 
 def test_every_stored_event_becomes_one_timed_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

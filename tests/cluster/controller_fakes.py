@@ -8,15 +8,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from octacloud.cluster.controller import Controller, ControllerSettings, Probe
-from octacloud.cluster.controller.state import ControllerStore
-from octacloud.cluster.deployments import DeploymentSpec, Replica, ReplicaState
-from octacloud.cluster.gateway.routing import RouteTable
-from octacloud.cluster.launcher import Launched, LaunchFailedError, LaunchSpec, ReplicaAddress
-from octacloud.cluster.sizing import ModelFootprint
-from octacloud.cluster.store import StateStore
+from octacloud.control.controller import Controller, ControllerSettings, Probe
+from octacloud.control.controller.state import ControllerStore
+from octacloud.control.deployments import DeploymentSpec, Replica, ReplicaState
+from octacloud.control.launcher import Launched, LaunchFailedError, LaunchSpec, ReplicaAddress
+from octacloud.control.sizing import ModelFootprint
+from octacloud.control.store import StateStore
 from octacloud.core.clock import Clock, ManualClock
 from octacloud.core.model import Gpu, Node
+from octacloud.gateway.routing import RouteTable
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
 from octacloud.scheduler.policies import build_profile

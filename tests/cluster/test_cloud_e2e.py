@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 from octacloud.app import Cloud, CloudConfig
-from octacloud.cluster.controller import ControllerSettings
-from octacloud.cluster.fleet import CPU_CARD_MODEL
-from octacloud.cluster.internal_auth import HEADER
+from octacloud.control.controller import ControllerSettings
+from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
+from octacloud.security.internal_auth import HEADER
 
 from ..ray.harness import ray_cloud
 from .conftest import IN, expected_output, write_linear_model
@@ -111,7 +111,7 @@ def stall_config(tmp_path: Path, **limits: Any) -> CloudConfig:
 @pytest.fixture(scope="module")
 def ray_fleet() -> Iterator[None]:
     """FLEET as a one-node Ray cluster (started once per module, only when a test runs on Ray)."""
-    from octacloud.cluster.ray_local import LocalRayCluster
+    from octacloud.control.ray.local import LocalRayCluster
 
     temp = Path(f"/tmp/octacloud-ray-{os.getpid()}")  # Ray's socket paths must stay short: not under tmp_path
     with LocalRayCluster(FLEET, temp_dir=temp):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from octacloud.cluster.store import StateStore
+from octacloud.control.store import StateStore
 from tests.cluster.conftest import write_linear_model
 from tests.cluster.test_cloud_e2e import CloudThread, config
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from octacloud.cluster.controller import Probe
-from octacloud.cluster.deployments import DeploymentSpec, Replica, ReplicaState
+from octacloud.control.controller import Probe
+from octacloud.control.deployments import DeploymentSpec, Replica, ReplicaState
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Health
 

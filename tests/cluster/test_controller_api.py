@@ -10,8 +10,8 @@ import pytest
 from starlette.testclient import TestClient
 from typer.testing import CliRunner
 
+from octacloud.admin.api import build_admin_app
 from octacloud.cli.main import app as cli
-from octacloud.cluster.admin import build_admin_app
 
 from .controller_fakes import Harness
 

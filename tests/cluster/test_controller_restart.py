@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from octacloud.cluster.controller.state import ControllerStore
-from octacloud.cluster.deployments import Replica, ReplicaState
-from octacloud.cluster.launcher import Launched, LaunchSpec
-from octacloud.cluster.store import Transition
+from octacloud.control.controller.state import ControllerStore
+from octacloud.control.deployments import Replica, ReplicaState
+from octacloud.control.launcher import Launched, LaunchSpec
+from octacloud.control.store import Transition
 
 from .controller_fakes import Harness
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from octacloud.cluster.controller.state import ControllerStore
-from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
-from octacloud.cluster.store import StateStore, Transition
+from octacloud.control.controller.state import ControllerStore
+from octacloud.control.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
+from octacloud.control.store import StateStore, Transition
 
 
 def test_reads_are_copies_and_match_what_is_stored(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from octacloud.app import Cloud, CloudConfig
-from octacloud.cluster.fleet import CPU_CARD_MODEL
+from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
 
 from .conftest import IN

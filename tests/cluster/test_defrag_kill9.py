@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from octacloud.cluster.store import StateStore
+from octacloud.control.store import StateStore
 from tests.cluster.conftest import write_linear_model
 from tests.cluster.test_cloud_e2e import wait_until
 from tests.metering.test_usage_e2e import UpProcess, free_port, send

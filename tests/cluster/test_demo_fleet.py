@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from octacloud.cluster.fleet import CPU_CARD_MODEL, DEMO_LABEL, _host_memory_mib, demo_fleet, discover_fleet
+from octacloud.control.fleet import CPU_CARD_MODEL, DEMO_LABEL, _host_memory_mib, demo_fleet, discover_fleet
 from octacloud.core.errors import InvalidSpecError
 
 
@@ -26,7 +26,7 @@ def test_impossible_demo_fleets_are_refused(nodes: int, cards: int) -> None:
 
 
 def test_discover_without_gpus_gives_the_host_or_a_demo_fleet(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("octacloud.cluster.fleet.nvml_host_node", lambda: None)
+    monkeypatch.setattr("octacloud.control.fleet.nvml_host_node", lambda: None)
     (host,) = discover_fleet(cpu_cards=2)
     assert host.gpu_count == 2 and DEMO_LABEL not in host.labels
     demo = discover_fleet(cpu_cards=4, cpu_nodes=3)

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from octacloud.cli.main import app
 from octacloud.cli.up import hold_up_lock, up_record
-from octacloud.cluster.deployments import Replica, ReplicaState
-from octacloud.cluster.store import StateStore
+from octacloud.control.deployments import Replica, ReplicaState
+from octacloud.control.store import StateStore
 
 
 def test_down_stops_recorded_replicas(tmp_path: Path) -> None:

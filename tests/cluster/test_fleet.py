@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from octacloud.cluster.fleet import CPU_CARD_MODEL, FleetHealth, cpu_host_node, discover_fleet, load_fleet_file
+from octacloud.control.fleet import CPU_CARD_MODEL, FleetHealth, cpu_host_node, discover_fleet, load_fleet_file
 from octacloud.core import Health, InvalidSpecError, ManualClock
 
 FLEET = """

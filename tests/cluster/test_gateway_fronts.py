@@ -1,4 +1,4 @@
-"""The gateway's front servers (``cluster/gateway/fronts.py``): one port shared by several servers with
+"""The gateway's front servers (``gateway/fronts.py``): one port shared by several servers with
 SO_REUSEPORT, and a clear failure without it."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import socket
 import httpx
 import pytest
 
-from octacloud.cluster.gateway.fronts import GrpcFront, RestFront, bind_socket, gateway_fronts
-from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
-from octacloud.cluster.gateway.limits import GatewayLimits
-from octacloud.cluster.gateway.rest import RestGateway
-from octacloud.cluster.gateway.routing import RouteTable
+from octacloud.gateway.fronts import GrpcFront, RestFront, bind_socket, gateway_fronts
+from octacloud.gateway.grpc_proxy import GrpcGateway
+from octacloud.gateway.limits import GatewayLimits
+from octacloud.gateway.rest import RestGateway
+from octacloud.gateway.routing import RouteTable
 from octacloud.protocols.asgi import Receive, Scope, Send, json_reply
 
 pytestmark = pytest.mark.slow

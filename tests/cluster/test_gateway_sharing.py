@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from octacloud.cluster.auth.keys import Quota
-from octacloud.cluster.gateway.feed import FeedClient, FeedHub
-from octacloud.cluster.gateway.routing import DeploymentCounters, Endpoint, Owner, RouteTable
-from octacloud.cluster.gateway.sharing import (
+from octacloud.core.clock import ManualClock
+from octacloud.gateway.feed import FeedClient, FeedHub
+from octacloud.gateway.routing import DeploymentCounters, Endpoint, Owner, RouteTable
+from octacloud.gateway.sharing import (
     CounterMerger,
     CounterTracker,
     DemandShares,
@@ -22,7 +22,7 @@ from octacloud.cluster.gateway.sharing import (
     apply_snapshot,
     route_snapshot,
 )
-from octacloud.core.clock import ManualClock
+from octacloud.tenancy.keys import Quota
 
 SECRET = "s" * 43
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2
 
-from octacloud.cluster.gateway.stats import merge_model_statistics
+from octacloud.gateway.stats import merge_model_statistics
 
 
 def _entry(count: int, last: int, ns: int, batches: dict[int, int]) -> dict[str, object]:

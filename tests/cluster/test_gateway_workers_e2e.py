@@ -21,8 +21,8 @@ import httpx
 import numpy as np
 import pytest
 
-from octacloud.cluster.gateway.workers import GatewayWorkers
-from octacloud.cluster.internal_auth import HEADER
+from octacloud.gateway.workers import GatewayWorkers
+from octacloud.security.internal_auth import HEADER
 from tests.cluster.conftest import IN, expected_output, write_linear_model
 from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, stall_config, wait_until
 from tests.security.conftest import call, make_tenant
@@ -327,8 +327,8 @@ def test_workers_serve_tls_on_both_ports_and_to_replicas(tmp_path: Path) -> None
 
     import tritonclient.grpc as grpcclient
 
-    from octacloud.cluster.internal_tls import InternalTlsMode
-    from octacloud.cluster.tls import TlsConfig, make_dev_certs
+    from octacloud.security.internal_tls import InternalTlsMode
+    from octacloud.security.tls import TlsConfig, make_dev_certs
 
     certs = make_dev_certs(tmp_path / "tls")
     repo = tmp_path / "models"
@@ -408,7 +408,7 @@ def test_workers_stop_when_the_main_process_is_killed(tmp_path: Path) -> None:
 
         wait_until("octacloud up with two workers", ready, timeout=60)
         workers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == up.pid
-                   and b"octacloud.cluster.gateway.workers" in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+                   and b"octacloud.gateway.workers" in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
         assert len(workers) == 2
         up.kill()
         up.wait()

@@ -16,10 +16,10 @@ import hpack
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from octacloud.cluster.gateway.fronts import GrpcFront
-from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
-from octacloud.cluster.gateway.limits import GatewayLimits
-from octacloud.cluster.gateway.routing import Endpoint, RouteTable
+from octacloud.gateway.fronts import GrpcFront
+from octacloud.gateway.grpc_proxy import GrpcGateway
+from octacloud.gateway.limits import GatewayLimits
+from octacloud.gateway.routing import Endpoint, RouteTable
 from octacloud.protocols.grpc import h2
 from octacloud.protocols.server import new_event_loop
 
@@ -247,10 +247,10 @@ def test_two_tenants_on_one_connection_each_reach_the_replica_as_themselves(tmp_
     its own verified tenant and never a client's claim; a key revoked between calls is refused at once."""
     from sqlalchemy import create_engine
 
-    from octacloud.cluster.auth import Guard
-    from octacloud.cluster.auth.keys import KeyStore, Role
-    from octacloud.cluster.gateway.routing import Owner
     from octacloud.core.clock import ManualClock
+    from octacloud.gateway.routing import Owner
+    from octacloud.tenancy import Guard
+    from octacloud.tenancy.keys import KeyStore, Role
 
     keys = KeyStore(create_engine(f"sqlite:///{tmp_path / 'keys.db'}"), b"k" * 32, ManualClock(), cache_s=0.0)
     secrets = {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from octacloud.cluster.launcher import LaunchSpec, LocalProcessLauncher
+from octacloud.control.launcher import LaunchSpec, LocalProcessLauncher
 
 from .conftest import write_linear_model
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from octacloud.cluster.gateway.grpc_proxy import model_name
-from octacloud.cluster.gateway.routing import (
+from octacloud.gateway.grpc_proxy import model_name
+from octacloud.gateway.routing import (
     GONE_MEMORY_S,
     MAX_CONSECUTIVE_FAILURES,
     Endpoint,
@@ -203,8 +203,8 @@ def test_admit_is_one_decision_for_both_fronts() -> None:
 
 async def test_an_answer_is_billed_before_it_leaves_the_gateway() -> None:
     """The meter may close an interval the moment a client holds its answer: the request is in it already."""
-    from octacloud.cluster.gateway.rest import RestGateway
-    from octacloud.cluster.gateway.upstream import Response
+    from octacloud.gateway.rest import RestGateway
+    from octacloud.gateway.upstream import Response
 
     class Pool:
         def forget(self, host: str, port: int) -> None: ...

@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 
 from octacloud.app import slice_prior
-from octacloud.cluster.controller import Controller
-from octacloud.cluster.deployments import DeploymentSpec
-from octacloud.cluster.gateway.routing import RouteTable
-from octacloud.cluster.health import HttpProber
-from octacloud.cluster.launcher import LocalProcessLauncher
-from octacloud.cluster.sizing import FleetCapacity, ModelFootprint, plan_size, reserve_percent, size_deployment
-from octacloud.cluster.store import StateStore
+from octacloud.control.controller import Controller
+from octacloud.control.deployments import DeploymentSpec
+from octacloud.control.launcher import LocalProcessLauncher
+from octacloud.control.probes import HttpProber
+from octacloud.control.sizing import FleetCapacity, ModelFootprint, plan_size, reserve_percent, size_deployment
+from octacloud.control.store import StateStore
 from octacloud.core import Gpu, Node
 from octacloud.core.clock import ManualClock
 from octacloud.core.errors import InvalidSpecError
+from octacloud.gateway.routing import RouteTable
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
 from octacloud.scheduler.policies import PRODUCT_DEFAULT, build_profile

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from octacloud.cluster.fleet import CPU_CARD_MODEL, cpu_host_node
-from octacloud.cluster.slices import Slice, slice_environment, thread_budget
+from octacloud.control.fleet import CPU_CARD_MODEL, cpu_host_node
+from octacloud.control.slices import Slice, slice_environment, thread_budget
 from octacloud.core import Gpu, Node
 
 

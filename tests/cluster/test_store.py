@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from octacloud.cluster.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
-from octacloud.cluster.store import StateStore
+from octacloud.control.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
+from octacloud.control.store import StateStore
 from octacloud.core import InvalidSpecError, NotFoundError
 
 

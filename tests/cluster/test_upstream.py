@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 import uvicorn
 
-from octacloud.cluster.gateway.upstream import ReplicaGone, UpstreamError, UpstreamPool
+from octacloud.gateway.upstream import ReplicaGone, UpstreamError, UpstreamPool
 
 
 class _Server:

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from octacloud.cluster.launcher import LaunchSpec, check_version, model_view
+from octacloud.control.launcher import LaunchSpec, check_version, model_view
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.serving.repository.repository import ControlMode, ModelRepository
 

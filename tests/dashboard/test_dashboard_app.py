@@ -8,7 +8,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge
 from starlette.testclient import TestClient
 
-from octacloud.cluster.dashboard.app import build_dashboard_app, build_metrics_app
+from octacloud.admin.dashboard.app import build_dashboard_app, build_metrics_app
 
 KEY = "oc_0123456789ab_" + "s" * 43
 

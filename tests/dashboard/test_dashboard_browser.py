@@ -23,10 +23,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from octacloud.app import CloudConfig
-from octacloud.cluster.controller import ControllerSettings
-from octacloud.cluster.fleet import CPU_CARD_MODEL
-from octacloud.cluster.internal_auth import HEADER
+from octacloud.control.controller import ControllerSettings
+from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
+from octacloud.security.internal_auth import HEADER
 
 from .conftest import CloudThread, wait_until, write_models
 

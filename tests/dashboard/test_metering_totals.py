@@ -6,7 +6,7 @@ from pathlib import Path
 
 from prometheus_client.core import Metric
 
-from octacloud.cluster.dashboard.metering import LedgerTotals
+from octacloud.admin.dashboard.metering import LedgerTotals
 from octacloud.metering import Ledger, UsageRecord
 from octacloud.metering import Metric as UsageMetric
 

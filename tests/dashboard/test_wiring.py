@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from octacloud.app import Cloud, CloudConfig
-from octacloud.cluster.fleet import CPU_CARD_MODEL
+from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
 from octacloud.scheduler.plugins.telemetry import TelemetryScore
 

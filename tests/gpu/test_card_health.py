@@ -76,7 +76,7 @@ def test_a_lost_gpu_fails_and_health_never_improves_by_itself() -> None:
 async def test_a_failed_card_fails_its_replicas_over_and_a_degraded_one_takes_no_new_work(tmp_path: Path) -> None:
     """The controller's side (manual clock, fake launcher and prober): the card's replicas are re-placed on the
     node's other card; a degraded card keeps what it has."""
-    from octacloud.cluster.deployments import ReplicaState
+    from octacloud.control.deployments import ReplicaState
     from octacloud.core import Gpu, Node
     from tests.cluster.controller_fakes import Harness
 
@@ -105,7 +105,7 @@ async def test_a_failed_card_fails_its_replicas_over_and_a_degraded_one_takes_no
 
 
 async def test_a_dead_mps_server_restarts_the_nodes_gpu_replicas(tmp_path: Path) -> None:
-    from octacloud.cluster.deployments import ReplicaState
+    from octacloud.control.deployments import ReplicaState
     from octacloud.core import Gpu, Node
     from tests.cluster.controller_fakes import Harness
 

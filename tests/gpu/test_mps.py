@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from octacloud.cluster.mps import EXCLUSIVE_PROCESS, MpsDaemon, NvmlComputeModes, SharingMode
+from octacloud.control.mps import EXCLUSIVE_PROCESS, MpsDaemon, NvmlComputeModes, SharingMode
 from tests.gpu.fake_mps import _alive, write_fake
 from tests.observability.fakes import FakeCard, FakeNvml
 
@@ -131,7 +131,7 @@ def test_every_local_replica_gets_its_nodes_mps_folders(tmp_path: Path, daemon: 
     import sys
     import time
 
-    from octacloud.cluster.launcher import LaunchSpec, LocalProcessLauncher
+    from octacloud.control.launcher import LaunchSpec, LocalProcessLauncher
     from tests.cluster.conftest import write_linear_model
 
     dump = tmp_path / "env.json"

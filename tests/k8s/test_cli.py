@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from octacloud.cluster.launcher import free_port
+from octacloud.control.launcher import free_port
 
 from .wire import args_names, pod
 

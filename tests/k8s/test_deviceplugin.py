@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from octacloud.cluster.slices import Slice, slice_environment
+from octacloud.control.slices import Slice, slice_environment
 from octacloud.core.model import Gpu, Health, Node, Placement
 from octacloud.k8s.api import KubeClient
 from octacloud.k8s.deviceplugin import DevicePlugin, NvmlHealth, PluginServer, StaticHealth, node_from_nvml

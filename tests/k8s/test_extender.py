@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from octacloud.app import Cloud, CloudConfig
-from octacloud.cluster.deployments import DeploymentSpec
-from octacloud.cluster.launcher import Launched, LaunchSpec, ReplicaAddress
+from octacloud.control.deployments import DeploymentSpec
+from octacloud.control.launcher import Launched, LaunchSpec, ReplicaAddress
 from octacloud.core.clock import ManualClock
 from octacloud.k8s.api import KubeClient
 from octacloud.k8s.extender import Extender, cloud_profile

@@ -8,7 +8,7 @@ from typing import Any
 import kopf
 import pytest
 
-from octacloud.cluster.sizing import ModelFootprint
+from octacloud.control.sizing import ModelFootprint
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Placement
 from octacloud.k8s.api import KubeClient

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from octacloud.cluster.slices import Slice, slice_environment
+from octacloud.control.slices import Slice, slice_environment
 from octacloud.core.model import Gpu, Node
 from octacloud.k8s.api import KubeClient
 from octacloud.k8s.deviceplugin import DevicePlugin, PluginServer, StaticHealth, publish_node

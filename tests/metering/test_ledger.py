@@ -327,7 +327,7 @@ async def test_storage_is_measured_off_the_event_loop(ledger: Ledger) -> None:
 
 
 def test_folder_measurement_is_bounded(tmp_path: Path) -> None:
-    from octacloud.cluster.usage import folder_bytes
+    from octacloud.control.usage import folder_bytes
 
     for i in range(30):
         (tmp_path / f"f{i}").write_bytes(b"x" * 10)

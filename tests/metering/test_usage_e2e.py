@@ -23,7 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from octacloud.cli.main import app
-from octacloud.cluster.store import StateStore
+from octacloud.control.store import StateStore
 from octacloud.metering import Ledger, Metric
 from tests.cluster.conftest import IN, write_linear_model
 from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, wait_until

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from octacloud.cluster.gateway.fronts import GrpcFront
-from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
-from octacloud.cluster.gateway.limits import GatewayLimits
-from octacloud.cluster.gateway.rest import RestGateway
-from octacloud.cluster.gateway.routing import Endpoint, Owner, RouteTable
+from octacloud.gateway.fronts import GrpcFront
+from octacloud.gateway.grpc_proxy import GrpcGateway
+from octacloud.gateway.limits import GatewayLimits
+from octacloud.gateway.rest import RestGateway
+from octacloud.gateway.routing import Endpoint, Owner, RouteTable
 from octacloud.protocols.internal import HEADER
 
 from ..reliability.harness import serve, stop

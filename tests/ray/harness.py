@@ -14,7 +14,7 @@ import numpy as np
 
 from octacloud import app
 from octacloud.app import Cloud, CloudConfig
-from octacloud.cluster.controller import ControllerSettings
+from octacloud.control.controller import ControllerSettings
 
 
 def ray_cloud(config: CloudConfig, cache_root: Path, storage: str | None = None) -> Cloud:

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 import ray
 from octacloud.cli.main import app
-from octacloud.cluster.ray_backend import NAMESPACE
-from octacloud.cluster.ray_local import LocalRayCluster
+from octacloud.control.ray.backend import NAMESPACE
+from octacloud.control.ray.local import LocalRayCluster
 from octacloud.core import Gpu, Node
 
 from ..cluster.conftest import write_linear_model

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from octacloud.cluster.ray_backend import RayFleet
-from octacloud.cluster.ray_inventory import (
+from octacloud.control.ray.backend import RayFleet
+from octacloud.control.ray.inventory import (
     node_from_ray,
     node_labels,
     node_resources,

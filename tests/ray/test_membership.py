@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from octacloud.app import Cloud, CloudConfig
-from octacloud.cluster.controller import NodeChange
-from octacloud.cluster.deployments import Replica, ReplicaState
+from octacloud.control.controller import NodeChange
+from octacloud.control.deployments import Replica, ReplicaState
 from octacloud.core import Gpu, Node
 from octacloud.core.model import Health, Request
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from octacloud.cluster.launcher import free_port
+from octacloud.control.launcher import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ nodes:
 
 PROBE = """
 import json, sys
-from octacloud.cluster.ray_backend import RayFleet, connect
+from octacloud.control.ray.backend import RayFleet, connect
 connect(sys.argv[1])
 print(json.dumps([{"name": n.name, "cpu": n.cpu_milli, "labels": dict(n.labels),
                    "gpus": [[g.model, g.memory_mib, g.nvlink_group] for g in n.gpus]} for n in RayFleet().discover()]))

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from octacloud.cluster.internal_auth import HEADER
-from octacloud.cluster.ray_local import LocalRayCluster
+from octacloud.control.ray.local import LocalRayCluster
 from octacloud.core import Gpu, Node
 from octacloud.core.idlespin import REPLICA_SPIN_ENV
+from octacloud.security.internal_auth import HEADER
 
 from ..cluster.conftest import IN, expected_output, write_linear_model
 from .harness import CloudThread, fast_config, ray_cloud, wait_until
@@ -112,7 +112,7 @@ def test_replicas_run_where_the_scheduler_placed_them(cloud: CloudThread) -> Non
     assert state.allocated_gpu_milli == REPLICAS * 250
 
     # a restarted controller (a new launcher) finds each replica by its handle and learns where it serves
-    from octacloud.cluster.ray_backend import RayLauncher
+    from octacloud.control.ray.backend import RayLauncher
 
     fresh = RayLauncher(fleet, launcher.storage, launcher.cache_root)  # type: ignore[attr-defined]
     for r in replicas:
@@ -151,7 +151,7 @@ def test_replicas_on_ray_serve_internal_tls_only(cloud: CloudThread) -> None:
     the actor's start arguments), answers the cloud's client certificate and refuses plain text."""
     from cryptography import x509
 
-    from octacloud.cluster.internal_tls import replica_server_name
+    from octacloud.security.internal_tls import replica_server_name
 
     cache_root = cloud.cloud.controller.launcher.cache_root  # type: ignore[attr-defined]
     internal = {HEADER: cloud.cloud.internal_secret}
@@ -245,8 +245,8 @@ def test_a_new_node_joins_without_restart(cloud: CloudThread, ray_cluster: Local
 
 
 def test_ray_refuses_what_our_accounting_would_overcommit(cloud: CloudThread, tmp_path: Path) -> None:
-    from octacloud.cluster.launcher import LaunchSpec
-    from octacloud.cluster.slices import Slice
+    from octacloud.control.launcher import LaunchSpec
+    from octacloud.control.slices import Slice
 
     launcher = cloud.cloud.controller.launcher
     held = next(r for r in cloud.cloud.store.replicas("linear") if r.state.value == "ready")

@@ -10,8 +10,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from octacloud.cluster.storage import MANIFEST, FleetCacheStats, ModelCache, ModelCacheCollector
 from octacloud.core.errors import NotFoundError
+from octacloud.storage.cache import MANIFEST, FleetCacheStats, ModelCache, ModelCacheCollector
 
 
 def write_model(repo: Path, name: str = "mlp", weights: bytes = b"w" * 4096) -> None:

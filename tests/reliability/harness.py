@@ -10,10 +10,10 @@ from typing import Any
 
 import uvicorn
 
-from octacloud.cluster.gateway.fronts import RestFront
-from octacloud.cluster.gateway.limits import GatewayLimits
-from octacloud.cluster.gateway.rest import RestGateway
-from octacloud.cluster.gateway.routing import Endpoint, OutlierPolicy, Owner, RouteTable
+from octacloud.gateway.fronts import RestFront
+from octacloud.gateway.limits import GatewayLimits
+from octacloud.gateway.rest import RestGateway
+from octacloud.gateway.routing import Endpoint, OutlierPolicy, Owner, RouteTable
 from octacloud.protocols.internal import RequireSecret
 
 SECRET = "s" * 43

@@ -8,10 +8,10 @@ import time
 
 import httpx
 
-from octacloud.cluster.deployments import Replica
-from octacloud.cluster.gateway.limits import GatewayLimits
-from octacloud.cluster.gateway.routing import Endpoint, OutlierPolicy, RouteTable
-from octacloud.cluster.health import HttpProber
+from octacloud.control.deployments import Replica
+from octacloud.control.probes import HttpProber
+from octacloud.gateway.limits import GatewayLimits
+from octacloud.gateway.routing import Endpoint, OutlierPolicy, RouteTable
 from tests.reliability.harness import SECRET, answers, complete, exchange, gateway, parse, read, serve, stop
 
 INFER = b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\n"
@@ -210,9 +210,9 @@ async def test_a_replica_that_went_away_is_ejected_then_taken_back_without_the_c
 def test_limits_from_the_command_line_and_bad_ones_refused() -> None:
     import pytest
 
-    from octacloud.cluster.gateway.grpc_proxy import GrpcGateway
-    from octacloud.cluster.gateway.rest import RestGateway
     from octacloud.core.errors import InvalidSpecError
+    from octacloud.gateway.grpc_proxy import GrpcGateway
+    from octacloud.gateway.rest import RestGateway
 
     limits = GatewayLimits.parse(["max_inflight_per_replica=32", "header-timeout-s=2.5", "upstream_timeout_s=300"])
     assert (limits.max_inflight_per_replica, limits.header_timeout_s) == (32, 2.5)
@@ -231,7 +231,7 @@ def test_limits_from_the_command_line_and_bad_ones_refused() -> None:
 
 
 async def test_admin_bodies_are_bounded_before_they_are_read() -> None:
-    from octacloud.cluster.gateway.rest import ADMIN_MAX_BODY_BYTES
+    from octacloud.gateway.rest import ADMIN_MAX_BODY_BYTES
 
     gw = await gateway()
     reached: list[str] = []

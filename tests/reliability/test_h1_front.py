@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from octacloud.cluster.gateway.limits import GatewayLimits
+from octacloud.gateway.limits import GatewayLimits
 from octacloud.protocols.rest.request import Http1Request
 from octacloud.protocols.rest.server import Http1Server
 from tests.reliability.harness import answers, complete, exchange, gateway, parse, read

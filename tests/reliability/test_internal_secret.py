@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from octacloud.cluster import internal_auth
-from octacloud.cluster.launcher import LaunchSpec, LocalProcessLauncher
+from octacloud.control.launcher import LaunchSpec, LocalProcessLauncher
 from octacloud.core.errors import InvalidSpecError
+from octacloud.security import internal_auth
 from tests.cluster.conftest import write_linear_model
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from octacloud.cluster.deployments import ReplicaState
+from octacloud.control.deployments import ReplicaState
 from tests.cluster.controller_fakes import Harness
 from tests.reliability.harness import gateway
 

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
-from octacloud.cluster.gateway.limits import MIB
-from octacloud.cluster.internal_auth import FILE_NAME, HEADER
+from octacloud.gateway.limits import MIB
+from octacloud.security.internal_auth import FILE_NAME, HEADER
 from tests.cluster.conftest import IN, expected_output, write_linear_model
 from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, wait_until
 

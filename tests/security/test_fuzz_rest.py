@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from octacloud.cluster.internal_auth import FILE_NAME, HEADER
+from octacloud.security.internal_auth import FILE_NAME, HEADER
 from tests.cluster.conftest import IN, expected_output, write_linear_model
 from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, wait_until
 

@@ -297,7 +297,7 @@ async def test_text_int8_batches_per_token_and_other_lengths_do_not_fail_the_bat
 async def test_the_gateway_sends_the_verified_tenant_and_drops_a_clients_claim() -> None:
     import httpx
 
-    from octacloud.cluster.auth.keys import ADMIN_TENANT
+    from octacloud.tenancy.keys import ADMIN_TENANT
     from tests.reliability.harness import gateway
 
     gw = await gateway()  # no key store: every caller is the anonymous admin

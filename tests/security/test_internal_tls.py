@@ -27,8 +27,11 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from octacloud.cluster import internal_auth
-from octacloud.cluster.internal_tls import (
+from octacloud.core.errors import InvalidSpecError
+from octacloud.protocols.internal import ReplicaTls
+from octacloud.protocols.server import ReplicaServer, ServerSettings
+from octacloud.security import internal_auth
+from octacloud.security.internal_tls import (
     FOLDER,
     REPLICA_CERT_LIFETIME,
     InternalCa,
@@ -37,9 +40,6 @@ from octacloud.cluster.internal_tls import (
     Renewals,
     replica_server_name,
 )
-from octacloud.core.errors import InvalidSpecError
-from octacloud.protocols.internal import ReplicaTls
-from octacloud.protocols.server import ReplicaServer, ServerSettings
 from tests.cluster.conftest import IN, expected_output, write_linear_model
 from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, replica_env, wait_until
 
@@ -378,8 +378,8 @@ def test_up_refuses_an_unknown_internal_tls_mode(tmp_path: Path) -> None:
 
 
 def test_the_prober_trusts_only_the_replica_it_expects(replica: TlsReplica, tmp_path: Path) -> None:
-    from octacloud.cluster.deployments import Replica
-    from octacloud.cluster.health import HttpProber
+    from octacloud.control.deployments import Replica
+    from octacloud.control.probes import HttpProber
 
     s = replica.server
     headers = [(internal_auth.HEADER_BYTES, replica.secret.encode())]
@@ -468,7 +468,7 @@ async def test_a_running_replica_loads_its_renewed_certificate(tmp_path: Path) -
 
 
 def test_the_local_launcher_renews_the_certificates_of_its_replicas(tmp_path: Path) -> None:
-    from octacloud.cluster.launcher import LaunchSpec, LocalProcessLauncher
+    from octacloud.control.launcher import LaunchSpec, LocalProcessLauncher
 
     repo = tmp_path / "models"
     write_linear_model(repo)
@@ -492,7 +492,7 @@ def test_the_local_launcher_renews_the_certificates_of_its_replicas(tmp_path: Pa
 
 
 def test_a_replica_adopted_from_an_earlier_run_is_renewed(tmp_path: Path) -> None:
-    from octacloud.cluster.launcher import LaunchSpec, LocalProcessLauncher
+    from octacloud.control.launcher import LaunchSpec, LocalProcessLauncher
 
     repo = tmp_path / "models"
     write_linear_model(repo)
@@ -513,7 +513,7 @@ def test_a_replica_adopted_from_an_earlier_run_is_renewed(tmp_path: Path) -> Non
 
 def test_ray_replicas_bind_loopback_on_the_gateway_node_only(tmp_path: Path) -> None:
     pytest.importorskip("ray")
-    from octacloud.cluster.ray_backend import RayFleet, RayLauncher
+    from octacloud.control.ray.backend import RayFleet, RayLauncher
 
     launcher = RayLauncher(RayFleet(lambda: []), "models", tmp_path, gateway_host="10.0.0.1")
     assert launcher.bind_address("10.0.0.1") == "127.0.0.1"  # the gateway's own node: nothing else needs it

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from octacloud.cluster.auth import (
+from octacloud.core.clock import ManualClock
+from octacloud.core.errors import InvalidSpecError, NotFoundError
+from octacloud.tenancy import (
     AuthError,
     Guard,
     Holding,
@@ -22,8 +24,6 @@ from octacloud.cluster.auth import (
     check_quota,
     server_secret,
 )
-from octacloud.core.clock import ManualClock
-from octacloud.core.errors import InvalidSpecError, NotFoundError
 
 
 @pytest.fixture
@@ -187,7 +187,7 @@ def test_quotas_count_deployments_at_their_maximum() -> None:
 
 
 def test_roles_see_and_manage() -> None:
-    from octacloud.cluster.auth import Principal
+    from octacloud.tenancy import Principal
 
     tenant = Principal("a", Role.TENANT, "k")
     admin = Principal("admin", Role.ADMIN, "k")

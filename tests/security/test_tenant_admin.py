@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from octacloud.app import Cloud
-from octacloud.cluster.launcher import Launched, LaunchSpec, ReplicaAddress
+from octacloud.control.launcher import Launched, LaunchSpec, ReplicaAddress
 from tests.cluster.conftest import write_linear_model
 from tests.cluster.test_cloud_e2e import FLEET, CloudThread, config, wait_until
 

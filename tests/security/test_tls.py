@@ -17,8 +17,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from octacloud.app import Cloud, CloudConfig
-from octacloud.cluster.tls import TlsConfig, make_dev_certs
 from octacloud.core.errors import InvalidSpecError
+from octacloud.security.tls import TlsConfig, make_dev_certs
 from tests.cluster.conftest import IN, expected_output, write_linear_model
 from tests.cluster.test_cloud_e2e import FLEET, CloudThread, config, ready_ids, wait_until
 

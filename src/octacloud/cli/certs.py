@@ -19,8 +19,8 @@ def dev(
     force: bool = typer.Option(False, "--force", help="Replace files that exist."),
 ) -> None:
     """Make a development CA and certificates (not for production)."""
-    from octacloud.cluster.tls import make_dev_certs
     from octacloud.core.errors import OctacloudError
+    from octacloud.security.tls import make_dev_certs
 
     try:
         paths = make_dev_certs(out, days=days, force=force)

@@ -67,7 +67,7 @@ def extender(
     ca_file: Path | None = CA_FILE,
 ) -> None:
     """kube-scheduler's HTTP extender (filter, prioritize, bind, preempt) answered by octacloud's scheduler."""
-    from octacloud.cluster.fleet import load_fleet_file
+    from octacloud.control.fleet import load_fleet_file
     from octacloud.k8s.extender import Extender, ExtenderSettings, cloud_profile
     from octacloud.k8s.extender_http import serve_extender
     from octacloud.protocols.server import new_event_loop
@@ -115,7 +115,7 @@ def device_plugin(
     ca_file: Path | None = CA_FILE,
 ) -> None:
     """kubelet's device plugin: this node's octants (and whole cards), their health, the slice environment."""
-    from octacloud.cluster.fleet import load_fleet_file
+    from octacloud.control.fleet import load_fleet_file
     from octacloud.core.model import Health
     from octacloud.k8s.deviceplugin import (
         DevicePlugin,
@@ -194,7 +194,7 @@ def operator(
     """The InferenceDeployment operator (kopf): deployments as custom resources."""
     import kopf
 
-    from octacloud.cluster.health import RepositoryFootprints
+    from octacloud.control.probes import RepositoryFootprints
     from octacloud.k8s.operator import register_handlers
 
     _log_to_stderr()

@@ -47,8 +47,8 @@ def _start(
     block: bool,
     dry_run: bool,
 ) -> None:
-    from octacloud.cluster.fleet import discover_fleet, load_fleet_file
-    from octacloud.cluster.ray_inventory import FAST_FAILURE_DETECTION, ray_start_command
+    from octacloud.control.fleet import discover_fleet, load_fleet_file
+    from octacloud.control.ray.inventory import FAST_FAILURE_DETECTION, ray_start_command
     from octacloud.core.errors import OctacloudError
 
     try:

@@ -244,10 +244,10 @@ def up(
 ) -> None:
     """Run the cloud: fleet, controller, replicas on slices, and the OIP gateway (on this machine, or on Ray)."""
     from octacloud.app import Cloud, CloudConfig, ray_cloud
-    from octacloud.cluster.controller import ControllerSettings
-    from octacloud.cluster.tls import TlsConfig
+    from octacloud.control.controller import ControllerSettings
     from octacloud.core.errors import OctacloudError
     from octacloud.core.idlespin import GATEWAY_SPIN_ENV, REPLICA_SPIN_ENV, window_us_from_env
+    from octacloud.security.tls import TlsConfig
 
     for flag, value in (("--interval", interval), ("--meter-interval", meter_interval),
                         ("--telemetry-interval", telemetry_interval)):  # fmt: skip
@@ -269,8 +269,8 @@ def up(
     if (tls_cert is None) != (tls_key is None):
         err.print("[red]error:[/] --tls-cert and --tls-key go together")
         raise typer.Exit(2)
-    from octacloud.cluster.gateway.limits import GatewayLimits
-    from octacloud.cluster.internal_tls import InternalTlsMode
+    from octacloud.gateway.limits import GatewayLimits
+    from octacloud.security.internal_tls import InternalTlsMode
 
     try:
         limits = GatewayLimits.parse(limit)
@@ -356,7 +356,7 @@ def up(
 
 def _deploy_once(cloud: Any, model: str, max_replicas: int) -> None:
     """``--deploy MODEL``: create the deployment when it is absent; leave an existing one as the operator set it."""
-    from octacloud.cluster.deployments import DeploymentSpec
+    from octacloud.control.deployments import DeploymentSpec
     from octacloud.core.errors import NotFoundError, OctacloudError
 
     log = logging.getLogger("octacloud.up")
@@ -375,7 +375,7 @@ def _deploy_once(cloud: Any, model: str, max_replicas: int) -> None:
 
 
 def _print_fleet_summary(cloud: Any) -> None:
-    from octacloud.cluster.fleet import DEMO_LABEL
+    from octacloud.control.fleet import DEMO_LABEL
 
     demo = {n.labels.get(DEMO_LABEL) for n in cloud.nodes} - {None}
     title = f"fleet (a demo fleet carved out of {', '.join(sorted(demo))})" if demo else "fleet"
@@ -420,8 +420,8 @@ def down(
     """Stop the replicas a stopped `octacloud up` left running (local processes and Ray actors). Deployments stay:
     the next `up` starts them again. Refused while `up` runs on the state dir: stop it first (Ctrl-C), or use
     `undeploy` / `scale` to stop replicas of a running cloud."""
-    from octacloud.cluster.launcher import LocalProcessLauncher
-    from octacloud.cluster.store import StateStore
+    from octacloud.control.launcher import LocalProcessLauncher
+    from octacloud.control.store import StateStore
 
     db = state_dir / "octacloud.db"
     if not db.exists():
@@ -454,7 +454,7 @@ def down(
 
 def _stop_ray_replicas(handles: list[str], address: str | None, state_dir: Path, grace: float) -> int:
     """Stop the Ray replica actors named ``handles`` that still exist; how many there were."""
-    from octacloud.cluster.ray_backend import RayFleet, RayLauncher, connect
+    from octacloud.control.ray.backend import RayFleet, RayLauncher, connect
     from octacloud.core.errors import OctacloudError
 
     try:

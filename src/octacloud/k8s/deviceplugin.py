@@ -11,7 +11,7 @@ NvmlCards`: a card with uncorrected ECC errors or a critical XID is ``Unhealthy`
 again whenever health changes. ``GetPreferredAllocation`` keeps a container's octants on one card: the card the
 scheduler extender chose for the pod kubelet is admitting, else the fullest card that fits. ``Allocate`` returns
 the environment that binds the container to its slice — the same variables ``octacloud up`` gives a replica
-(:func:`octacloud.cluster.slices.slice_environment`: MPS active-thread percentage and pinned-memory limit for a
+(:func:`octacloud.control.slices.slice_environment`: MPS active-thread percentage and pinned-memory limit for a
 share), with the cards made visible through the NVIDIA container runtime — and mounts the MPS pipe directory.
 
 The plugin learns which pod it is allocating for from the API (the pods bound to its node whose placement
@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from octacloud.cluster.slices import Slice, slice_environment
+from octacloud.control.slices import Slice, slice_environment
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Gpu, Health, Node
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU

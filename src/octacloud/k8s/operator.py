@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from octacloud.cluster.deployments import DeploymentSpec
-from octacloud.cluster.sizing import ModelFootprint, size_deployment
+from octacloud.control.deployments import DeploymentSpec
+from octacloud.control.sizing import ModelFootprint, size_deployment
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.k8s.api import ApiError, KubeClient, is_not_found, node_path, pods_path
 from octacloud.k8s.resources import (

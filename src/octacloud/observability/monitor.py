@@ -25,7 +25,7 @@ log = logging.getLogger("octacloud.observability.monitor")
 
 
 class GatewayCountersLike(Protocol):
-    """What the gateway counts per deployment (``octacloud.cluster.gateway.routing.DeploymentCounters``).
+    """What the gateway counts per deployment (``octacloud.gateway.routing.DeploymentCounters``).
     All but ``outstanding`` are cumulative and never decrease."""
 
     @property

@@ -1,0 +1,1 @@
+"""The operator's web surfaces: the admin API, rollouts over HTTP and the dashboard."""

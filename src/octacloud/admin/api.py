@@ -1,0 +1,212 @@
+"""The admin REST API: deployments, scaling, fleet and events (what ``octacloud deploy/status/...`` call),
+plus tenants, keys and usage (:mod:`octacloud.tenancy.api`).
+
+Every route needs the caller the gateway verified. A tenant sees and changes only its own deployments (others
+answer 404, as a missing one does), is held to its quota, gets its priority from the priority classes granted
+to it, and reads only the events of its own deployments; the fleet is the admin's. A deployment's model is a
+model of the repository, named by its folder (one path component): any other name answers 404 as a missing
+model does, so that the answers say nothing about the host's file system.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from octacloud.admin.rollouts import rollout_routes
+from octacloud.control.controller import Controller
+from octacloud.control.deployments import Deployment, DeploymentSpec, Replica
+from octacloud.core.errors import InvalidSpecError, NotFoundError
+from octacloud.metering import Ledger, PriceSheet
+from octacloud.serving import is_model_name
+from octacloud.tenancy import ANONYMOUS_ADMIN, Holding, KeyStore, Principal, check_quota
+from octacloud.tenancy.api import (
+    EXCEPTION_HANDLERS,
+    ConflictError,
+    ForbiddenError,
+    json_object,
+    require_principal,
+    tenant_routes,
+)
+from octacloud.tenancy.priority import PriorityClasses
+
+_SPEC_FIELDS = {f.name for f in dataclasses.fields(DeploymentSpec)}
+
+
+def deployment_json(d: Deployment, replicas: list[Replica]) -> dict[str, Any]:
+    return {
+        "spec": dataclasses.asdict(d.spec),
+        "replicas": d.replicas,
+        "octants": d.octants,
+        "generation": d.generation,
+        "created_at": d.created_at,
+        "instances": [
+            {
+                "id": r.id,
+                "state": r.state.value,
+                "node": r.node,
+                "gpus": list(r.gpus),
+                "milli_per_gpu": r.milli_per_gpu,
+                "pid": r.pid,
+                "host": r.host,
+                "handle": r.handle,
+                "http_port": r.http_port,
+                "grpc_port": r.grpc_port,
+                "metrics_port": r.metrics_port,
+                "restarts": r.restarts,
+                "message": r.message,
+                "env": r.env,
+            }
+            for r in replicas
+        ],
+    }
+
+
+def build_admin_app(
+    controller: Controller,
+    keys: KeyStore | None = None,
+    ledger: Ledger | None = None,
+    prices: PriceSheet | None = None,
+    priorities: PriorityClasses | None = None,
+) -> Starlette:
+    """The admin app. Without ``keys`` (tests of the controller alone) every caller is an admin and a raw
+    ``priority`` is taken as given; with ``keys``, priorities come from priority classes (:mod:`.auth.priority`,
+    on the keys' database unless ``priorities`` is given)."""
+    if keys is not None and priorities is None:
+        priorities = PriorityClasses(keys.engine, keys.clock)
+
+    def caller(request: Request) -> Principal:
+        return require_principal(request) if keys is not None else ANONYMOUS_ADMIN
+
+    def owned(p: Principal, name: str) -> Deployment:
+        d = controller.store.get_deployment(name)
+        if not p.may_manage(d.spec.tenant):
+            raise NotFoundError(f"no deployment named {name!r}")
+        return d
+
+    def admit(spec: DeploymentSpec, octants: int) -> None:
+        if keys is None:
+            return
+        quota = keys.tenant(spec.tenant).quota
+        held = [Holding(d.spec.name, d.octants, d.spec.max_replicas)
+                for d in controller.store.deployments() if d.spec.tenant == spec.tenant]  # fmt: skip
+        check_quota(spec.tenant, quota, held, Holding(spec.name, octants, spec.max_replicas))
+
+    async def list_deployments(request: Request) -> JSONResponse:
+        p = caller(request)
+        rows = [deployment_json(d, rs) for d, rs in controller.status() if p.may_manage(d.spec.tenant)]
+        return JSONResponse({"deployments": rows})
+
+    async def create_deployment(request: Request) -> JSONResponse:
+        p = caller(request)
+        body = await json_object(request)
+        unknown = sorted(set(body) - _SPEC_FIELDS)
+        if unknown:
+            raise InvalidSpecError(f"unknown deployment field(s) {unknown}; allowed: {sorted(_SPEC_FIELDS)}")
+        tenant = body.setdefault("tenant", p.tenant)
+        if not p.is_admin and tenant != p.tenant:
+            raise ForbiddenError("a tenant may only deploy for itself (leave 'tenant' out)")
+        model = body.get("model")
+        if not isinstance(model, str) or not is_model_name(model) or not (controller.repository / model).is_dir():
+            raise NotFoundError(f"model {str(model)[:64]!r} is not in the repository")
+        if priorities is not None:
+            body["priority_class"], body["priority"] = priorities.resolve(
+                p, str(tenant), body.get("priority_class"), body.get("priority")
+            )
+        try:
+            spec = DeploymentSpec(**body)
+        except TypeError as exc:
+            raise InvalidSpecError(f"bad deployment: {exc}") from None
+        try:
+            existing = controller.store.get_deployment(spec.name)
+        except NotFoundError:
+            pass
+        else:
+            if existing.spec.tenant != spec.tenant:
+                raise ConflictError(f"deployment name {spec.name!r} is taken; choose another")
+        if keys is not None:
+            admit(spec, spec.octants if spec.octants is not None else controller.resolve_size(spec)[0])
+        d = controller.deploy(spec)
+        created = deployment_json(d, controller.store.replicas(d.spec.name))
+        created["sizing"] = controller.sizing(d.spec).reason  # how the size was chosen, for the operator
+        return JSONResponse(created, status_code=201)
+
+    async def get_deployment(request: Request) -> JSONResponse:
+        name = request.path_params["name"]
+        return JSONResponse(deployment_json(owned(caller(request), name), controller.store.replicas(name)))
+
+    async def scale(request: Request) -> JSONResponse:
+        name = request.path_params["name"]
+        owned(caller(request), name)
+        body = await json_object(request)
+        replicas = body.get("replicas")
+        if not isinstance(replicas, int) or isinstance(replicas, bool):
+            raise InvalidSpecError('body must be {"replicas": <integer>}')
+        d = controller.scale(name, replicas)
+        return JSONResponse(deployment_json(d, controller.store.replicas(name)))
+
+    async def delete(request: Request) -> JSONResponse:
+        name = request.path_params["name"]
+        owned(caller(request), name)
+        controller.undeploy(name)
+        return JSONResponse({"deleted": name})
+
+    async def fleet(request: Request) -> JSONResponse:
+        if not caller(request).is_admin:
+            raise ForbiddenError("the fleet is visible to admin keys only")
+        state = controller.scheduler.state
+        nodes = []
+        for i, node in enumerate(state.nodes):
+            cards = []
+            for g in node.gpus:
+                holders = [
+                    {"replica": a.request.name, "milli": a.placement.milli_per_gpu, "owner": a.request.owner}
+                    for a in state.on_node[i].values()
+                    if g.index in a.placement.gpus
+                ]
+                cards.append(
+                    {
+                        "index": g.index,
+                        "model": g.model,
+                        "memory_mib": g.memory_mib,
+                        "health": g.health.value,
+                        "free_milli": state.free_gpu[i][g.index],
+                        "replicas": holders,
+                    }
+                )
+            nodes.append({"name": node.name, "health": node.health.value, "labels": dict(node.labels), "cards": cards})
+        return JSONResponse(
+            {
+                "nodes": nodes,
+                "allocated_milli": state.allocated_gpu_milli,
+                "total_milli": state.total_gpu_milli,
+            }
+        )
+
+    async def events(request: Request) -> JSONResponse:
+        p = caller(request)
+        try:
+            limit = int(request.query_params.get("limit", "100"))
+        except ValueError:
+            raise InvalidSpecError("limit must be a whole number") from None
+        return JSONResponse({"events": controller.store.events(limit, tenant=None if p.is_admin else p.tenant)})
+
+    return Starlette(
+        routes=[
+            Route("/admin/deployments", list_deployments, methods=["GET"]),
+            Route("/admin/deployments", create_deployment, methods=["POST"]),
+            Route("/admin/deployments/{name}", get_deployment, methods=["GET"]),
+            Route("/admin/deployments/{name}", delete, methods=["DELETE"]),
+            Route("/admin/deployments/{name}/scale", scale, methods=["POST"]),
+            Route("/admin/fleet", fleet, methods=["GET"]),
+            Route("/admin/events", events, methods=["GET"]),
+            *rollout_routes(controller, caller),
+            *(tenant_routes(keys, ledger, prices, priorities) if keys is not None and priorities is not None else []),
+        ],
+        exception_handlers=EXCEPTION_HANDLERS,
+    )

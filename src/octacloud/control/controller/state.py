@@ -1,0 +1,272 @@
+"""The controller's state store, kept off the event loop it shares with the gateway.
+
+SQLite (or PostgreSQL) calls can wait for seconds: another connection holds the write lock (a backup, an
+operator's ``sqlite3`` shell, a second ``octacloud`` command), the disk is busy, the server is far. In
+single-process mode the controller runs on the gateway's event loop, so a write that waits there stalls every
+request the gateway is serving. :class:`ControllerStore` has the same interface as
+:class:`~octacloud.control.store.StateStore` but
+
+* **reads from memory**: the controller is the store's only writer, so a copy loaded at start and updated by its
+  own writes is exactly what the database holds (or will hold); every read returns fresh copies, as a database
+  read does, so no decision changes;
+* **writes behind, in order, on one thread**: a write is applied to the copy at once and queued for the store
+  thread, which applies the queue in order, retrying an operational error (the database is locked, the disk is
+  full) with back-off rather than dropping or reordering anything;
+* **flushes before acting**: :meth:`drained` (awaited off the loop) returns once every write queued so far is
+  stored; the executor awaits it before it starts or stops a process, so that what a restart reads is never
+  behind what runs.
+
+:attr:`failing` says since when the thread has failed to store the head of its queue (readiness reports it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import copy
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy.exc import OperationalError
+
+from octacloud.control.deployments import Deployment, DeploymentSpec, Replica
+from octacloud.control.store import EventListener, StateStore, Transition
+from octacloud.core.clock import Clock, SystemClock
+from octacloud.core.errors import NotFoundError
+
+log = logging.getLogger("octacloud.controller.store")
+
+_FLEET_KINDS = frozenset({"node"})
+RECENT_EVENTS = 2000
+"""How many of the newest events are kept in memory for :meth:`ControllerStore.events`."""
+
+
+class ControllerStore:
+    """A :class:`StateStore` behind an in-memory copy and a single writing thread (see the module)."""
+
+    def __init__(self, backing: StateStore, clock: Clock | None = None) -> None:
+        self.backing = backing
+        self.url = backing.url
+        self.engine = backing.engine
+        self._clock = clock or SystemClock()
+        self._deployments = {d.spec.name: d for d in backing.deployments()}
+        self._replicas = {r.id: r for r in backing.replicas()}
+        self._transitions = {t.replacement: t for t in backing.transitions()}
+        self._revisions = {name: backing.revisions(name) for name in self._deployments}
+        self._events: collections.deque[dict[str, object]] = collections.deque(
+            reversed(backing.events(RECENT_EVENTS)), maxlen=RECENT_EVENTS
+        )
+        self._events_complete = len(self._events) < RECENT_EVENTS
+        """True while the memory holds every event there is (older ones are read from the database)."""
+        backing.subscribe(self._heard)  # the controller's events, and those others add to the store directly
+        self._removed: dict[str, str] = {}
+        self._queue: collections.deque[Callable[[], object]] = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self.failing: tuple[float, str] | None = None
+        """(since, error) while the thread fails to store the head of its queue; None when it stores."""
+        self._thread = threading.Thread(target=self._run, name="octacloud-store", daemon=True)
+        self._thread.start()
+
+    # ---- the writing thread ------------------------------------------------------------------------------
+
+    def _write(self, job: Callable[[], object]) -> None:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the controller's state store is closed")
+            self._queue.append(job)
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        delay = 0.05
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._queue[0]
+                self._busy = True
+            try:
+                job()
+            except OperationalError as exc:  # locked, disk full, connection lost: the same write again, later
+                with self._cv:
+                    self._busy = False
+                    if self.failing is None:
+                        self.failing = (self._clock.monotonic(), f"{type(exc).__name__}: {exc}"[:500])
+                        log.warning("state store write failed (%s); retrying", exc)
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+                continue
+            except Exception:  # a write that can never succeed: dropped, loudly, so that the rest is stored
+                log.exception("state store write failed for good; dropped")
+            delay = 0.05
+            with self._cv:
+                self._queue.popleft()
+                self._busy = False
+                if self.failing is not None:
+                    log.info("state store writes resumed")
+                self.failing = None
+                self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (blocking) until every write queued so far is stored; False if ``timeout`` passed first."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    async def drained(self) -> None:
+        """Wait, off the event loop, until every write queued so far is stored."""
+        with self._cv:
+            if not self._queue and not self._busy:
+                return
+        await asyncio.to_thread(self.flush)
+
+    @property
+    def backlog(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Store what is queued (waiting up to ``timeout``) and stop the thread; the backing store stays open."""
+        self.flush(timeout)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=1.0)
+
+    # ---- deployments -------------------------------------------------------------------------------------
+
+    def put_deployment(self, d: Deployment) -> None:
+        d = copy.deepcopy(d)
+        self._deployments[d.spec.name] = d
+        self._removed.pop(d.spec.name, None)
+        self._revisions.setdefault(d.spec.name, [])
+        self._write(lambda: self.backing.put_deployment(d))
+
+    def get_deployment(self, name: str) -> Deployment:
+        d = self._deployments.get(name)
+        if d is None:
+            raise NotFoundError(f"no deployment named {name!r}")
+        return copy.deepcopy(d)
+
+    def deployments(self) -> list[Deployment]:
+        return [copy.deepcopy(d) for d in sorted(self._deployments.values(), key=lambda d: d.created_at)]
+
+    def delete_deployment(self, name: str) -> None:
+        d = self._deployments.pop(name, None)
+        if d is None:
+            raise NotFoundError(f"no deployment named {name!r}")
+        self._removed[name] = d.spec.tenant
+        self._write(lambda: self.backing.delete_deployment(name))
+
+    # ---- replicas ----------------------------------------------------------------------------------------
+
+    def put_replica(self, r: Replica) -> None:
+        r = _copy(r)
+        self._replicas[r.id] = r
+        self._write(lambda: self.backing.put_replica(r))
+
+    def delete_replica(self, replica_id: str) -> None:
+        if self._replicas.pop(replica_id, None) is not None:
+            self._write(lambda: self.backing.delete_replica(replica_id))
+
+    def replicas(self, deployment: str | None = None) -> list[Replica]:
+        return [_copy(r) for _, r in sorted(self._replicas.items()) if deployment is None or r.deployment == deployment]
+
+    # ---- replacements in flight ------------------------------------------------------------------------
+
+    def begin_replacement(self, surge: Replica, t: Transition) -> None:
+        surge, t = _copy(surge), dataclasses.replace(t)
+        self._replicas[surge.id] = surge
+        self._transitions[t.replacement] = t
+        self._write(lambda: self.backing.begin_replacement(surge, t))
+
+    def put_transition(self, t: Transition) -> None:
+        t = dataclasses.replace(t)
+        self._transitions[t.replacement] = t
+        self._write(lambda: self.backing.put_transition(t))
+
+    def delete_transition(self, replacement: str) -> None:
+        if self._transitions.pop(replacement, None) is not None:
+            self._write(lambda: self.backing.delete_transition(replacement))
+
+    def transitions(self) -> list[Transition]:
+        return [dataclasses.replace(t) for _, t in sorted(self._transitions.items())]
+
+    # ---- events ------------------------------------------------------------------------------------------
+
+    def add_event(
+        self,
+        kind: str,
+        subject: str,
+        message: str,
+        at: float | None = None,
+        *,
+        deployment: str = "",
+        tenant: str = "",
+    ) -> None:
+        """As :meth:`StateStore.add_event` (stamped with the deployment and tenant the same way, from memory);
+        the subscribers are told at once, the row is stored behind."""
+        at = time.time() if at is None else at
+        if not deployment and kind not in _FLEET_KINDS:
+            if subject in self._replicas:
+                deployment = self._replicas[subject].deployment
+            elif subject in self._deployments or subject in self._removed:
+                deployment = subject
+        if deployment and not tenant:
+            owner = self._deployments.get(deployment)
+            tenant = owner.spec.tenant if owner is not None else self._removed.get(deployment, "")
+        event: dict[str, object] = {"at": at, "kind": kind, "subject": subject, "message": message,
+                                    "deployment": deployment, "tenant": tenant}  # fmt: skip
+        self._write(lambda: self.backing.insert_event(at, kind, subject, message, deployment, tenant))
+        self.backing.notify(event)  # ``_heard`` keeps it among the recent ones
+
+    def _heard(self, event: dict[str, object]) -> None:
+        self._events.append(dict(event))
+        if len(self._events) == RECENT_EVENTS:
+            self._events_complete = False
+
+    def subscribe(self, listener: EventListener) -> None:
+        self.backing.subscribe(listener)
+
+    def events(self, limit: int = 100, *, tenant: str | None = None) -> list[dict[str, object]]:
+        """The newest ``limit`` events, newest first; only ``tenant``'s when given."""
+        found: list[dict[str, object]] = []
+        for e in reversed(self._events):
+            if tenant is None or e["tenant"] == tenant:
+                found.append(dict(e))
+                if len(found) >= limit:
+                    return found
+        if self._events_complete or self.backlog:  # (while writes are queued the database is behind memory)
+            return found
+        return self.backing.events(limit, tenant=tenant)  # older than memory holds (a read: never locked out)
+
+    # ---- revisions ---------------------------------------------------------------------------------------
+
+    def add_revision(self, d: Deployment, at: float) -> int:
+        history = self._revisions.setdefault(d.spec.name, [])
+        number = (history[-1][0] if history else 0) + 1
+        spec = copy.deepcopy(d.spec)
+        history.append((number, spec, d.octants, at))
+        d = copy.deepcopy(d)
+        self._write(lambda: self.backing.add_revision(d, at))
+        return number
+
+    def revisions(self, name: str) -> list[tuple[int, DeploymentSpec, int, float]]:
+        return [(n, copy.deepcopy(s), o, at) for n, s, o, at in self._revisions.get(name, [])]
+
+    def delete_revisions(self, name: str) -> None:
+        self._revisions.pop(name, None)
+        self._write(lambda: self.backing.delete_revisions(name))
+
+
+def _copy(r: Replica) -> Replica:
+    return dataclasses.replace(r, env=dict(r.env), after=list(r.after))
+
+
+def as_controller_store(store: StateStore | ControllerStore, clock: Clock | None = None) -> ControllerStore:
+    return store if isinstance(store, ControllerStore) else ControllerStore(store, clock)

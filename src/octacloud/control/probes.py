@@ -1,0 +1,137 @@
+"""Probes and model footprints: the controller's I/O towards replicas and the repository."""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import Callable
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from octacloud.control.controller.world import Probe
+from octacloud.control.deployments import Replica
+from octacloud.control.sizing import ModelFootprint
+from octacloud.core.errors import InvalidSpecError, NotFoundError
+from octacloud.gateway.upstream import UpstreamError, UpstreamPool
+from octacloud.security.internal_auth import REPLICA_HEADER_BYTES
+from octacloud.security.internal_tls import replica_server_name
+
+
+class HttpProber:
+    """Readiness through the replica's own OIP endpoint: ``GET /v2/models/<model>/ready``. A replica that answers
+    but whose model is not ready is asked for its repository index: a model that failed to load is reported
+    there as UNAVAILABLE with a reason, which makes the probe's answer final (no wait for the start-up timeout)."""
+
+    def __init__(
+        self,
+        pool: UpstreamPool | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+        on_ready: Callable[[str], None] | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.pool = pool or UpstreamPool(max_idle_per_host=2, connect_timeout=1.0, tls=tls)
+        """With internal TLS the probe checks the replica's certificate names the replica it expects."""
+        self.headers = headers or []
+        """Sent with every probe (the cloud's internal secret)."""
+        self.on_ready = on_ready
+        """Called with the id of each replica a probe found ready (the gateway ends its ejection)."""
+
+    async def probe(self, replica: Replica, model: str, timeout: float) -> Probe:
+        if not replica.http_port:
+            return Probe(False)
+        host = replica.host or "127.0.0.1"
+        name = replica_server_name(replica.id) if self.pool.tls is not None else None
+        named = [*self.headers, (REPLICA_HEADER_BYTES, replica.id.encode())]  # another process at the address: 421
+        try:
+            path = f"/v2/models/{model}/ready".encode()
+            response = await self.pool.request(
+                host, replica.http_port, b"GET", path, named, b"", timeout, server_name=name
+            )
+            if response.status == 200:
+                if self.on_ready is not None:
+                    self.on_ready(replica.id)
+                return Probe(True)
+            if response.status == 421:
+                return Probe(False)
+            headers = [(b"content-type", b"application/json"), *named]
+            index = await self.pool.request(
+                host, replica.http_port, b"POST", b"/v2/repository/index", headers, b"{}", timeout, server_name=name
+            )
+        except (UpstreamError, TimeoutError, OSError):
+            return Probe(False)
+        return Probe(False, _load_failure(index.status, index.body, model))
+
+    async def close(self) -> None:
+        """Close the probe connections kept alive to replicas."""
+        await self.pool.close()
+
+
+class RepositoryFootprints:
+    """A model's footprint from its folder: ``config.pbtxt`` parameters written by the toolchain
+    (``octacloud.weights_bytes``, ``octacloud.bytes_per_sample``), ``max_batch_size``, and the newest
+    version's ``profile.json``; without them, the size of the ONNX files stands for the weights."""
+
+    def __init__(self, repository: Path) -> None:
+        self.repository = repository
+
+    def __call__(self, model: str) -> ModelFootprint:
+        folder = self.repository / model
+        if not folder.is_dir():
+            raise NotFoundError(f"model {model!r} is not in the repository {self.repository}")
+        config = model_config_pb2.ModelConfig()
+        config_path = folder / "config.pbtxt"
+        if config_path.exists():
+            try:
+                text_format.Parse(config_path.read_text(), config)
+            except text_format.ParseError as exc:
+                raise InvalidSpecError(f"{config_path}: {exc}") from None
+        versions = sorted((p for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+        if not versions:
+            raise NotFoundError(f"model {model!r} has no version folders in {folder}")
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        weights = _int(params.get("octacloud.weights_bytes"))
+        if weights is None:
+            weights = sum(f.stat().st_size for f in versions[-1].rglob("*") if f.is_file())
+        per_sample = _int(params.get("octacloud.bytes_per_sample")) or 0
+        throughput = _profile_throughput(versions[-1] / "profile.json")
+        return ModelFootprint(weights, per_sample, max(1, config.max_batch_size), throughput)
+
+
+def _load_failure(status: int, body: bytes, model: str) -> str:
+    """The reason ``model`` failed to load, from a repository index answer ('' when it did not fail)."""
+    if status != 200:
+        return ""
+    try:
+        entries = json.loads(body)
+    except ValueError:
+        return ""
+    for e in entries if isinstance(entries, list) else []:
+        if isinstance(e, dict) and e.get("name") == model and e.get("state") == "UNAVAILABLE" and e.get("reason"):
+            return str(e["reason"])[:500]
+    return ""
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None
+
+
+def _profile_throughput(path: Path) -> float | None:
+    """Best samples/s in a toolchain profile, if there is one (any layout with a list of batch points)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    best = None
+    points = data.get("batches") or data.get("points") or data.get("throughput") or []
+    if isinstance(points, list):
+        for p in points:
+            if isinstance(p, dict):
+                v = p.get("samples_per_s") or p.get("samples_per_second")
+                if isinstance(v, int | float):
+                    best = max(best or 0.0, float(v))
+    return best

@@ -1,0 +1,169 @@
+"""What the meter reads from the running cloud (:class:`octacloud.metering.UsageSource`).
+
+- slices: the scheduler's allocations (a replica's milli-GPU on its cards, the cards' model);
+- traffic: the gateway's per-(calling tenant, deployment) counters;
+- work: each replica's own Triton counters, scraped from its metrics endpoint
+  (``nv_inference_compute_infer_duration_us``, ``nv_inference_count``): the execution-time share of a shared
+  card, measured where the work runs;
+- storage: the bytes of each deployment's model folder in the repository (re-measured at most every minute,
+  in the meter's worker thread, counting at most :data:`MAX_FILES` files).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import ssl
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from octacloud.control.controller import Controller
+from octacloud.control.deployments import ReplicaState
+from octacloud.metering import Allocation, Stored, Traffic, Work
+from octacloud.security.internal_auth import REPLICA_HEADER
+
+log = logging.getLogger("octacloud.metering")
+
+EXEC_METRIC = "nv_inference_compute_infer_duration_us"
+COUNT_METRIC = "nv_inference_count"
+_REPLICA_SUFFIX = re.compile(r"-[0-9a-f]{6}$")
+
+
+def deployment_of(replica_id: str) -> str:
+    """Replica ids are ``<deployment>-<6 hex digits>``."""
+    return _REPLICA_SUFFIX.sub("", replica_id)
+
+
+def parse_work(text: str) -> tuple[int, int]:
+    """(execution µs, inferences) summed over the models in a Prometheus text exposition."""
+    exec_us = inferences = 0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == EXEC_METRIC:
+                exec_us += int(sample.value)
+            elif sample.name == COUNT_METRIC:
+                inferences += int(sample.value)
+    return exec_us, inferences
+
+
+MAX_FILES = 100_000
+"""Storage measurement stops counting a folder after this many entries (a model folder has a handful)."""
+
+
+def folder_bytes(path: Path, max_files: int = MAX_FILES) -> int:
+    """Bytes of the files under ``path`` (links not followed), counting at most ``max_files`` entries.
+    Blocking: the meter calls it from a worker thread."""
+    total = seen = 0
+    for root, dirs, files in os.walk(path, followlinks=False):
+        for name in files:
+            seen += 1
+            if seen > max_files:
+                log.warning("storage of %s: more than %d files; counted the first %d", path, max_files, max_files)
+                return total
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+        seen += len(dirs)
+    return total
+
+
+class ClusterUsage:
+    """The running cloud as a usage source. ``now`` is for the storage cache only."""
+
+    def __init__(
+        self,
+        controller: Controller,
+        scrape_timeout_s: float = 1.0,
+        storage_ttl_s: float = 60.0,
+        now: Callable[[], float] = time.monotonic,
+        gpu_use: Callable[[], Mapping[str, int]] | None = None,
+        replica_headers: dict[str, str] | None = None,
+        replica_tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.replica_tls = replica_tls
+        """Internal TLS: scrapes are HTTPS, the replica's certificate checked against the cloud CA."""
+        self.controller = controller
+        self._gpu_use = gpu_use
+        self.replica_headers = replica_headers
+        """Sent with every scrape of a replica (the cloud's internal secret)."""
+        self.scrape_timeout_s = scrape_timeout_s
+        self.storage_ttl_s = storage_ttl_s
+        self._now = now
+        self._sizes: dict[str, tuple[float, int]] = {}
+        self._client: httpx.AsyncClient | None = None
+
+    def allocations(self) -> list[Allocation]:
+        state = self.controller.scheduler.state
+        out = []
+        for a in state:
+            node = state.nodes[state.node_index(a.placement.node)]
+            models = {g.index: g.model for g in node.gpus}
+            model = models.get(a.placement.gpus[0], node.gpu_model) if a.placement.gpus else node.gpu_model
+            milli = a.placement.milli_per_gpu * len(a.placement.gpus)
+            out.append(Allocation(a.request.owner, deployment_of(a.request.name), a.request.name, model, milli))
+        return out
+
+    def traffic(self) -> Mapping[tuple[str, str], Traffic]:
+        return {key: Traffic(t.requests, t.bytes_in, t.bytes_out) for key, t in self.controller.routes.traffic.items()}
+
+    async def work(self) -> Mapping[str, Work]:
+        if self._client is None:
+            verify = self.replica_tls if self.replica_tls is not None else True
+            self._client = httpx.AsyncClient(
+                timeout=self.scrape_timeout_s, headers=self.replica_headers, trust_env=False, verify=verify
+            )
+        scheme = "https" if self.replica_tls is not None else "http"
+        owners = {a.replica: a for a in self.allocations()}
+        live = [
+            r
+            for r in self.controller.store.replicas()
+            if r.state in (ReplicaState.READY, ReplicaState.STARTING) and r.metrics_port and r.id in owners
+        ]
+        texts = await asyncio.gather(
+            *(
+                self._client.get(
+                    f"{scheme}://{getattr(r, 'host', '') or '127.0.0.1'}:{r.metrics_port}/metrics",
+                    headers={REPLICA_HEADER: r.id},  # another replica at a dead one's port answers 421, not its work
+                )
+                for r in live
+            ),
+            return_exceptions=True,
+        )
+        out: dict[str, Work] = {}
+        for r, response in zip(live, texts, strict=True):
+            if isinstance(response, BaseException) or response.status_code != 200:
+                continue  # unreachable now: its counters are read at a later close (they are cumulative)
+            try:
+                exec_us, inferences = parse_work(response.text)
+            except ValueError:
+                log.warning("replica %s: unreadable metrics", r.id)
+                continue
+            a = owners[r.id]
+            out[r.id] = Work(a.tenant, a.deployment, a.gpu_model, exec_us, inferences)
+        return out
+
+    def gpu_use(self) -> Mapping[str, int]:
+        """What the telemetry sampler measured through NVML (nothing on a host without NVIDIA cards)."""
+        return self._gpu_use() if self._gpu_use is not None else {}
+
+    def storage(self) -> list[Stored]:
+        out = []
+        now = self._now()
+        for d in self.controller.store.deployments():
+            cached = self._sizes.get(d.spec.model)
+            if cached is None or now - cached[0] > self.storage_ttl_s:
+                cached = self._sizes[d.spec.model] = (now, folder_bytes(self.controller.repository / d.spec.model))
+            out.append(Stored(d.spec.tenant, d.spec.name, cached[1]))
+        return out
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

@@ -1,0 +1,459 @@
+"""The gateway's REST front end: a raw ASGI app that forwards OIP V2 requests to replicas.
+
+Per-model paths (``/v2/models/<name>/...``) go to a ready replica of deployment ``<name>``; the server-level
+paths (health, metadata) are answered by the gateway itself; ``GET .../stats`` asks every ready replica and
+answers with the sum; ``/admin/...`` goes to the admin API. Bodies are
+forwarded untouched, so JSON and Triton's binary tensor extension both work and cost no re-encoding.
+
+With a :class:`Guard`, every path but ``/v2/health/live|ready`` needs ``Authorization: Bearer <key>`` (401
+otherwise); a deployment the caller may not see answers 404 exactly as an unknown one does; a tenant over its
+request rate gets 429 with ``Retry-After``. The verified principal reaches the admin API in
+``scope["state"]["principal"]``; the key itself is never forwarded to a replica.
+
+The key and the announced body size are checked on the headers, before the body is read (and before ``Expect:
+100-continue`` is answered); ``Expect`` itself is never forwarded. A deployment with as many requests
+in flight as its bound (:class:`GatewayLimits`) is refused at once with 503 and ``Retry-After``; a
+deployment that exists but has no ready replica yet (start-up) is 503, not 404. Only answers that came from
+a replica are billed to the caller, and no answer names a replica's address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+
+from octacloud import __version__
+from octacloud.gateway.limits import GatewayLimits
+from octacloud.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable, TenantTraffic
+from octacloud.gateway.stats import merge_model_statistics
+from octacloud.gateway.upstream import HOP_BY_HOP, Response, UpstreamError, UpstreamPool
+from octacloud.protocols.asgi import (
+    ASGIApp,
+    Headers,
+    HttpError,
+    Receive,
+    Scope,
+    Send,
+    content_length,
+    error_reply,
+    header,
+    json_reply,
+    lifespan,
+    read_body,
+)
+from octacloud.protocols.rest.bridge import AsgiBridge
+from octacloud.protocols.rest.request import Http1Request, encode_headers
+from octacloud.security.internal_auth import HEADER_BYTES, REPLICA_HEADER_BYTES, TENANT_HEADER_BYTES
+from octacloud.tenancy import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+SERVER_EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "classification"]
+_DROPPED_REQUEST = frozenset({b"authorization", HEADER_BYTES, TENANT_HEADER_BYTES, REPLICA_HEADER_BYTES, *HOP_BY_HOP})
+"""Never forwarded: the caller's key stays at the gateway; a client's copy of the internal secret (or of the
+tenant and replica headers, which the gateway sets) is not ours; nor what describes the client's connection
+(``upstream.HOP_BY_HOP``)."""
+_DROPPED_ANSWER = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server", HEADER_BYTES}
+)
+"""Not passed on from a replica's answer: its framing, and what the gateway's own server adds (``date``)."""
+_CLOSE = (b"connection", b"close")
+_UNAUTHORIZED = (b"www-authenticate", b'Bearer realm="octacloud"')
+_JSON_LINE = b"content-type: application/json\r\n"
+_SMALL_UNREAD = 64 * 1024
+"""A refused request's unread body up to this size is read and dropped by the server (keep-alive kept);
+a larger one, or one the client holds back for ``100 Continue``, closes the connection instead."""
+
+
+async def _relay(send: Send, response: Response, head: bool = False) -> int:
+    """Pass a replica's answer on (less its connection headers); returns the body's size."""
+    headers = [(k, v) for k, v in response.headers if k.lower() not in _DROPPED_ANSWER]
+    if head:  # a HEAD answer announces the GET's length and has no body
+        headers += [(k, v) for k, v in response.headers if k.lower() == b"content-length"]
+    elif response.status not in (204, 304):
+        headers.append((b"content-length", str(len(response.body)).encode()))
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body})
+    return len(response.body)
+
+
+def _relay_native(request: Http1Request, response: Response, head: bool) -> None:
+    """``_relay`` on the native server: the replica's end-to-end headers and body in one write."""
+    lines = [b"%b: %b\r\n" % (k, v) for k, v in response.headers if k.lower() not in _DROPPED_ANSWER]
+    if head:
+        lines += [b"%b: %b\r\n" % (k, v) for k, v in response.headers if k.lower() == b"content-length"]
+    request.respond(response.status, b"".join(lines), response.body, has_length=head)
+
+
+def _refuse(request: Http1Request, status: int, message: str, headers: list[tuple[bytes, bytes]]) -> None:
+    """An error answer in the gateway's shape; ``connection: close`` among ``headers`` closes the connection."""
+    close = _CLOSE in headers
+    lines = _JSON_LINE + encode_headers([h for h in headers if h != _CLOSE])
+    request.respond(status, lines, json.dumps({"error": message}).encode(), close=close)
+
+
+def _unread_body_headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """``Connection: close`` for an answer sent before the body was read, unless that body is small and coming."""
+    return _unread_body(scope["headers"])
+
+
+def _unread_body(headers: Headers) -> list[tuple[bytes, bytes]]:
+    if header(headers, b"expect") is not None:
+        return [_CLOSE]  # the client waits for 100 Continue that will not come: the body's end is unknowable
+    if header(headers, b"transfer-encoding") is not None:
+        return [_CLOSE]
+    length = header(headers, b"content-length")
+    if length is not None and (not length.strip().isdigit() or int(length) > _SMALL_UNREAD):
+        return [_CLOSE]
+    return []
+
+
+ADMIN_MAX_BODY_BYTES = 1 * 2**20
+"""Admin API bodies are small JSON documents."""
+
+
+def _small_body(scope: Scope) -> None:
+    """An admin request's body must announce its length, at most ``ADMIN_MAX_BODY_BYTES`` (411/413 otherwise)."""
+    if content_length(scope["headers"], ADMIN_MAX_BODY_BYTES) is None and header(
+        scope["headers"], b"transfer-encoding"
+    ):
+        raise HttpError(411, "admin requests must send a Content-Length")
+
+
+class RestGateway:
+    """ASGI app. ``ready`` is a callable so the gateway reports not-ready until the controller has started."""
+
+    def __init__(
+        self,
+        routes: RouteTable,
+        pool: UpstreamPool | None = None,
+        admin: ASGIApp | None = None,
+        ready: Callable[[], bool] = lambda: True,
+        request_timeout: float | None = None,
+        guard: Guard | None = None,
+        dashboard: ASGIApp | None = None,
+        metrics: ASGIApp | None = None,
+        limits: GatewayLimits | None = None,
+        internal_secret: str | None = None,
+    ) -> None:
+        self.dashboard = dashboard
+        """``/dashboard...``: public static page; its JSON API checks the admin key itself."""
+        self.metrics = metrics
+        """``/metrics``: the cloud's Prometheus text; checks the admin key itself."""
+        self.guard = guard
+        """None only in tests of the proxy itself: then every caller is an anonymous admin."""
+        self.routes = routes
+        self.pool = pool or UpstreamPool()
+        self.admin = admin
+        self.ready = ready
+        self.limits = limits or GatewayLimits()
+        self.request_timeout = self.limits.upstream_timeout_s if request_timeout is None else request_timeout
+        """Seconds to wait for a replica's answer (``GatewayLimits.upstream_timeout_s`` unless given)."""
+        self._internal = [(HEADER_BYTES, internal_secret.encode())] if internal_secret else []
+        """Added to every request forwarded to a replica: it proves the request comes from this cloud."""
+        routes.on_drop.append(lambda e: self.pool.forget(e.host, e.http_port))
+        routes.on_gone.append(self._abandon)
+        self._bridge = AsgiBridge(self)
+
+    async def serve_http1(self, request: Http1Request) -> None:
+        """The native handler (``protocols/rest/server.py``): inference and the other per-model routes without the
+        ASGI cycle; every other path (and a model's ``/stats``, which asks every replica) through the ASGI app."""
+        path = request.path
+        if not path.startswith("/v2/models/") or (request.method == b"GET" and path.endswith("/stats")):
+            await self._bridge(request)
+            return
+        headers = request.headers
+        if self.guard is None:
+            principal = ANONYMOUS_ADMIN
+        else:
+            try:
+                principal = self.guard.authorize(headers)
+                self.guard.admit(principal)
+            except AuthError as exc:
+                _refuse(request, 401, str(exc), [_UNAUTHORIZED, *_unread_body(headers)])
+                return
+            except RateLimitedError as exc:
+                _refuse(
+                    request, 429, str(exc), [(b"retry-after", str(exc.retry_after).encode()), *_unread_body(headers)]
+                )
+                return
+        try:
+            await self._proxy_native(request, path, principal)
+        except HttpError as exc:
+            _refuse(
+                request,
+                exc.status,
+                str(exc),
+                [*exc.headers, *(_unread_body(headers) if exc.status != 408 else [_CLOSE])],
+            )
+
+    def _admit(self, deployment: str, principal: Principal, headers: list[tuple[bytes, bytes]]) -> DeploymentCounters:
+        """The deployment's counters if this request may go on (on its headers alone), else HttpError: the cloud
+        starting, a deployment the caller may not see (404), no ready replica or its bound reached (503), a body
+        announced over the limit (413)."""
+        if not self.ready():
+            raise HttpError(503, "the cloud is starting; retry shortly", [(b"retry-after", b"1")])
+        may_see = None if self.guard is None else principal.may_see
+        counters = self.routes.admit(deployment, may_see, self.limits.max_inflight_per_replica)
+        if isinstance(counters, NotAdmitted):
+            if counters.why == "unknown":
+                raise HttpError(404, counters.message)
+            raise HttpError(503, counters.message, [(b"retry-after", b"1")])
+        content_length(headers, self.limits.max_body_bytes)
+        return counters
+
+    async def _proxy_native(self, request: Http1Request, path: str, principal: Principal) -> None:
+        deployment = path[11:].split("/", 1)[0]  # len("/v2/models/")
+        counters = self._admit(deployment, principal, request.headers)
+        started = time.perf_counter()
+        counters.outstanding += 1
+        try:
+            try:
+                body = await request.read_body(self.limits.body_timeout_s)
+            except TimeoutError:
+                raise HttpError(
+                    408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s"
+                ) from None
+            target = request.raw_path
+            if request.query:
+                target += b"?" + request.query
+            headers_out = [(k, v) for k, v in request.headers if k not in _DROPPED_REQUEST]
+            headers_out += self._internal
+            headers_out.append((TENANT_HEADER_BYTES, principal.tenant.encode()))
+            method = request.method
+            response = await self._attempts(deployment, counters, method, target, headers_out, body)
+            sent = len(response.body)
+            counters.bytes_out += sent
+            if response.status >= 400:
+                counters.failures += 1
+            if response.status < 500:  # billed before the answer leaves: a client that has it finds it metered
+                _bill(self.routes.tenant_traffic(principal.tenant, deployment), len(body), sent)
+            _relay_native(request, response, method == b"HEAD")
+        finally:
+            counters.outstanding -= 1
+            counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
+
+    def _abandon(self, endpoint: Endpoint) -> None:
+        """The controller found ``endpoint``'s replica dead: what is in flight there is retried elsewhere now."""
+        ended = self.pool.abandon(endpoint.host, endpoint.http_port, "the controller found it stopped")
+        if ended:
+            log.warning("replica %s stopped with %d request(s) in flight: retried on another replica",
+                        endpoint.replica_id, ended)  # fmt: skip
+
+    async def _attempts(
+        self,
+        deployment: str,
+        counters: DeploymentCounters,
+        method: bytes,
+        target: bytes,
+        headers_out: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> Response:
+        """The first replica's answer, up to ``MAX_ATTEMPTS`` replicas tried; HttpError 503/504 when none answers."""
+        counters.requests += 1
+        counters.bytes_in += len(body)
+        tried: list[str] = []
+        why = f"deployment '{deployment}' has no ready replica"
+        for _ in range(MAX_ATTEMPTS):
+            endpoint = self.routes.choose(deployment, tried)
+            if endpoint is None:
+                break
+            tried.append(endpoint.replica_id)
+            endpoint.outstanding += 1
+            try:
+                response = await self.pool.request(
+                    endpoint.host,
+                    endpoint.http_port,
+                    method,
+                    target,
+                    [*headers_out, (REPLICA_HEADER_BYTES, endpoint.replica_id.encode())],
+                    body,
+                    self.request_timeout,
+                    filtered=True,
+                )
+                if response.status == 421:  # another process has the address: the replica is not there any more
+                    raise UpstreamError(_misdirected(response))
+            except UpstreamError as exc:
+                self.routes.failed(endpoint)
+                log.warning("deployment %s: replica %s: %s", deployment, endpoint.replica_id, exc)
+                why = f"deployment '{deployment}': {len(tried)} replica(s) tried, none answered"
+                continue
+            except TimeoutError:
+                self.routes.failed(endpoint)
+                counters.failures += 1
+                log.warning(
+                    "deployment %s: replica %s: no answer within %g s",
+                    deployment,
+                    endpoint.replica_id,
+                    self.request_timeout,
+                )
+                raise HttpError(
+                    504, f"deployment '{deployment}': no answer within {self.request_timeout:g} s"
+                ) from None
+            finally:
+                endpoint.outstanding -= 1
+            self.routes.succeeded(endpoint)
+            return response
+        counters.failures += 1
+        retry = str(self.routes.retry_after(deployment)).encode()
+        raise HttpError(503, why, [(b"retry-after", retry)])
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send, self.pool.close)
+            return
+        if scope["type"] != "http":
+            return
+        path: str = scope["path"]
+        if path == "/v2/health/live":
+            await json_reply(send, 200, {"live": True})
+            return
+        if path == "/v2/health/ready":
+            ok = self.ready()
+            await json_reply(send, 200 if ok else 503, {"ready": ok})
+            return
+        if path.startswith("/dashboard") and self.dashboard is not None:
+            await self.dashboard(scope, receive, send)
+            return
+        if path == "/metrics" and self.metrics is not None:
+            await self.metrics(scope, receive, send)
+            return
+        principal = await self._authorize(scope, send)
+        if principal is None:
+            return
+        if path.startswith("/v2/models/"):
+            try:
+                await self._proxy(scope, receive, send, path, principal)
+            except HttpError as exc:
+                await error_reply(send, exc, _unread_body_headers(scope) if exc.status != 408 else [_CLOSE])
+        elif path in ("/v2", "/v2/"):
+            await json_reply(send, 200, {"name": "octacloud", "version": __version__, "extensions": SERVER_EXTENSIONS})
+        elif path.startswith("/admin") and self.admin is not None:
+            try:
+                _small_body(scope)
+            except HttpError as exc:
+                await error_reply(send, exc, [_CLOSE])
+                return
+            scope.setdefault("state", {})["principal"] = principal
+            await self.admin(scope, receive, send)
+        else:
+            await json_reply(
+                send, 404, {"error": f"no route for {scope['method']} {path}"}, _unread_body_headers(scope)
+            )
+
+    async def _authorize(self, scope: Scope, send: Send) -> Principal | None:
+        """The caller, or None after answering 401 or 429 (on the headers alone: no body is read)."""
+        if self.guard is None:
+            return ANONYMOUS_ADMIN
+        try:
+            principal = self.guard.authorize(scope["headers"])
+            self.guard.admit(principal)
+        except AuthError as exc:
+            await json_reply(
+                send,
+                401,
+                {"error": str(exc)},
+                [(b"www-authenticate", b'Bearer realm="octacloud"'), *_unread_body_headers(scope)],
+            )
+            return None
+        except RateLimitedError as exc:
+            await json_reply(
+                send,
+                429,
+                {"error": str(exc)},
+                [(b"retry-after", str(exc.retry_after).encode()), *_unread_body_headers(scope)],
+            )
+            return None
+        return principal
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str, principal: Principal) -> None:
+        deployment = path[len("/v2/models/") :].split("/", 1)[0]
+        counters = self._admit(deployment, principal, scope["headers"])
+        started = time.perf_counter()
+        counters.outstanding += 1
+        try:
+            await self._forward(scope, receive, send, path, principal, deployment, counters)
+        finally:
+            counters.outstanding -= 1
+            counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
+
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path: str,
+        principal: Principal,
+        deployment: str,
+        counters: DeploymentCounters,
+    ) -> None:
+        try:
+            async with asyncio.timeout(self.limits.body_timeout_s):  # a timer, not a task (as wait_for makes)
+                body = await read_body(receive, self.limits.max_body_bytes)
+        except TimeoutError:
+            raise HttpError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s") from None
+        usage = self.routes.tenant_traffic(principal.tenant, deployment)
+        target = scope["raw_path"] or path.encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        headers_out = [(k, v) for k, v in scope["headers"] if k not in _DROPPED_REQUEST]  # ASGI names are lowercase
+        headers_out += self._internal
+        headers_out.append((TENANT_HEADER_BYTES, principal.tenant.encode()))  # per-tenant batches (protocols/internal)
+        method = scope["method"]
+        if method == "GET" and path.endswith("/stats"):
+            counters.requests += 1
+            counters.bytes_in += len(body)
+            sent = await self._statistics(send, deployment, target, headers_out)
+            _bill(usage, len(body), sent)
+            return
+        response = await self._attempts(deployment, counters, method.encode(), target, headers_out, body)
+        sent = len(response.body)
+        counters.bytes_out += sent
+        if response.status >= 400:
+            counters.failures += 1
+        if response.status < 500:  # billed before the answer leaves: a client that has it finds it metered
+            _bill(usage, len(body), sent)
+        await _relay(send, response, head=method == "HEAD")
+
+    async def _statistics(self, send: Send, deployment: str, target: bytes, headers: list[tuple[bytes, bytes]]) -> int:
+        """Ask every ready replica of ``deployment`` and answer with the sum (see ``gateway.stats``)."""
+
+        async def ask(endpoint: Endpoint) -> Response | None:
+            named = [*headers, (REPLICA_HEADER_BYTES, endpoint.replica_id.encode())]
+            try:
+                answer = await self.pool.request(
+                    endpoint.host, endpoint.http_port, b"GET", target, named, b"", self.request_timeout
+                )
+            except (UpstreamError, TimeoutError):
+                return None
+            return None if answer.status == 421 else answer  # not the replica meant: its figures are not ours
+
+        answers = [a for a in await asyncio.gather(*(ask(e) for e in self.routes.healthy(deployment))) if a is not None]
+        if not answers:
+            raise HttpError(503, f"deployment '{deployment}' has no ready replica", [(b"retry-after", b"1")])
+        refused = [a for a in answers if a.status != 200]
+        if refused:  # e.g. an unknown version: every replica says the same, pass the first answer on
+            return await _relay(send, refused[0])
+        try:
+            merged = merge_model_statistics(json.loads(a.body) for a in answers)
+        except (ValueError, AttributeError) as exc:
+            return await json_reply(send, 502, {"error": f"a replica answered statistics that are not JSON: {exc}"})
+        return await json_reply(send, 200, merged)
+
+
+def _misdirected(response: Response) -> str:
+    """The replica's own words for a 421 (it is not the replica the gateway meant)."""
+    try:
+        return f"misdirected: {json.loads(response.body)['error']}"
+    except (ValueError, KeyError, TypeError):
+        return "misdirected: the process at the replica's address is another one"
+
+
+def _bill(usage: TenantTraffic, bytes_in: int, bytes_out: int) -> None:
+    usage.requests += 1
+    usage.bytes_in += bytes_in
+    usage.bytes_out += bytes_out
