@@ -20,6 +20,7 @@ from octacloud.admin.api import build_admin_app
 from octacloud.admin.dashboard.monitoring import CloudMonitoring, admin_authorizer, local_nvml_node
 from octacloud.control.controller import Controller, ControllerSettings, NodeChange
 from octacloud.control.deployments import ReplicaState
+from octacloud.control.emulated import EmulatedLauncher, EmulationSettings
 from octacloud.control.fleet import discover_fleet
 from octacloud.control.launcher import LocalProcessLauncher, ReplicaLauncher
 from octacloud.control.mps import MpsDaemon, SharingCollector
@@ -90,6 +91,9 @@ class CloudConfig:
     gateway_workers: int = 1
     """Processes serving the public REST and gRPC ports. 1: this process does (the controller's too); N ≥ 2: N
     worker processes share the ports (SO_REUSEPORT) and this process keeps the controller, store and meter."""
+    emulation: EmulationSettings | None = None
+    """Emulate the replicas (``octacloud up --emulate``): each a real OIP endpoint that answers after a set latency
+    with no model compute, many per process (control/emulated.py), so that a fleet of any size runs here."""
     internal_tls: InternalTlsMode = InternalTlsMode.AUTO
     """TLS with the cloud's own CA on the gateway → replica hop: auto = on with the Ray launcher (replicas may be
     on other machines), off for local replicas on loopback (see security/internal_tls.py)."""
@@ -229,8 +233,12 @@ class Cloud:
         self.http_port = config.http_port
         self.grpc_port = config.grpc_port
 
-    def _local_launcher(self) -> LocalProcessLauncher:
+    def _local_launcher(self) -> ReplicaLauncher:
         workdir = self.config.state_dir / "replicas"
+        if self.config.emulation is not None:
+            return EmulatedLauncher(
+                workdir, self.config.emulation, environment=self._node_environment, internal_ca=self.internal_ca
+            )
         return LocalProcessLauncher(
             workdir, environment=self._node_environment, internal_ca=self.internal_ca
         )  # replicas bind loopback

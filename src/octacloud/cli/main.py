@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "models",
     "rollout",
     "node",
+    "fleet",
     "schedule",
     "serve",
     "simulate",

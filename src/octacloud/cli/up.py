@@ -241,6 +241,17 @@ def up(
     internal_tls: str = typer.Option(
         "auto", "--internal-tls", help="TLS from the gateway to replicas: auto (on Ray), on, off (docs/security.md)."
     ),
+    emulate: bool = typer.Option(
+        False,
+        "--emulate",
+        help="Emulated replicas: real OIP endpoints with no model compute, many per process "
+        "(docs/fleet-scale.md); for fleets this machine could never hold.",
+    ),
+    emulated_latency_ms: float = typer.Option(
+        2.0, "--emulated-latency-ms", help="With --emulate: each batch's latency."
+    ),
+    emulated_load_ms: float = typer.Option(0.0, "--emulated-load-ms", help="With --emulate: each model's load time."),
+    emulated_hosts: int = typer.Option(4, "--emulated-hosts", help="With --emulate: processes the replicas share."),
 ) -> None:
     """Run the cloud: fleet, controller, replicas on slices, and the OIP gateway (on this machine, or on Ray)."""
     from octacloud.app import Cloud, CloudConfig, ray_cloud
@@ -284,6 +295,20 @@ def up(
     if deploy_max_replicas < 1:
         err.print(f"[red]error:[/] --deploy-max-replicas must be at least 1, got {deploy_max_replicas}")
         raise typer.Exit(2)
+    emulation = None
+    if emulate:
+        from octacloud.control.emulated import EmulationSettings
+        from octacloud.serving.emulated import EmulatedLatency
+
+        if backend == "ray" or ray_address is not None:
+            err.print("[red]error:[/] --emulate runs replicas on this machine: it does not go with --backend ray")
+            raise typer.Exit(2)
+        try:
+            latency = EmulatedLatency(emulated_latency_ms)
+            emulation = EmulationSettings(latency, load_ms=emulated_load_ms, hosts=emulated_hosts)
+        except (ValueError, OctacloudError) as exc:
+            err.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
     config = CloudConfig(
         repository=repository,
         state_dir=state_dir,
@@ -306,6 +331,7 @@ def up(
         limits=limits,
         gateway_workers=gateway_workers,
         internal_tls=internal_tls_mode,
+        emulation=emulation,
     )
     on_ray = backend == "ray" or ray_address is not None
     scheme = "https" if config.tls is not None else "http"
@@ -420,6 +446,7 @@ def down(
     """Stop the replicas a stopped `octacloud up` left running (local processes and Ray actors). Deployments stay:
     the next `up` starts them again. Refused while `up` runs on the state dir: stop it first (Ctrl-C), or use
     `undeploy` / `scale` to stop replicas of a running cloud."""
+    from octacloud.control.emulated import EmulatedLauncher, is_emulated
     from octacloud.control.launcher import LocalProcessLauncher
     from octacloud.control.store import StateStore
 
@@ -446,7 +473,15 @@ def down(
         if local.alive(handle):
             local.stop(handle, grace)
             stopped += 1
-    actors = [h for h in handles if not h.isdigit()]
+    emulated = [h for h in handles if is_emulated(h)]
+    if emulated:
+        hosts = EmulatedLauncher(state_dir / "replicas")
+        for handle in emulated:
+            if hosts.alive(handle):
+                hosts.stop(handle, grace)
+                stopped += 1
+        hosts.stop_hosts()
+    actors = [h for h in handles if not h.isdigit() and not is_emulated(h)]
     if actors:
         stopped += _stop_ray_replicas(actors, ray_address or record.get("ray_address"), state_dir, grace)
     console.print(f"stopped {stopped} replica(s) of {state_dir}")

@@ -39,7 +39,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import make_wsgi_app
+from prometheus_client import make_asgi_app, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from octacloud.core import idlespin
@@ -49,6 +49,7 @@ from octacloud.protocols.grpc.h2 import GrpcServer
 from octacloud.protocols.internal import (
     HANDSHAKE_TIMEOUT_S,
     ReplicaTls,
+    RequireSecret,
     SecretInterceptor,
     read_secret,
     replica_id_from_env,
@@ -57,6 +58,7 @@ from octacloud.protocols.internal import (
     wsgi_requiring_secret,
 )
 from octacloud.protocols.rest.app import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, ReplicaHttp1, RestApp
+from octacloud.protocols.rest.bridge import AsgiBridge
 from octacloud.protocols.rest.server import Http1Server
 from octacloud.serving import ControlMode, DataPlane, ModelRepository, RuntimeFactory, VersionStats
 
@@ -106,6 +108,10 @@ class ServerSettings:
     tls_reload_s: float = 30.0
     """How often the certificate file is checked; a renewed one serves the next handshakes (no restart; REST,
     metrics and the ``h2`` gRPC server — ``grpc.aio`` keeps the certificate it started with)."""
+    metrics_on_loop: bool = False
+    """Serve metrics on the event loop (octacloud's HTTP/1.1 server, the same secret checks) instead of a thread of
+    their own: what a process that hosts many replicas needs (one idle thread per replica would each wake up twice
+    a second)."""
 
     def __post_init__(self) -> None:
         if self.internal_secret_file is not None and self.tls is None and self.host in WILDCARD_HOSTS:
@@ -227,6 +233,7 @@ class ReplicaServer:
         self._grpc: grpc.aio.Server | None = None
         self._grpc_h2: GrpcServer | None = None
         self._metrics: Any = None
+        self._metrics_http: Http1Server | None = None
         self._metrics_thread: threading.Thread | None = None
         self._tls_watch: asyncio.Task[None] | None = None
 
@@ -263,12 +270,15 @@ class ReplicaServer:
             if s.grpc_port is not None or s.grpc_fd is not None:
                 await self._start_grpc()
             if s.metrics_port is not None or s.metrics_fd is not None:
-                metrics: Any = make_wsgi_app(serving_registry(self._stats))
-                if self.secret is not None:
-                    metrics = wsgi_requiring_secret(metrics, self.secret, s.replica_id)
                 sock = _endpoint_socket(s.metrics_fd, s.host, s.metrics_port, "metrics", "metrics")
-                self._metrics, self._metrics_thread = _metrics_server(metrics, sock, self._tls_metrics)
-                self.metrics_port = self._metrics.server_port
+                if s.metrics_on_loop:
+                    await self._start_metrics_on_loop(sock)
+                else:
+                    metrics: Any = make_wsgi_app(serving_registry(self._stats))
+                    if self.secret is not None:
+                        metrics = wsgi_requiring_secret(metrics, self.secret, s.replica_id)
+                    self._metrics, self._metrics_thread = _metrics_server(metrics, sock, self._tls_metrics)
+                    self.metrics_port = self._metrics.server_port
         except BaseException:
             await self.stop()
             raise
@@ -282,6 +292,22 @@ class ReplicaServer:
             self.grpc_port,
             self.metrics_port,
         )
+
+    async def _start_metrics_on_loop(self, sock: socket.socket) -> None:
+        s = self.settings
+        app: Any = make_asgi_app(serving_registry(self._stats))
+        if self.secret is not None:
+            app = RequireSecret(app, self.secret, s.replica_id)
+        server = Http1Server(
+            AsgiBridge(app), max_header_bytes=MAX_HEADER_BYTES, header_timeout_s=s.header_timeout_s,
+            keep_alive_s=s.keep_alive_s,
+        )  # fmt: skip
+        try:
+            self.metrics_port = await server.start(sock, ssl=self._tls_metrics)
+        except BaseException:
+            sock.close()
+            raise
+        self._metrics_http = server
 
     async def _start_grpc(self) -> None:
         s = self.settings
@@ -360,6 +386,9 @@ class ReplicaServer:
         if self._http is not None:
             await self._http.stop(self.settings.http_grace_s)
             self._http = None
+        if self._metrics_http is not None:
+            await self._metrics_http.stop(self.settings.http_grace_s)
+            self._metrics_http = None
         if self._metrics is not None:
             self._metrics.shutdown()
             self._metrics.server_close()
