@@ -36,9 +36,10 @@ import uvicorn
 
 from octacloud.core.model import Gpu, Node, Request
 from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT
-from octacloud.k8s.extender import Extender, cloud_profile
+from octacloud.k8s.extender import Extender
 from octacloud.k8s.extender_http import build_extender_app
 from octacloud.k8s.resources import GPUS, OCTANTS, node_cards, pod_request
+from octacloud.scheduler.policies import cloud_profile
 
 KINDS = (("A100", 8, 81_920), ("H100", 8, 81_920), ("T4", 4, 16_384))
 

@@ -29,8 +29,7 @@ from octacloud.control.store import StateStore
 from octacloud.control.usage import ClusterUsage
 from octacloud.core.clock import Clock, SystemClock
 from octacloud.core.errors import InvalidSpecError
-from octacloud.core.model import Node, Request
-from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
+from octacloud.core.model import Node
 from octacloud.gateway.fronts import Fronts, gateway_fronts
 from octacloud.gateway.grpc_proxy import GrpcGateway
 from octacloud.gateway.limits import GatewayLimits
@@ -42,10 +41,9 @@ from octacloud.gateway.workers import GatewayWorkers
 from octacloud.metering import Ledger, Meter, PriceSheet
 from octacloud.observability.card_health import CardHealthWatch
 from octacloud.observability.dcgm import CardReading
-from octacloud.scheduler.fragmentation import TargetWorkload
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
-from octacloud.scheduler.policies import PRODUCT_DEFAULT, build_profile
+from octacloud.scheduler.policies import PRODUCT_DEFAULT, cloud_profile, slice_prior
 from octacloud.security import internal_auth
 from octacloud.security.internal_tls import RENEW_INTERVAL_S, InternalCa, InternalClientTls, InternalTlsMode
 from octacloud.security.tls import TlsConfig, check_exposure
@@ -158,9 +156,7 @@ class Cloud:
             on_card_readings=self._card_readings,
         )
         """Telemetry (the scheduler's telemetry source), the cloud's ``/metrics`` and the dashboard."""
-        profile = build_profile(
-            config.policy, seed=0, workload=slice_prior(), rules=True, telemetry=self.monitoring.sampler
-        )
+        profile = cloud_profile(config.policy, telemetry=self.monitoring.sampler)
         scheduler = Scheduler(ClusterState(self.nodes), profile)
         self.routes = RouteTable()
         self._prober = HttpProber(
@@ -456,14 +452,6 @@ def _no_op(*_: object) -> None:
 def internal_ca(config: CloudConfig, remote: bool) -> InternalCa | None:
     """The cloud's internal CA when ``config.internal_tls`` turns TLS on for replicas that may be ``remote``."""
     return InternalCa.ensure(config.state_dir) if config.internal_tls.enabled(remote) else None
-
-
-def slice_prior() -> TargetWorkload:
-    """The workload fragmentation-aware placement plans for before it has seen any: every slice size the
-    product sells (1..8 octants of one card, one or two whole cards) equally likely."""
-    sizes = [Request("prior", num_gpu=1, gpu_milli=k * MILLI_PER_OCTANT) for k in range(1, OCTANTS_PER_GPU + 1)]
-    sizes.append(Request("prior", num_gpu=2, gpu_milli=MILLI_PER_GPU))
-    return TargetWorkload.from_requests(sizes, coverage=1.0)
 
 
 def _node(nodes: list[Node], name: str) -> Node:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from octacloud.app import slice_prior
 from octacloud.control.controller import Controller
 from octacloud.control.deployments import DeploymentSpec
 from octacloud.control.launcher import LocalProcessLauncher
@@ -20,7 +19,7 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.gateway.routing import RouteTable
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
-from octacloud.scheduler.policies import PRODUCT_DEFAULT, build_profile
+from octacloud.scheduler.policies import PRODUCT_DEFAULT, build_profile, slice_prior
 
 from .conftest import write_linear_model
 

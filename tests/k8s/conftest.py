@@ -8,9 +8,10 @@ import pytest
 from octacloud.core.clock import ManualClock
 from octacloud.core.model import Gpu, Node
 from octacloud.k8s.api import KubeClient
-from octacloud.k8s.extender import Extender, cloud_profile
+from octacloud.k8s.extender import Extender
 from octacloud.k8s.extender_http import build_extender_app
 from octacloud.k8s.fakeapi import FakeApiServer
+from octacloud.scheduler.policies import cloud_profile
 
 from .wire import node_obj
 

@@ -14,9 +14,10 @@ from octacloud.control.deployments import DeploymentSpec
 from octacloud.control.launcher import Launched, LaunchSpec, ReplicaAddress
 from octacloud.core.clock import ManualClock
 from octacloud.k8s.api import KubeClient
-from octacloud.k8s.extender import Extender, cloud_profile
+from octacloud.k8s.extender import Extender
 from octacloud.k8s.fakeapi import FakeApiServer
 from octacloud.k8s.resources import CARDS_ANNOTATION, MILLI_ANNOTATION, NODE_ANNOTATION
+from octacloud.scheduler.policies import cloud_profile
 
 from .conftest import fleet
 from .wire import args_names, args_nodes, binding, node_obj, pod

@@ -23,11 +23,12 @@ from octacloud.control.slices import Slice, slice_environment
 from octacloud.core.model import Gpu, Node
 from octacloud.k8s.api import KubeClient
 from octacloud.k8s.deviceplugin import DevicePlugin, PluginServer, StaticHealth, publish_node
-from octacloud.k8s.extender import Extender, cloud_profile
+from octacloud.k8s.extender import Extender
 from octacloud.k8s.extender_http import build_extender_app
 from octacloud.k8s.fakeapi import FakeApiServer
 from octacloud.k8s.operator import GROUP, PLURAL, VERSION, reconcile
 from octacloud.k8s.resources import CARDS_ANNOTATION, NODE_ANNOTATION, OCTANTS
+from octacloud.scheduler.policies import cloud_profile
 
 from .kubelet import FakeKubelet
 from .wire import args_names, binding

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from octacloud.control.ray.local import LocalRayCluster
 from octacloud.core import Gpu, Node
-from octacloud.core.idlespin import REPLICA_SPIN_ENV
+from octacloud.idlespin import REPLICA_SPIN_ENV
 from octacloud.security.internal_auth import HEADER
 
 from ..cluster.conftest import IN, expected_output, write_linear_model

@@ -68,9 +68,10 @@ def extender(
 ) -> None:
     """kube-scheduler's HTTP extender (filter, prioritize, bind, preempt) answered by octacloud's scheduler."""
     from octacloud.control.fleet import load_fleet_file
-    from octacloud.k8s.extender import Extender, ExtenderSettings, cloud_profile
+    from octacloud.k8s.extender import Extender, ExtenderSettings
     from octacloud.k8s.extender_http import serve_extender
     from octacloud.protocols.server import new_event_loop
+    from octacloud.scheduler.policies import cloud_profile
 
     _log_to_stderr()
     try:

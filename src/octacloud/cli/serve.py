@@ -34,7 +34,7 @@ def serve(
     log_level: str = typer.Option("info", help="Log level."),
 ) -> None:
     """Serve the models of REPOSITORY over the Open Inference Protocol (REST and gRPC), as Triton does."""
-    from octacloud.core.idlespin import REPLICA_SPIN_ENV, window_us_from_env
+    from octacloud.idlespin import REPLICA_SPIN_ENV, window_us_from_env
     from octacloud.protocols.server import ServerSettings, run
     from octacloud.serving import ControlMode
 

@@ -257,7 +257,7 @@ def up(
     from octacloud.app import Cloud, CloudConfig, ray_cloud
     from octacloud.control.controller import ControllerSettings
     from octacloud.core.errors import OctacloudError
-    from octacloud.core.idlespin import GATEWAY_SPIN_ENV, REPLICA_SPIN_ENV, window_us_from_env
+    from octacloud.idlespin import GATEWAY_SPIN_ENV, REPLICA_SPIN_ENV, window_us_from_env
     from octacloud.security.tls import TlsConfig
 
     for flag, value in (("--interval", interval), ("--meter-interval", meter_interval),

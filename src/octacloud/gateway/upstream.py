@@ -29,7 +29,7 @@ from typing import cast
 
 import httptools
 
-from octacloud.core.idlespin import poke
+from octacloud.idlespin import poke
 
 
 class UpstreamError(Exception):

@@ -349,7 +349,7 @@ def main(argv: list[str]) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker-{argv[1]} %(levelname)s %(name)s: %(message)s")
     spec = WorkerSpec(**json.loads(Path(argv[0]).read_text()))
-    from octacloud.core.idlespin import GATEWAY_SPIN_ENV
+    from octacloud.idlespin import GATEWAY_SPIN_ENV
     from octacloud.protocols.server import new_event_loop
 
     with asyncio.Runner(loop_factory=lambda: new_event_loop(GATEWAY_SPIN_ENV)) as runner:

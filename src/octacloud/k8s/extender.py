@@ -31,7 +31,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from octacloud.app import slice_prior
 from octacloud.core.clock import Clock, SystemClock
 from octacloud.core.errors import InvalidSpecError, OctacloudError
 from octacloud.core.model import Health, Node, Placement, Request
@@ -51,17 +50,11 @@ from octacloud.k8s.resources import (
 from octacloud.scheduler.framework.runner import Decision, Profile, Scheduler
 from octacloud.scheduler.framework.state import ClusterState
 from octacloud.scheduler.framework.transaction import Transaction
-from octacloud.scheduler.policies import PRODUCT_DEFAULT, build_profile
 
 log = logging.getLogger("octacloud.k8s.extender")
 
 MAX_EXTENDER_PRIORITY = 10
 """``MaxExtenderPriority`` of ``k8s.io/kube-scheduler/extender/v1``."""
-
-
-def cloud_profile(policy: str = PRODUCT_DEFAULT) -> Profile:
-    """The profile ``octacloud up`` schedules with: same policy, seed, prior workload and product rules."""
-    return build_profile(policy, seed=0, workload=slice_prior(), rules=True)
 
 
 class ExtenderError(OctacloudError):

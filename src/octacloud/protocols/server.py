@@ -42,7 +42,7 @@ import grpc
 from prometheus_client import make_asgi_app, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from octacloud.core import idlespin
+from octacloud import idlespin
 from octacloud.observability.serving import serving_registry
 from octacloud.protocols.grpc import add_to_server
 from octacloud.protocols.grpc.h2 import GrpcServer
@@ -415,7 +415,7 @@ class ReplicaServer:
 def new_event_loop(spin_env: str = "") -> asyncio.AbstractEventLoop:
     """The event loop every octacloud server runs on: uvloop when available (uvicorn[standard] brings it),
     polling for the window the variable ``spin_env`` sets after it last did work, when it is set
-    (:mod:`octacloud.core.idlespin`)."""
+    (:mod:`octacloud.idlespin`)."""
     window = idlespin.window_us_from_env(spin_env) if spin_env else 0
     try:
         import uvloop

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
+from octacloud.core.model import Request
+from octacloud.core.units import MILLI_PER_GPU, MILLI_PER_OCTANT, OCTANTS_PER_GPU
 from octacloud.scheduler.fragmentation import TargetWorkload
 from octacloud.scheduler.framework.runner import Profile
 from octacloud.scheduler.plugins import REGISTRY, RULE_KINDS
@@ -39,6 +41,20 @@ POLICY_IDS: Mapping[str, str] = MappingProxyType(
 
 PRODUCT_DEFAULT = "octacloud"
 """The profile the product schedules with unless told otherwise."""
+
+
+def slice_prior() -> TargetWorkload:
+    """The workload fragmentation-aware placement plans for before it has seen any: every slice size the
+    product sells (1..8 octants of one card, one or two whole cards) equally likely."""
+    sizes = [Request("prior", num_gpu=1, gpu_milli=k * MILLI_PER_OCTANT) for k in range(1, OCTANTS_PER_GPU + 1)]
+    sizes.append(Request("prior", num_gpu=2, gpu_milli=MILLI_PER_GPU))
+    return TargetWorkload.from_requests(sizes, coverage=1.0)
+
+
+def cloud_profile(policy: str = PRODUCT_DEFAULT, telemetry: TelemetrySource | None = None) -> Profile:
+    """The profile the cloud schedules with (``octacloud up`` and the Kubernetes extender alike): ``policy``,
+    seed 0, the product's slice sizes as the prior workload, and the product's rules."""
+    return build_profile(policy, seed=0, workload=slice_prior(), rules=True, telemetry=telemetry)
 
 
 def policy_names() -> list[str]:
@@ -88,7 +104,9 @@ __all__ = [
     "PRODUCT_DEFAULT",
     "RULE_KINDS",
     "build_profile",
+    "cloud_profile",
     "policy_names",
+    "slice_prior",
     "with_rules",
     "without_rules",
 ]

@@ -40,8 +40,8 @@ from octacloud.control.launcher import Launched, LaunchFailedError, LaunchSpec, 
 from octacloud.control.ray.inventory import FAST_FAILURE_DETECTION, node_from_ray, node_name, slice_resources
 from octacloud.control.ray.replica import ActorLaunch, ActorStarted, ReplicaActor
 from octacloud.core.errors import InvalidSpecError
-from octacloud.core.idlespin import REPLICA_SPIN_ENV
 from octacloud.core.model import Health, Node
+from octacloud.idlespin import REPLICA_SPIN_ENV
 from octacloud.security.internal_auth import REPLICA_ID_ENV
 from octacloud.security.internal_tls import InternalCa, Renewals
 from octacloud.storage.cache import FleetCacheStats

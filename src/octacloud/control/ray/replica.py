@@ -75,7 +75,7 @@ class ReplicaActor:
 
     def start(self, launch: ActorLaunch) -> ActorStarted:
         """Fetch the model, start the server, return once it serves (model loaded and warmed up)."""
-        from octacloud.core.idlespin import REPLICA_SPIN_ENV
+        from octacloud.idlespin import REPLICA_SPIN_ENV
         from octacloud.protocols.server import ReplicaServer, ServerSettings, new_event_loop
         from octacloud.serving import ControlMode
 

@@ -40,7 +40,7 @@ import grpc
 import hpack
 from tritonclient.grpc import service_pb2 as pb
 
-from octacloud.core.idlespin import poke
+from octacloud.idlespin import poke
 from octacloud.protocols.grpc.servicer import InferenceServicer, _lenient, code_of
 from octacloud.protocols.internal import HANDSHAKE_TIMEOUT_S, OPEN_GRPC_METHODS, REFUSED, matches, misdirected
 from octacloud.protocols.internal import HEADER as SECRET_HEADER

@@ -31,7 +31,7 @@ from urllib.parse import unquote
 import grpc
 import hpack
 
-from octacloud.core.idlespin import poke
+from octacloud.idlespin import poke
 from octacloud.protocols.grpc.h2 import _OK_TRAILERS as _OK_TRAILERS
 from octacloud.protocols.grpc.h2 import _RESPONSE_HEADERS as _RESPONSE_HEADERS
 from octacloud.protocols.grpc.h2 import (

@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import httptools
 
-from octacloud.core.idlespin import poke
+from octacloud.idlespin import poke
 from octacloud.protocols.asgi import HttpError
 from octacloud.protocols.rest.request import Handler, Http1Request, encode_headers, status_line
 

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from octacloud.core.clock import Clock, SystemClock
-from octacloud.core.idlespin import poke
+from octacloud.idlespin import poke
 from octacloud.serving.batching.policy import BatchingSettings, BatchPolicy, Pending
 from octacloud.serving.errors import ModelExecutionError, ModelNotReadyError, QueueFullError, QueueTimeoutError
 
@@ -260,7 +260,7 @@ class DynamicBatcher:
         for it, part in zip(batch, parts, strict=True):
             if it.future is not None and not it.future.done():
                 it.future.set_result(part)
-        poke()  # a batch's compute was work: an idle-spinning loop polls on after it (core/idlespin.py)
+        poke()  # a batch's compute was work: an idle-spinning loop polls on after it (idlespin.py)
         if self._observer is not None:
             self._observer.on_batch(rows, queue_ns, t1 - t0, t2 - t1, t3 - t2)
 

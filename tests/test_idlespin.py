@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from octacloud.core import idlespin
-from octacloud.core.idlespin import GATEWAY_SPIN_ENV, REPLICA_SPIN_ENV, IdleSpin, window_us_from_env
+from octacloud import idlespin
+from octacloud.idlespin import GATEWAY_SPIN_ENV, REPLICA_SPIN_ENV, IdleSpin, window_us_from_env
 
 
 class Clock:

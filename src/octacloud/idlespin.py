@@ -17,7 +17,9 @@ has passed since the end of that turn; then it sleeps as before. An idle server 
 at most the window's CPU after each burst of work and answers the next request without being woken. Measure
 before turning it on: it pays only where a wake-up costs more than the polling.
 
-Mechanism only: the window is the operator's; :class:`IdleSpin` takes a clock for tests.
+Mechanism only: the window is the operator's; :class:`IdleSpin` takes a clock for tests. It reads the
+environment and drives an event loop, so it sits outside the pure ``core/``, below ``serving/`` (the batcher
+pokes it) and the protocols.
 """
 
 from __future__ import annotations
