@@ -20,7 +20,8 @@ from starlette.routing import Route
 
 from octacloud.admin.rollouts import rollout_routes
 from octacloud.control.controller import Controller
-from octacloud.control.deployments import Deployment, DeploymentSpec, Replica
+from octacloud.control.deployments import MAX_REPLICAS, Deployment, DeploymentSpec, Replica
+from octacloud.core import fields
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.metering import Ledger, PriceSheet
 from octacloud.serving import is_model_name
@@ -30,40 +31,43 @@ from octacloud.tenancy.api import (
     ConflictError,
     ForbiddenError,
     json_object,
+    query_whole,
     require_principal,
     tenant_routes,
 )
 from octacloud.tenancy.priority import PriorityClasses
 
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(DeploymentSpec)}
+MAX_EVENTS = 10_000
+"""The most events one ``GET /admin/events`` returns."""
 
 
-def deployment_json(d: Deployment, replicas: list[Replica]) -> dict[str, Any]:
+def deployment_json(d: Deployment, replicas: list[Replica], *, internal: bool = True) -> dict[str, Any]:
+    """A deployment and its instances as the API shows them; ``internal`` (admins): with their addresses, ports,
+    process ids, launcher handles and environment. A tenant sees its replicas' state, not where and as what
+    process they run: it reaches them through the gateway alone."""
+    instances = []
+    for r in replicas:
+        row: dict[str, Any] = {
+            "id": r.id,
+            "state": r.state.value,
+            "node": r.node,
+            "gpus": list(r.gpus),
+            "milli_per_gpu": r.milli_per_gpu,
+            "restarts": r.restarts,
+            "message": r.message,
+        }
+        if internal:
+            row.update({"pid": r.pid, "host": r.host, "handle": r.handle, "http_port": r.http_port,
+                        "grpc_port": r.grpc_port, "metrics_port": r.metrics_port, "env": r.env})  # fmt: skip
+        instances.append(row)
     return {
         "spec": dataclasses.asdict(d.spec),
         "replicas": d.replicas,
         "octants": d.octants,
         "generation": d.generation,
         "created_at": d.created_at,
-        "instances": [
-            {
-                "id": r.id,
-                "state": r.state.value,
-                "node": r.node,
-                "gpus": list(r.gpus),
-                "milli_per_gpu": r.milli_per_gpu,
-                "pid": r.pid,
-                "host": r.host,
-                "handle": r.handle,
-                "http_port": r.http_port,
-                "grpc_port": r.grpc_port,
-                "metrics_port": r.metrics_port,
-                "restarts": r.restarts,
-                "message": r.message,
-                "env": r.env,
-            }
-            for r in replicas
-        ],
+        "instances": instances,
     }
 
 
@@ -99,7 +103,9 @@ def build_admin_app(
 
     async def list_deployments(request: Request) -> JSONResponse:
         p = caller(request)
-        rows = [deployment_json(d, rs) for d, rs in controller.status() if p.may_manage(d.spec.tenant)]
+        rows = [
+            deployment_json(d, rs, internal=p.is_admin) for d, rs in controller.status() if p.may_manage(d.spec.tenant)
+        ]
         return JSONResponse({"deployments": rows})
 
     async def create_deployment(request: Request) -> JSONResponse:
@@ -132,23 +138,24 @@ def build_admin_app(
         if keys is not None:
             admit(spec, spec.octants if spec.octants is not None else controller.resolve_size(spec)[0])
         d = controller.deploy(spec)
-        created = deployment_json(d, controller.store.replicas(d.spec.name))
+        created = deployment_json(d, controller.store.replicas(d.spec.name), internal=p.is_admin)
         created["sizing"] = controller.sizing(d.spec).reason  # how the size was chosen, for the operator
         return JSONResponse(created, status_code=201)
 
     async def get_deployment(request: Request) -> JSONResponse:
         name = request.path_params["name"]
-        return JSONResponse(deployment_json(owned(caller(request), name), controller.store.replicas(name)))
+        p = caller(request)
+        return JSONResponse(deployment_json(owned(p, name), controller.store.replicas(name), internal=p.is_admin))
 
     async def scale(request: Request) -> JSONResponse:
         name = request.path_params["name"]
-        owned(caller(request), name)
+        p = caller(request)
+        owned(p, name)
         body = await json_object(request)
-        replicas = body.get("replicas")
-        if not isinstance(replicas, int) or isinstance(replicas, bool):
+        if set(body) != {"replicas"}:
             raise InvalidSpecError('body must be {"replicas": <integer>}')
-        d = controller.scale(name, replicas)
-        return JSONResponse(deployment_json(d, controller.store.replicas(name)))
+        d = controller.scale(name, fields.whole(body["replicas"], "replicas", 0, MAX_REPLICAS))
+        return JSONResponse(deployment_json(d, controller.store.replicas(name), internal=p.is_admin))
 
     async def delete(request: Request) -> JSONResponse:
         name = request.path_params["name"]
@@ -190,10 +197,7 @@ def build_admin_app(
 
     async def events(request: Request) -> JSONResponse:
         p = caller(request)
-        try:
-            limit = int(request.query_params.get("limit", "100"))
-        except ValueError:
-            raise InvalidSpecError("limit must be a whole number") from None
+        limit = query_whole(request, "limit", 100, 1, MAX_EVENTS)
         return JSONResponse({"events": controller.store.events(limit, tenant=None if p.is_admin else p.tenant)})
 
     return Starlette(

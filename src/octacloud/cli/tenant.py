@@ -33,7 +33,9 @@ def tenant_create(
     octants: int | None = typer.Option(None, "--octants", help="Quota: octants its deployments may hold."),
     deployments: int | None = typer.Option(None, "--deployments", help="Quota: number of deployments."),
     rate: float | None = typer.Option(None, "--rate", help="Requests per second (token bucket)."),
-    burst: int = typer.Option(50, "--burst", help="Requests allowed in a burst above the rate."),
+    burst: int | None = typer.Option(
+        None, "--burst", help="Requests admitted at once above the rate (default: one second of --rate, at least 1)."
+    ),
     with_key: bool = typer.Option(
         True, "--with-key/--no-key", help="Also create a tenant key and show it once (--no-key: the tenant only)."
     ),
@@ -42,7 +44,9 @@ def tenant_create(
     cacert: Path | None = CACERT,
 ) -> None:
     """Create a tenant (admin)."""
-    body = {"name": name, "octants": octants, "deployments": deployments, "requests_per_s": rate, "burst": burst}
+    body = {"name": name, "octants": octants, "deployments": deployments, "requests_per_s": rate}
+    if burst is not None:
+        body["burst"] = burst
     data = _call("POST", _url(url), "/admin/tenants", body, key, cacert)
     console.print(f"tenant [bold]{data['name']}[/]: {_quota(data['quota'])}")
     if with_key:
@@ -68,7 +72,9 @@ def tenant_set(
     octants: int | None = typer.Option(None, "--octants", help="Quota: octants its deployments may hold."),
     deployments: int | None = typer.Option(None, "--deployments", help="Quota: number of deployments."),
     rate: float | None = typer.Option(None, "--rate", help="Requests per second (token bucket)."),
-    burst: int | None = typer.Option(None, "--burst", help="Requests allowed in a burst above the rate."),
+    burst: int | None = typer.Option(
+        None, "--burst", help="Requests admitted at once above the rate (default with a new --rate: one second of it)."
+    ),
     unlimited: list[str] = typer.Option(
         [], "--unlimited", help="Remove a limit: octants, deployments or rate (repeatable)."
     ),

@@ -11,10 +11,23 @@ import enum
 import re
 from dataclasses import dataclass, field
 
+from octacloud.core import fields
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.units import OCTANTS_PER_GPU
+from octacloud.tenancy.keys import TENANT_NAME, TENANT_RULE
+from octacloud.tenancy.priority import CLASS_NAME, CLASS_RULE, PRIORITY_RANGE
 
-_NAME = re.compile(r"^[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?$")
+_NAME = re.compile(r"[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?")
+NAME_RULE = "1-63 lowercase letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+_MODEL = re.compile(r"[^./\\\x00-\x1f\x7f][^/\\\x00-\x1f\x7f]{0,254}")
+MODEL_RULE = "the name of a model of the repository: its folder's name, without '/' or control characters"
+_VERSION = re.compile(r"([0-9]{1,18})?")
+VERSION_RULE = 'a version number as a string of digits (such as "2"), or "" for the latest'
+MAX_OCTANTS = 64 * OCTANTS_PER_GPU
+"""The most octants one replica may ask for (64 whole cards)."""
+MAX_REPLICAS = 256
+MAX_TARGET_QPS = 1e9
+MAX_SLO_MS = 3_600_000.0
 
 
 class ReplicaState(enum.Enum):
@@ -47,32 +60,37 @@ class DeploymentSpec:
     published: bool = False
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
-            raise InvalidSpecError(
-                f"deployment name {self.name!r} must be 1-63 lowercase letters, digits, '-', '_' or '.', "
-                "starting and ending with a letter or digit"
-            )
-        if not self.model:
-            raise InvalidSpecError(f"deployment {self.name!r}: model must not be empty")
+        """Every field by type and range (a record that fails never reaches the store or the loop)."""
+        fields.name(self.name, "deployment name", _NAME, NAME_RULE)
+        where = f"deployment {self.name!r}"
+        if not isinstance(self.model, str) or not self.model:
+            raise InvalidSpecError(f"{where}: model must not be empty")
+        fields.name(self.model, f"{where}: model", _MODEL, MODEL_RULE)
+        fields.name(self.version, f"{where}: version", _VERSION, VERSION_RULE)
         if self.octants is not None:
-            if self.octants < 1:
-                raise InvalidSpecError(f"deployment {self.name!r}: octants must be >= 1, got {self.octants}")
+            if isinstance(self.octants, int) and not isinstance(self.octants, bool) and self.octants < 1:
+                raise InvalidSpecError(f"{where}: octants must be >= 1 (or auto), got {self.octants}")
+            fields.whole(self.octants, f"{where}: octants", 1, MAX_OCTANTS)
             if self.octants > OCTANTS_PER_GPU and self.octants % OCTANTS_PER_GPU:
                 raise InvalidSpecError(
-                    f"deployment {self.name!r}: more than one card must be whole cards "
+                    f"{where}: more than one card must be whole cards "
                     f"(a multiple of {OCTANTS_PER_GPU} octants), got {self.octants}"
                 )
-        if not 0 <= self.min_replicas <= self.max_replicas:
+        fields.whole(self.min_replicas, f"{where}: min_replicas", 0, MAX_REPLICAS)
+        fields.whole(self.max_replicas, f"{where}: max_replicas", 0, MAX_REPLICAS)
+        if self.min_replicas > self.max_replicas:
             raise InvalidSpecError(
-                f"deployment {self.name!r}: need 0 <= min_replicas <= max_replicas, "
-                f"got {self.min_replicas}..{self.max_replicas}"
+                f"{where}: need 0 <= min_replicas <= max_replicas, got {self.min_replicas}..{self.max_replicas}"
             )
-        if self.max_replicas > 256:
-            raise InvalidSpecError(f"deployment {self.name!r}: max_replicas is at most 256, got {self.max_replicas}")
-        for what in ("target_qps", "slo_ms"):
-            value = getattr(self, what)
-            if value is not None and value <= 0:
-                raise InvalidSpecError(f"deployment {self.name!r}: {what} must be > 0, got {value}")
+        if self.target_qps is not None:
+            fields.number(self.target_qps, f"{where}: target_qps", MAX_TARGET_QPS)
+        if self.slo_ms is not None:
+            fields.number(self.slo_ms, f"{where}: slo_ms", MAX_SLO_MS)
+        fields.whole(self.priority, f"{where}: priority", *PRIORITY_RANGE)
+        if self.priority_class != "":
+            fields.name(self.priority_class, f"{where}: priority_class", CLASS_NAME, CLASS_RULE)
+        fields.name(self.tenant, f"{where}: tenant", TENANT_NAME, TENANT_RULE)
+        fields.flag(self.published, f"{where}: published")
 
 
 @dataclass(slots=True)

@@ -18,6 +18,8 @@ from octacloud.tenancy.keys import (
     Role,
     Tenant,
     bearer,
+    bearer_key,
+    default_burst,
     server_secret,
 )
 from octacloud.tenancy.limits import Holding, QuotaExceededError, RateLimiter, check_quota
@@ -43,6 +45,8 @@ __all__ = [
     "Role",
     "Tenant",
     "bearer",
+    "bearer_key",
     "check_quota",
+    "default_burst",
     "server_secret",
 ]

@@ -19,9 +19,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from octacloud.core import fields
 from octacloud.core.errors import InvalidSpecError, NotFoundError, OctacloudError
 from octacloud.metering import GROUPS, Ledger, PriceSheet, report_totals
-from octacloud.tenancy.keys import AuthError, KeyInfo, KeyStore, Principal, Quota, Role, Tenant
+from octacloud.tenancy.keys import (
+    MAX_RATE,
+    TENANT_NAME,
+    TENANT_RULE,
+    AuthError,
+    KeyInfo,
+    KeyStore,
+    Principal,
+    Quota,
+    Role,
+    Tenant,
+    check_quota_fields,
+    default_burst,
+)
 from octacloud.tenancy.limits import QuotaExceededError
 from octacloud.tenancy.priority import PriorityClass, PriorityClasses, PriorityNotGrantedError
 
@@ -108,52 +122,72 @@ def key_json(k: KeyInfo) -> dict[str, Any]:
             "revoked": k.revoked, "note": k.note}  # fmt: skip
 
 
+_LAST_MS = 253_402_300_799_999
+"""The end of the year 9999 in epoch milliseconds: the latest time a usage query may name."""
+
+
 def parse_time(value: str | None, what: str) -> int | None:
     """Epoch seconds, or an ISO date/time (UTC unless it says otherwise) → epoch milliseconds."""
     if value is None or value == "":
         return None
     try:
-        return int(float(value) * 1000)
+        seconds = float(value)
     except ValueError:
-        pass
+        seconds = None
+    if seconds is not None:
+        if not 0 <= seconds * 1000 <= _LAST_MS:  # NaN fails too
+            raise InvalidSpecError(f"{what} must be epoch seconds from 0 to the year 9999, got {fields.shown(value)}")
+        return int(seconds * 1000)
     try:
         when = dt.datetime.fromisoformat(value)
     except ValueError:
-        raise InvalidSpecError(f"{what} must be epoch seconds or an ISO date/time, got {value!r}") from None
+        raise InvalidSpecError(f"{what} must be epoch seconds or an ISO date/time, got {fields.shown(value)}") from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.UTC)
     return int(when.timestamp() * 1000)
 
 
+def query_whole(request: Request, name: str, default: int, low: int, high: int) -> int:
+    """A whole-number query parameter in ``low..high`` (``default`` when absent)."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isascii() or not raw.lstrip("-").isdigit() or len(raw) > 12:
+        raise InvalidSpecError(f"{name} must be a whole number in {low}..{high}, got {fields.shown(raw)}")
+    return fields.whole(int(raw), name, low, high)
+
+
 async def json_object(request: Request) -> dict[str, Any]:
+    """The body as a JSON object; 400 for anything else (malformed, nested deeper than Python's parser goes,
+    integers of more digits than it converts, an array or a scalar)."""
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         raise InvalidSpecError("request body must be a JSON object") from None
     if not isinstance(body, dict):
         raise InvalidSpecError("request body must be a JSON object")
     return body
 
 
+QUOTA_FIELDS = ("octants", "deployments", "requests_per_s", "burst")
+
+
 def _quota(body: dict[str, Any]) -> Quota:
-    unknown = sorted(set(body) - {"name", "octants", "deployments", "requests_per_s", "burst"})
+    """A tenant's quota from a body (its name aside); a rate without a burst gets :func:`default_burst`."""
+    unknown = sorted(set(body) - {"name", *QUOTA_FIELDS})
     if unknown:
-        raise InvalidSpecError(f"unknown tenant field(s) {unknown}")
-    for name in ("octants", "deployments", "burst"):
-        value = body.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise InvalidSpecError(f"{name} must be a whole number, got {value!r}")
+        raise InvalidSpecError(f"unknown tenant field(s) {unknown}; allowed: {['name', *QUOTA_FIELDS]}")
     rate = body.get("requests_per_s")
-    if rate is not None and (not isinstance(rate, int | float) or isinstance(rate, bool)):
-        raise InvalidSpecError(f"requests_per_s must be a number, got {rate!r}")
-    return Quota(body.get("octants"), body.get("deployments"), rate, body.get("burst") or 50)
+    if rate is not None:
+        rate = fields.number(rate, "quota requests_per_s", MAX_RATE)  # before a burst is derived from it
+    burst = body.get("burst")
+    quota = Quota(body.get("octants"), body.get("deployments"), rate, default_burst(rate) if burst is None else burst)
+    check_quota_fields(quota)
+    return quota
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if not isinstance(value, bool):
-        raise InvalidSpecError(f"{name} must be true or false, got {value!r}")
-    return value
+    return fields.flag(body.get(name, False), name)
 
 
 def class_json(c: PriorityClass) -> dict[str, Any]:
@@ -192,6 +226,8 @@ def tenant_routes(
         old = keys.tenant(request.path_params["name"]).quota
         merged = {"octants": old.octants, "deployments": old.deployments,
                   "requests_per_s": old.requests_per_s, "burst": old.burst, **body}  # fmt: skip
+        if "requests_per_s" in body and "burst" not in body:
+            merged["burst"] = None  # a new rate without a burst: one second of it (default_burst), not the old one
         return JSONResponse(tenant_json(keys.set_quota(request.path_params["name"], _quota(merged))))
 
     async def list_keys(request: Request) -> JSONResponse:
@@ -206,14 +242,14 @@ def tenant_routes(
         unknown = sorted(set(body) - {"tenant", "role", "note"})
         if unknown:
             raise InvalidSpecError(f"unknown key field(s) {unknown}")
-        tenant = str(body.get("tenant") or p.tenant)
-        try:
-            role = Role(body.get("role", Role.TENANT.value))
-        except ValueError:
-            raise InvalidSpecError("role must be admin or tenant") from None
+        tenant = fields.name(body.get("tenant", p.tenant), "tenant", TENANT_NAME, TENANT_RULE)
+        role_name = body.get("role", Role.TENANT.value)
+        if role_name not in (Role.ADMIN.value, Role.TENANT.value):
+            raise InvalidSpecError(f"role must be admin or tenant, got {fields.shown(role_name)}")
+        role = Role(role_name)
         if not p.is_admin and (tenant != p.tenant or role is not Role.TENANT):
             raise ForbiddenError("a tenant key may only create tenant keys for its own tenant")
-        info, text = keys.create_key(tenant, role, str(body.get("note", "")))
+        info, text = keys.create_key(tenant, role, fields.text(body.get("note", ""), "note", 200))
         return JSONResponse({**key_json(info), "key": text}, status_code=201)
 
     async def revoke_key(request: Request) -> JSONResponse:
@@ -249,9 +285,8 @@ def tenant_routes(
             raise InvalidSpecError(f"unknown priority class field(s) {unknown}")
         if "name" not in body or "priority" not in body:
             raise InvalidSpecError('body must be {"name": <class>, "priority": <integer>, ...}')
-        c = priorities.define(
-            body["name"], body["priority"], body.get("description", ""), _flag(body, "global_default")
-        )
+        description, default = body.get("description", ""), _flag(body, "global_default")
+        c = priorities.define(body["name"], body["priority"], description, default)
         return JSONResponse(class_json(c), status_code=201)
 
     async def remove_class(request: Request) -> JSONResponse:

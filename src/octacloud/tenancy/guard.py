@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from octacloud.core.errors import OctacloudError
-from octacloud.tenancy.keys import AuthError, KeyStore, Principal, bearer
+from octacloud.tenancy.keys import AuthError, KeyStore, Principal, bearer_key
 from octacloud.tenancy.limits import RateLimiter
 
 Headers = Mapping[str, str] | Iterable[tuple[bytes, bytes]] | Iterable[tuple[str, str | bytes]]
@@ -29,8 +29,9 @@ class Guard:
         self.limiter = limiter or RateLimiter(keys.clock)
 
     def authorize(self, headers: Headers) -> Principal:
-        """The caller's principal from its ``authorization`` header or metadata; raises :class:`AuthError`."""
-        return self.keys.authenticate(bearer(authorization_header(headers)))
+        """The caller's principal from its ``authorization`` header or metadata; raises :class:`AuthError` (that
+        says whether the key is missing, sent without ``Bearer``, malformed, unknown, revoked or disabled)."""
+        return self.keys.authenticate(bearer_key(authorization_header(headers)))
 
     def admit(self, principal: Principal) -> None:
         """Take one request from the tenant's rate budget; raises :class:`RateLimitedError` when it is spent."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import math
 import os
 import re
 import secrets
@@ -30,12 +31,20 @@ from sqlalchemy import Boolean, Float, Integer, String, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
+from octacloud.core import fields
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError, OctacloudError
 
 ADMIN_TENANT = "admin"
-_TENANT_NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,30}[a-z0-9])?$")
-_KEY = re.compile(r"^oc_([0-9a-f]{12})_([A-Za-z0-9_-]{20,128})$")
+TENANT_NAME = re.compile(r"[a-z0-9]([a-z0-9_-]{0,30}[a-z0-9])?")
+TENANT_RULE = "1-32 lowercase letters, digits, '-' or '_', starting and ending with a letter or digit"
+_KEY = re.compile(r"oc_([0-9a-f]{12})_([A-Za-z0-9_-]{20,128})")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9._~+-]{0,19}")
+MAX_QUOTA_OCTANTS = 1_000_000
+MAX_QUOTA_DEPLOYMENTS = 100_000
+MAX_RATE = 1e6
+"""The highest request rate a quota may name (requests per second)."""
+MAX_BURST = 1_000_000
 
 
 class Role(enum.Enum):
@@ -57,6 +66,13 @@ class Quota:
     requests_per_s: float | None = None
     """Sustained request rate per tenant (token bucket); bursts up to ``burst`` requests."""
     burst: int = 50
+    """Requests admitted at once above the rate (the bucket's size); see :func:`default_burst`."""
+
+
+def default_burst(requests_per_s: float | None) -> int:
+    """The burst of a rate given without one: one second's worth of requests, at least 1 (a tenant limited to
+    2 requests/s may send 2 at once, not 50). Without a rate there is no bucket; the stored value is 50."""
+    return 50 if requests_per_s is None else max(1, math.ceil(requests_per_s))
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,12 +203,8 @@ class KeyStore:
     # ---- tenants -----------------------------------------------------------------------------------------
 
     def create_tenant(self, name: str, quota: Quota = Quota()) -> Tenant:
-        if not _TENANT_NAME.match(name):
-            raise InvalidSpecError(
-                f"tenant name {name!r} must be 1-32 lowercase letters, digits, '-' or '_', "
-                "starting and ending with a letter or digit"
-            )
-        _check_quota(quota)
+        fields.name(name, "tenant name", TENANT_NAME, TENANT_RULE)
+        check_quota_fields(quota)
         with self._tx() as s:
             if s.get(_TenantRow, name) is not None:
                 raise InvalidSpecError(f"tenant {name!r} already exists")
@@ -234,7 +246,7 @@ class KeyStore:
     def set_quota(self, name: str, quota: Quota) -> Tenant:
         """Replace a tenant's quota. Deployments it already has stay (a lower quota refuses the next deploy);
         its keys see the new quota at once here, within the cache time elsewhere."""
-        _check_quota(quota)
+        check_quota_fields(quota)
         with self._tx() as s:
             row = s.get(_TenantRow, name)
             if row is None:
@@ -304,7 +316,7 @@ class KeyStore:
         """The principal of a valid key; raises :class:`AuthError` (no key text in it) otherwise."""
         if not key:
             raise AuthError("missing API key: send 'Authorization: Bearer <key>' (gRPC: 'authorization' metadata)")
-        m = _KEY.match(key)
+        m = _KEY.fullmatch(key)
         if m is None:
             raise AuthError("malformed API key: expected oc_<id>_<secret>")
         key_id, secret = m.group(1), m.group(2)
@@ -339,15 +351,33 @@ def bearer(authorization: str | None) -> str | None:
     return value.strip() or None if scheme.lower() == "bearer" else None
 
 
-def _check_quota(q: Quota) -> None:
-    for what in ("octants", "deployments"):
-        value = getattr(q, what)
-        if value is not None and value < 0:
-            raise InvalidSpecError(f"quota {what} must be >= 0, got {value}")
-    if q.requests_per_s is not None and q.requests_per_s <= 0:
-        raise InvalidSpecError(f"quota requests_per_s must be > 0, got {q.requests_per_s}")
-    if q.burst < 1:
-        raise InvalidSpecError(f"quota burst must be >= 1, got {q.burst}")
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an ``Authorization`` header value: None when there is no header (or it is blank), the key when
+    it says ``Bearer <key>``; raises :class:`AuthError` for any other value, saying what is wrong with it without
+    repeating it (it may be a key sent without its scheme)."""
+    if authorization is None or not authorization.strip():
+        return None
+    key = bearer(authorization)
+    if key is not None:
+        return key
+    scheme, _, rest = authorization.strip().partition(" ")
+    if scheme.lower() == "bearer":
+        raise AuthError("the Authorization header says 'Bearer' but holds no key: send 'Authorization: Bearer <key>'")
+    if not rest.strip() and (scheme.startswith("oc_") or _KEY.fullmatch(scheme)):
+        raise AuthError("the Authorization header holds a key without its scheme: send 'Authorization: Bearer <key>'")
+    named = f"the {scheme!r} scheme" if _SCHEME.fullmatch(scheme) and rest.strip() else "no known scheme"
+    raise AuthError(f"the Authorization header uses {named}; octacloud takes 'Authorization: Bearer <key>'")
+
+
+def check_quota_fields(q: Quota) -> None:
+    """Raise :class:`InvalidSpecError` unless every limit of ``q`` is a number of its type within range."""
+    if q.octants is not None:
+        fields.whole(q.octants, "quota octants", 0, MAX_QUOTA_OCTANTS)
+    if q.deployments is not None:
+        fields.whole(q.deployments, "quota deployments", 0, MAX_QUOTA_DEPLOYMENTS)
+    if q.requests_per_s is not None:
+        fields.number(q.requests_per_s, "quota requests_per_s", MAX_RATE)
+    fields.whole(q.burst, "quota burst", 1, MAX_BURST)
 
 
 def _tenant(row: _TenantRow) -> Tenant:

@@ -23,11 +23,13 @@ from sqlalchemy import Boolean, Float, Integer, String, Text, delete, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
+from octacloud.core import fields
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError, OctacloudError
 from octacloud.tenancy.keys import Principal
 
-_CLASS_NAME = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,30}[a-z0-9])?$")
+CLASS_NAME = re.compile(r"[a-z0-9]([a-z0-9_-]{0,30}[a-z0-9])?")
+CLASS_RULE = "1-32 lowercase letters, digits, '-' or '_', starting and ending with a letter or digit"
 PRIORITY_RANGE = (-1_000_000, 1_000_000)
 
 
@@ -88,16 +90,10 @@ class PriorityClasses:
 
     def define(self, name: str, priority: int, description: str = "", global_default: bool = False) -> PriorityClass:
         """Create or change a class (admin). Making it the cloud-wide default unmarks the previous one."""
-        if not isinstance(name, str) or not _CLASS_NAME.match(name):
-            raise InvalidSpecError(
-                f"priority class name {name!r} must be 1-32 lowercase letters, digits, '-' or '_', "
-                "starting and ending with a letter or digit"
-            )
-        low, high = PRIORITY_RANGE
-        if not isinstance(priority, int) or isinstance(priority, bool) or not low <= priority <= high:
-            raise InvalidSpecError(f"priority must be a whole number in {low}..{high}, got {priority!r}")
-        if not isinstance(description, str) or len(description) > 200:
-            raise InvalidSpecError("description must be a string of at most 200 characters")
+        fields.name(name, "priority class name", CLASS_NAME, CLASS_RULE)
+        fields.whole(priority, "priority", *PRIORITY_RANGE)
+        fields.text(description, "description", 200)
+        fields.flag(global_default, "global_default")
         with self._tx() as s:
             if global_default:
                 for other in s.scalars(select(_ClassRow).where(_ClassRow.global_default)):
