@@ -20,12 +20,15 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import typer
 from rich.table import Table
 
 from octacloud.cli.cloud import console, err
+
+if TYPE_CHECKING:
+    from octacloud.control.store import Store
 
 LOCK_FILE = "up.lock"
 EVENTS_LOGGER = "octacloud.events"
@@ -96,7 +99,7 @@ def event_line(event: dict[str, object]) -> str:
     return f"{event['kind']:<13} {event['subject']!s:<22} {event['message']}"
 
 
-def log_events(store: Any) -> None:
+def log_events(store: Store) -> None:
     """Subscribe to ``store``'s events: each becomes one INFO line on the ``octacloud.events`` logger."""
     logger = logging.getLogger(EVENTS_LOGGER)
     store.subscribe(lambda event: logger.info("%s", event_line(event)))

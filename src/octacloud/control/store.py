@@ -3,6 +3,11 @@
 The controller is the only writer. Everything it needs to come back after a restart lives here: the
 deployments it was asked for and the replicas it launched (their slices, PIDs and ports), so that a restarted
 controller adopts live replicas instead of starting them twice.
+
+:class:`Store` is the contract; :class:`StateStore` keeps it in the database, and the controller's
+:class:`~octacloud.control.controller.state.ControllerStore` keeps it in memory in front of a ``StateStore``
+(written behind, in order). Whoever only reads or records (the admin API, the dashboard, the meter, the CLI)
+is given a ``Store``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Protocol
 
 from sqlalchemy import Float, Integer, String, Text, inspect, select, text
 from sqlalchemy.engine import Engine
@@ -118,8 +124,51 @@ class Transition:
             raise ValueError(f"transition phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
 
 
+class Store(Protocol):
+    """Deployments, replicas, replacements in flight, events and revisions: what the control plane keeps across
+    restarts. An implementation guarantees:
+
+    * **copies**: every read returns fresh objects; changing one changes nothing stored until it is put back;
+    * **keys**: a deployment is keyed by its name, a replica by its id, a replacement by its replacement replica's
+      id; ``put_*`` replaces the record with that key. ``get_deployment`` and ``delete_deployment`` of a missing
+      name raise :class:`~octacloud.core.errors.NotFoundError` naming it; the other deletes of a missing key do
+      nothing; ``transition`` of a missing key is None;
+    * **order**: ``deployments()`` oldest first (``created_at``); ``replicas()`` and ``transitions()`` by key;
+      ``events()`` newest first; ``revisions()`` oldest first, numbered from 1 per deployment;
+    * **replacements**: ``begin_replacement`` stores a surge replica and its transition together (both or neither);
+      deleting a replica deletes the transition whose replacement it is (a transition never outlives it);
+    * **events**: ``add_event`` stamps an event with the deployment and tenant it concerns (as
+      :meth:`StateStore.add_event` says) and tells every subscriber; ``events(tenant=...)`` selects by that stamp;
+    * **read your writes**: what a writer puts it reads back at once, and the database receives its writes in the
+      order they were made (an implementation may store them a moment later, never out of order or not at all).
+    """
+
+    url: str
+
+    def put_deployment(self, d: Deployment) -> None: ...
+    def get_deployment(self, name: str) -> Deployment: ...
+    def deployments(self) -> list[Deployment]: ...
+    def delete_deployment(self, name: str) -> None: ...
+    def put_replica(self, r: Replica) -> None: ...
+    def delete_replica(self, replica_id: str) -> None: ...
+    def replicas(self, deployment: str | None = None) -> list[Replica]: ...
+    def begin_replacement(self, surge: Replica, t: Transition) -> None: ...
+    def put_transition(self, t: Transition) -> None: ...
+    def delete_transition(self, replacement: str) -> None: ...
+    def transition(self, replacement: str) -> Transition | None: ...
+    def transitions(self) -> list[Transition]: ...
+    def add_event(
+        self, kind: str, subject: str, message: str, at: float | None = None, *, deployment: str = "", tenant: str = ""
+    ) -> None: ...
+    def subscribe(self, listener: EventListener) -> None: ...
+    def events(self, limit: int = 100, *, tenant: str | None = None) -> list[dict[str, object]]: ...
+    def add_revision(self, d: Deployment, at: float) -> int: ...
+    def revisions(self, name: str) -> list[tuple[int, DeploymentSpec, int, float]]: ...
+    def delete_revisions(self, name: str) -> None: ...
+
+
 class StateStore:
-    """Deployments, replicas and events behind one small interface (SQLAlchemy)."""
+    """The :class:`Store` in a database (SQLAlchemy): SQLite by default, PostgreSQL by URL."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -183,10 +232,11 @@ class StateStore:
             s.merge(_ReplicaRow(id=r.id, deployment=r.deployment, data=json.dumps(data)))
 
     def delete_replica(self, replica_id: str) -> None:
+        """Forget a replica, and the replacement it was the surge replica of (one transaction)."""
         with self._tx() as s:
-            row = s.get(_ReplicaRow, replica_id)
-            if row is not None:
-                s.delete(row)
+            for row in (s.get(_ReplicaRow, replica_id), s.get(_TransitionRow, replica_id)):
+                if row is not None:
+                    s.delete(row)
 
     def replicas(self, deployment: str | None = None) -> list[Replica]:
         with self._tx() as s:
@@ -214,6 +264,11 @@ class StateStore:
             row = s.get(_TransitionRow, replacement)
             if row is not None:
                 s.delete(row)
+
+    def transition(self, replacement: str) -> Transition | None:
+        with self._tx() as s:
+            row = s.get(_TransitionRow, replacement)
+            return None if row is None else _transition(row)
 
     def transitions(self) -> list[Transition]:
         with self._tx() as s:

@@ -111,7 +111,7 @@ class ClusterUsage:
         return out
 
     def traffic(self) -> Mapping[tuple[str, str], Traffic]:
-        return {key: Traffic(t.requests, t.bytes_in, t.bytes_out) for key, t in self.controller.routes.traffic.items()}
+        return {key: t.copy() for key, t in self.controller.routes.traffic.items()}
 
     async def work(self) -> Mapping[str, Work]:
         if self._client is None:

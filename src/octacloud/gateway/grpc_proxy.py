@@ -35,8 +35,9 @@ from tritonclient.grpc import service_pb2
 from octacloud import __version__
 from octacloud.gateway.limits import GatewayLimits
 from octacloud.gateway.rest import MAX_ATTEMPTS, SERVER_EXTENSIONS
-from octacloud.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable, TenantTraffic
+from octacloud.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable
 from octacloud.gateway.stats import merge_model_statistics
+from octacloud.metering import Traffic
 from octacloud.protocols.grpc.h2 import CallContext, Metadata, Method, Refusal, metadata_block
 from octacloud.protocols.grpc.h2_client import Answer, Channel, Unreachable
 from octacloud.security.internal_auth import HEADER, REPLICA_HEADER, TENANT_HEADER
@@ -403,7 +404,7 @@ def _retry_after(answer: Answer) -> str | None:
     return None
 
 
-def _bill(usage: TenantTraffic, bytes_in: int, bytes_out: int) -> None:
+def _bill(usage: Traffic, bytes_in: int, bytes_out: int) -> None:
     usage.requests += 1
     usage.bytes_in += bytes_in
     usage.bytes_out += bytes_out

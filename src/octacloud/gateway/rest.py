@@ -27,9 +27,10 @@ from collections.abc import Callable
 
 from octacloud import __version__
 from octacloud.gateway.limits import GatewayLimits
-from octacloud.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable, TenantTraffic
+from octacloud.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable
 from octacloud.gateway.stats import merge_model_statistics
 from octacloud.gateway.upstream import HOP_BY_HOP, Response, UpstreamError, UpstreamPool
+from octacloud.metering import Traffic
 from octacloud.protocols.asgi import (
     ASGIApp,
     Headers,
@@ -453,7 +454,7 @@ def _misdirected(response: Response) -> str:
         return "misdirected: the process at the replica's address is another one"
 
 
-def _bill(usage: TenantTraffic, bytes_in: int, bytes_out: int) -> None:
+def _bill(usage: Traffic, bytes_in: int, bytes_out: int) -> None:
     usage.requests += 1
     usage.bytes_in += bytes_in
     usage.bytes_out += bytes_out

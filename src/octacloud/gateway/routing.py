@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from octacloud.metering import Traffic
+
 
 @dataclass(slots=True)
 class Endpoint:
@@ -46,15 +48,6 @@ class DeploymentCounters:
     outstanding: int = 0
     shed: int = 0
     """Requests refused with 503 because the deployment had as many in flight as its bound (not billed)."""
-
-
-@dataclass(slots=True)
-class TenantTraffic:
-    """What the gateway carried for one calling tenant to one deployment (read by the meter)."""
-
-    requests: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +102,9 @@ class RouteTable:
     counters: dict[str, DeploymentCounters] = field(default_factory=dict)
     owners: dict[str, Owner] = field(default_factory=dict)
     """Deployment name → owner, set by the controller; the front ends hide deployments a caller may not see."""
-    traffic: dict[tuple[str, str], TenantTraffic] = field(default_factory=dict)
-    """(calling tenant, deployment) → traffic: usage attributed to whoever sent it."""
+    traffic: dict[tuple[str, str], Traffic] = field(default_factory=dict)
+    """(calling tenant, deployment) → what the gateway carried for that tenant to that deployment: usage
+    attributed to whoever sent it (the meter reads copies)."""
     rng: random.Random = field(default_factory=random.Random)
     outlier: OutlierPolicy = field(default_factory=OutlierPolicy)
     now: Callable[[], float] = time.monotonic
@@ -250,10 +244,10 @@ class RouteTable:
         a, b = self.rng.sample(healthy, 2)
         return a if a.outstanding <= b.outstanding else b
 
-    def tenant_traffic(self, tenant: str, deployment: str) -> TenantTraffic:
+    def tenant_traffic(self, tenant: str, deployment: str) -> Traffic:
         t = self.traffic.get((tenant, deployment))
         if t is None:
-            t = self.traffic[(tenant, deployment)] = TenantTraffic()
+            t = self.traffic[(tenant, deployment)] = Traffic()
         return t
 
     def counter(self, deployment: str) -> DeploymentCounters:

@@ -37,8 +37,8 @@ from octacloud.gateway.routing import (
     Endpoint,
     Owner,
     RouteTable,
-    TenantTraffic,
 )
+from octacloud.metering import Traffic
 from octacloud.tenancy.keys import Quota
 from octacloud.tenancy.limits import RateLimiter, TokenBucket
 
@@ -193,7 +193,7 @@ class CounterMerger:
             c.outstanding += n - mine.get(name, 0)
             mine[name] = n
         for tenant, deployment, values in rows:
-            t: TenantTraffic = self.table.tenant_traffic(tenant, deployment)
+            t: Traffic = self.table.tenant_traffic(tenant, deployment)
             t.requests += values[0]
             t.bytes_in += values[1]
             t.bytes_out += values[2]

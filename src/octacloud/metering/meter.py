@@ -50,13 +50,23 @@ class Allocation:
     milli: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Traffic:
-    """Cumulative gateway counters of one (calling tenant, deployment) since the gateway started."""
+    """Cumulative gateway counters of one (calling tenant, deployment) since the gateway started: the gateway
+    counts into one (:meth:`bill`), the meter reads copies of them (:meth:`copy`)."""
 
     requests: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+
+    def bill(self, bytes_in: int, bytes_out: int) -> None:
+        """Count one request that carried ``bytes_in`` to its replica and ``bytes_out`` back."""
+        self.requests += 1
+        self.bytes_in += bytes_in
+        self.bytes_out += bytes_out
+
+    def copy(self) -> Traffic:
+        return Traffic(self.requests, self.bytes_in, self.bytes_out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +89,10 @@ class Stored:
 
 class UsageSource(Protocol):
     """What the meter reads. ``allocations`` and ``storage`` are the state now; ``traffic`` and ``work`` are
-    monotonically non-decreasing counters (``work`` may restart from zero with its replica and may omit a
-    replica it could not reach). None of them may raise; ``allocations``, ``traffic`` and ``work`` run on the
-    event loop and must not block it; ``storage`` runs in a worker thread (it may walk folders) and must
-    bound its own time."""
+    monotonically non-decreasing counters, returned as copies the meter may keep (``work`` may restart from zero
+    with its replica and may omit a replica it could not reach). None of them may raise; ``allocations``,
+    ``traffic`` and ``work`` run on the event loop and must not block it; ``storage`` runs in a worker thread (it
+    may walk folders) and must bound its own time."""
 
     def allocations(self) -> list[Allocation]: ...
 

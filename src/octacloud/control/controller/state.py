@@ -3,8 +3,8 @@
 SQLite (or PostgreSQL) calls can wait for seconds: another connection holds the write lock (a backup, an
 operator's ``sqlite3`` shell, a second ``octacloud`` command), the disk is busy, the server is far. In
 single-process mode the controller runs on the gateway's event loop, so a write that waits there stalls every
-request the gateway is serving. :class:`ControllerStore` has the same interface as
-:class:`~octacloud.control.store.StateStore` but
+request the gateway is serving. :class:`ControllerStore` keeps the same contract,
+:class:`~octacloud.control.store.Store`, as :class:`~octacloud.control.store.StateStore` does, but
 
 * **reads from memory**: the controller is the store's only writer, so a copy loaded at start and updated by its
   own writes is exactly what the database holds (or will hold); every read returns fresh copies, as a database
@@ -45,7 +45,8 @@ RECENT_EVENTS = 2000
 
 
 class ControllerStore:
-    """A :class:`StateStore` behind an in-memory copy and a single writing thread (see the module)."""
+    """The :class:`~octacloud.control.store.Store` as a :class:`StateStore` behind an in-memory copy and a single
+    writing thread (see the module)."""
 
     def __init__(self, backing: StateStore, clock: Clock | None = None) -> None:
         self.backing = backing
@@ -171,7 +172,9 @@ class ControllerStore:
         self._write(lambda: self.backing.put_replica(r))
 
     def delete_replica(self, replica_id: str) -> None:
-        if self._replicas.pop(replica_id, None) is not None:
+        """As :meth:`StateStore.delete_replica`: the replacement it was the surge replica of goes with it."""
+        replacing = self._transitions.pop(replica_id, None) is not None
+        if self._replicas.pop(replica_id, None) is not None or replacing:
             self._write(lambda: self.backing.delete_replica(replica_id))
 
     def replicas(self, deployment: str | None = None) -> list[Replica]:
@@ -193,6 +196,10 @@ class ControllerStore:
     def delete_transition(self, replacement: str) -> None:
         if self._transitions.pop(replacement, None) is not None:
             self._write(lambda: self.backing.delete_transition(replacement))
+
+    def transition(self, replacement: str) -> Transition | None:
+        t = self._transitions.get(replacement)
+        return None if t is None else dataclasses.replace(t)
 
     def transitions(self) -> list[Transition]:
         return [dataclasses.replace(t) for _, t in sorted(self._transitions.items())]
