@@ -148,6 +148,7 @@ class GrpcFront:
             max_connections=connection_cap(limits),
             header_timeout_s=limits.header_timeout_s,
             idle_timeout_s=limits.keep_alive_s * 60,
+            max_header_bytes=limits.max_header_bytes,
         )
 
     async def start(self, host: str, port: int, reuse_port: bool) -> int:

@@ -38,6 +38,7 @@ from octacloud.gateway.rest import MAX_ATTEMPTS, SERVER_EXTENSIONS
 from octacloud.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable
 from octacloud.gateway.stats import merge_model_statistics
 from octacloud.metering import Traffic
+from octacloud.protocols import headers
 from octacloud.protocols.grpc.h2 import CallContext, Metadata, Method, Refusal, metadata_block
 from octacloud.protocols.grpc.h2_client import Answer, Channel, Unreachable
 from octacloud.security.internal_auth import HEADER, REPLICA_HEADER, TENANT_HEADER
@@ -49,7 +50,6 @@ SERVICE = "inference.GRPCInferenceService"
 PER_MODEL = ("ModelReady", "ModelMetadata", "ModelInfer", "ModelConfig", "ModelStatistics")
 PUBLIC = ("ServerLive", "ServerReady")
 _OPEN = frozenset(f"/{SERVICE}/{name}" for name in PUBLIC)
-_DROPPED = frozenset({"authorization", HEADER, TENANT_HEADER, REPLICA_HEADER})
 MAX_STREAMS = 256
 """Concurrent calls per client connection."""
 _RETRY_SOON = (("retry-after", "1"),)
@@ -281,7 +281,7 @@ class GrpcGateway:
             received = context.invocation_metadata()
             metadata = blocks.get((received, principal.tenant))
             if metadata is None:  # a client's calls repeat their metadata: the forwarded block is encoded once
-                forwarded = [(k, v) for k, v in received if k not in _DROPPED]
+                forwarded = headers.forwarded(received)  # credentials and internal names, in any case
                 forwarded.append((TENANT_HEADER, principal.tenant))  # per-tenant batches (protocols/internal.py)
                 metadata = metadata_block(forwarded) + internal
                 if len(blocks) >= 1024:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.protocols.asgi import DEFAULT_MAX_BODY_BYTES
+from octacloud.protocols.headers import CLIENT_MAX_HEADER_BYTES, DEFAULT_CLIENT_HEADER_BYTES
 
 MIB = 2**20
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "MIB", "GatewayLimits"]
@@ -26,8 +27,10 @@ class GatewayLimits:
     """Largest REST request body; 413 when Content-Length says more (before reading) or the body grows past it."""
     max_message_bytes: int = DEFAULT_MAX_BODY_BYTES + MIB
     """Largest gRPC message received (the body limit plus room for the message's own fields)."""
-    max_header_bytes: int = 64 * 1024
-    """A request's line and headers together; 431 and the connection closed beyond it."""
+    max_header_bytes: int = DEFAULT_CLIENT_HEADER_BYTES
+    """A request's line and headers together (REST: 431 and the connection closed beyond it), or a call's header
+    list as HTTP/2 counts it (gRPC: RESOURCE_EXHAUSTED on that call's stream). At most
+    ``protocols.headers.CLIENT_MAX_HEADER_BYTES``, so that what the gateway forwards a replica accepts."""
     header_timeout_s: float = 10.0
     """From a connection's start (or the end of its previous answer) to the end of the request's headers."""
     body_timeout_s: float = 60.0
@@ -60,6 +63,11 @@ class GatewayLimits:
         for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s", "upstream_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InvalidSpecError(f"gateway limit {name} must be a positive number of seconds")
+        if self.max_header_bytes > CLIENT_MAX_HEADER_BYTES:
+            raise InvalidSpecError(
+                f"gateway limit max_header_bytes is at most {CLIENT_MAX_HEADER_BYTES} (what replicas accept, less "
+                f"what the gateway adds), got {self.max_header_bytes}"
+            )
         if self.max_inflight_per_replica < 0:
             raise InvalidSpecError("gateway limit max_inflight_per_replica must be 0 (no bound) or positive")
 

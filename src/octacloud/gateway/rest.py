@@ -45,6 +45,7 @@ from octacloud.protocols.asgi import (
     lifespan,
     read_body,
 )
+from octacloud.protocols.headers import DROPPED_FROM_CLIENTS
 from octacloud.protocols.rest.bridge import AsgiBridge
 from octacloud.protocols.rest.request import Http1Request, encode_headers
 from octacloud.security.internal_auth import HEADER_BYTES, REPLICA_HEADER_BYTES, TENANT_HEADER_BYTES
@@ -54,9 +55,9 @@ log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
 SERVER_EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "classification"]
-_DROPPED_REQUEST = frozenset({b"authorization", HEADER_BYTES, TENANT_HEADER_BYTES, REPLICA_HEADER_BYTES, *HOP_BY_HOP})
-"""Never forwarded: the caller's key stays at the gateway; a client's copy of the internal secret (or of the
-tenant and replica headers, which the gateway sets) is not ours; nor what describes the client's connection
+_DROPPED_REQUEST = frozenset({*(name.encode() for name in DROPPED_FROM_CLIENTS), *HOP_BY_HOP})
+"""Never forwarded (names as the server lower-cased them): the credentials and the names only the gateway sets
+(``protocols.headers``, the one policy of both fronts), nor what describes the client's connection
 (``upstream.HOP_BY_HOP``)."""
 _DROPPED_ANSWER = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server", HEADER_BYTES}

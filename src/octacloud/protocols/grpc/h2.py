@@ -42,6 +42,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from octacloud.idlespin import poke
 from octacloud.protocols.grpc.servicer import InferenceServicer, _lenient, code_of
+from octacloud.protocols.headers import HEADER_LIST_BOMB_FACTOR, REPLICA_MAX_HEADER_BYTES, list_size
 from octacloud.protocols.internal import HANDSHAKE_TIMEOUT_S, OPEN_GRPC_METHODS, REFUSED, matches, misdirected
 from octacloud.protocols.internal import HEADER as SECRET_HEADER
 from octacloud.serving import DataPlane, ModelExecutionError
@@ -63,6 +64,35 @@ _U32 = struct.Struct(">I")
 _RESPONSE_HEADERS = b"\x88\x0f\x10\x10application/grpc"
 _OK_TRAILERS = b"\x00\x0bgrpc-status\x010"
 _SKIP = frozenset({"content-type", "te", "user-agent", "grpc-accept-encoding", "grpc-timeout", "grpc-encoding"})
+_PSEUDO = frozenset({":method", ":scheme", ":path", ":authority"})
+_CONNECTION_SPECIFIC = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"})
+_NOT_IN_NAMES = frozenset(range(0x21)) | frozenset(range(0x41, 0x5B)) | frozenset(range(0x7F, 0x100))
+MAX_STATUS_MESSAGE = 2048
+"""Characters of a status message sent (``grpc-message``); a longer one is cut, so that no answer's trailers grow
+with what a request put in it."""
+
+
+def malformed(headers: list[tuple[str, str]]) -> str | None:
+    """Why a request's header list is malformed (RFC 9113 8.2 and 8.3), or None: a field name not in lower case
+    or with a character names cannot hold, a pseudo-header unknown, repeated or after a regular field, a
+    connection-specific field, or ``te`` other than ``trailers``."""
+    regular = False
+    seen: set[str] = set()
+    for name, value in headers:
+        if not name or any(ord(c) in _NOT_IN_NAMES for c in name.lstrip(":")):
+            shown = name[:64].encode("unicode_escape").decode()
+            if name.lower() != name:
+                return f"header field name {shown!r} is not lower case (HTTP/2 names are lower case: RFC 9113 8.2.1)"
+            return f"header field name {shown!r} holds a character names cannot hold (RFC 9113 8.2.1)"
+        if name[0] == ":":
+            if regular or name not in _PSEUDO or name in seen:
+                return f"pseudo-header {name[:64]!r} is unknown, repeated or after a regular field (RFC 9113 8.3)"
+            seen.add(name)
+        else:
+            regular = True
+            if name in _CONNECTION_SPECIFIC or (name == "te" and value != "trailers"):
+                return f"header field {name!r} is connection-specific: HTTP/2 forbids it (RFC 9113 8.2.2)"
+    return None
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -163,9 +193,40 @@ def metadata_block(metadata: Any) -> bytes:
 
 def _trailers(code: grpc.StatusCode, message: str, extra: bytes = b"") -> bytes:
     block = extra + _literal(b"grpc-status", str(code.value[0]).encode())
+    if len(message) > MAX_STATUS_MESSAGE:
+        message = message[: MAX_STATUS_MESSAGE - 3] + "..."
     if message:
         block += _literal(b"grpc-message", quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~").encode())
     return block
+
+
+Call: TypeAlias = tuple[str, tuple[tuple[str, str | bytes], ...], str, tuple[grpc.StatusCode, str] | None]
+"""What a request's header block says: its path, metadata, ``grpc-encoding``, and why it is refused (or None)."""
+
+
+def read_call(headers: list[tuple[str, str]], max_header_bytes: int) -> Call:
+    """The call a decoded header block asks for. Refused: a malformed list (INTERNAL, as gRPC answers a malformed
+    request) and a list over ``max_header_bytes`` as HTTP/2 counts it (RESOURCE_EXHAUSTED)."""
+    path, encoding = "", "identity"
+    metadata: list[tuple[str, str | bytes]] = []
+    for k, v in headers:
+        if k[0] == ":":
+            if k == ":path":
+                path = v
+        elif k == "grpc-encoding":
+            encoding = v
+        elif k not in _SKIP:
+            metadata.append((k, base64.b64decode(v + "==") if k.endswith("-bin") else v))
+    problem: tuple[grpc.StatusCode, str] | None = None
+    size = list_size(headers)
+    if size > max_header_bytes:
+        problem = (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"a header list of {size} bytes is over the limit of {max_header_bytes}",
+        )
+    elif (why := malformed(headers)) is not None:
+        problem = grpc.StatusCode.INTERNAL, f"malformed request: {why}"
+    return path, tuple(metadata), encoding, problem
 
 
 class _Abort(grpc.aio.AbortError):  # type: ignore[misc]  # the servicer's decorator lets an AbortError through
@@ -267,10 +328,11 @@ class Http2Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._preface = False
-        self._decoder = hpack.Decoder()
+        self._max_headers = server.max_header_bytes
+        self._decoder = hpack.Decoder(max_header_list_size=server.max_header_bytes * HEADER_LIST_BOMB_FACTOR)
         self._decoded: dict[bytes, list[tuple[str, str]]] = {}  # see _decode
-        self._calls: dict[bytes, tuple[str, Metadata, str]] = {}
-        """A kept block's call headers (path, metadata, grpc-encoding), cleared with ``_decoded``."""
+        self._calls: dict[bytes, Call] = {}
+        """A kept block's call (path, metadata, grpc-encoding, refusal), cleared with ``_decoded``."""
         self._streams: dict[int, _Stream] = {}
         self._send_window = 65535
         self._initial_window = 65535
@@ -299,7 +361,8 @@ class Http2Connection(asyncio.Protocol):
         self._opened = self._idle_since = self._server.now()
         # our settings: streams may send up to 2^31-1 without a per-stream WINDOW_UPDATE (message size is
         # bounded separately); the connection window is raised to the same by one WINDOW_UPDATE
-        settings = struct.pack(">HI", 0x4, MAX_WINDOW) + struct.pack(">HI", 0x3, self._server.max_streams)
+        server = self._server
+        settings = struct.pack(">HIHIHI", 0x4, MAX_WINDOW, 0x3, server.max_streams, 0x6, server.max_header_bytes)
         transport.write(frame(SETTINGS, 0, 0, settings) + frame(WINDOW_UPDATE, 0, 0, _U32.pack(MAX_WINDOW - 65535)))
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -415,22 +478,16 @@ class Http2Connection(asyncio.Protocol):
         s.headers_done = True
         call = self._calls.get(block)
         if call is None:  # a kept block's headers are read once
-            path, metadata, encoding = "", [], "identity"
-            for k, v in headers:
-                if k[0] == ":":
-                    if k == ":path":
-                        path = v
-                elif k == "grpc-encoding":
-                    encoding = v
-                elif k not in _SKIP:
-                    metadata.append((k, base64.b64decode(v + "==") if k.endswith("-bin") else v))
-            call = (path, tuple(metadata), encoding)
+            call = read_call(headers, self._max_headers)
             if block in self._decoded:
                 self._calls[block] = call
-        path, s.metadata, encoding = call
+        path, s.metadata, encoding, problem = call
         if len(self._streams) > self._server.max_streams:  # more than our SETTINGS allowed
             self._streams.pop(s.id, None)
             self._write(frame(RST_STREAM, 0, s.id, _U32.pack(REFUSED_STREAM)))
+            return
+        if problem is not None:  # refused on its stream: the connection (maybe shared by many callers) goes on
+            self._fail(s, problem[0], problem[1], reset=not closed)
             return
         s.method = self._methods.get(path)
         s.path = path
@@ -766,6 +823,7 @@ class Http2Server:
         header_timeout_s: float = 3600.0,
         idle_timeout_s: float = 86400.0,
         max_pings_per_s: int = 1000,
+        max_header_bytes: int = REPLICA_MAX_HEADER_BYTES,
     ) -> None:
         self.methods = dict(methods)
         self.admit = admit
@@ -785,6 +843,9 @@ class Http2Server:
         self.idle_timeout_s = idle_timeout_s
         """A connection with no call for this long is sent GOAWAY and closed."""
         self.max_pings_per_s = max_pings_per_s
+        self.max_header_bytes = max_header_bytes
+        """A call's header list as HTTP/2 counts it (our SETTINGS_MAX_HEADER_LIST_SIZE); a larger one is refused
+        RESOURCE_EXHAUSTED on its stream (see ``protocols.headers`` for each hop's)."""
         self.max_frame_in = DEFAULT_FRAME  # we advertise no larger SETTINGS_MAX_FRAME_SIZE
         self.connections: set[Http2Connection] = set()
         self.calls = 0

@@ -60,6 +60,7 @@ from octacloud.protocols.grpc.h2 import (
     frame,
     read_frames,
 )
+from octacloud.protocols.headers import REPLICA_MAX_HEADER_BYTES
 
 _U32 = struct.Struct(">I")
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -74,9 +75,10 @@ _HTTP_CODES = {
     504: grpc.StatusCode.UNAVAILABLE,
 }  # gRPC's HTTP-to-status mapping, for an answer that is not gRPC
 _OMITTED = frozenset({"grpc-status", "grpc-message", "content-type", "grpc-encoding", "grpc-accept-encoding"})
-# :method POST (static 3); content-type: application/grpc (literal, static name 31); te: trailers (literal)
 _OK = [("grpc-status", "0")]
-_FIXED = b"\x83\x0f\x10\x10application/grpc\x00\x02te\x08trailers"
+_GRPC_FIELDS = b"\x0f\x10\x10application/grpc\x00\x02te\x08trailers"
+"""content-type: application/grpc (literal, static name 31), te: trailers (literal): after the pseudo-headers
+(RFC 9113 8.3: a pseudo-header after a regular field makes the request malformed)."""
 
 
 class Unreachable(Exception):
@@ -109,7 +111,7 @@ class _Connection(asyncio.Protocol):
         self._channel = channel
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
-        self._decoder = hpack.Decoder()
+        self._decoder = hpack.Decoder(max_header_list_size=REPLICA_MAX_HEADER_BYTES)  # a replica's answers
         self.calls: dict[int, _Call] = {}
         self._next = 1
         self._send_window = 65535
@@ -413,7 +415,8 @@ class Channel:
         self.connect_timeout = connect_timeout
         scheme = b"\x87" if ssl_context is not None else b"\x86"  # :scheme https / http (static 7 / 6)
         authority = f"{host}:{port}".encode()
-        self._prefix = _FIXED + scheme + b"\x01" + _int7(len(authority)) + authority  # :authority (static 1)
+        # :method POST (static 3), :scheme, :authority (static name 1)
+        self._prefix = b"\x83" + scheme + b"\x01" + _int7(len(authority)) + authority
         self._paths: dict[str, bytes] = {}
         self._connections: list[_Connection] = []
         self._connecting: asyncio.Future[_Connection] | None = None
@@ -425,7 +428,7 @@ class Channel:
         head = self._paths.get(path)
         if head is None:
             raw = path.encode()
-            head = self._paths[path] = self._prefix + b"\x04" + _int7(len(raw)) + raw  # :path (static 4)
+            head = self._paths[path] = self._prefix + b"\x04" + _int7(len(raw)) + raw + _GRPC_FIELDS  # :path (4)
         conn = self._usable() or await self._connect()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Answer] = loop.create_future()
