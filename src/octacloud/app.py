@@ -22,7 +22,7 @@ from octacloud.control.controller import Controller, ControllerSettings, NodeCha
 from octacloud.control.deployments import ReplicaState
 from octacloud.control.emulated import EmulatedLauncher, EmulationSettings
 from octacloud.control.fleet import discover_fleet
-from octacloud.control.launcher import LocalProcessLauncher, ReplicaLauncher
+from octacloud.control.launcher import LocalProcessLauncher, ReplicaLauncher, StoreFetch
 from octacloud.control.mps import MpsDaemon, SharingCollector
 from octacloud.control.probes import HttpProber, RepositoryFootprints
 from octacloud.control.store import StateStore
@@ -47,7 +47,8 @@ from octacloud.scheduler.policies import PRODUCT_DEFAULT, cloud_profile, slice_p
 from octacloud.security import internal_auth
 from octacloud.security.internal_tls import RENEW_INTERVAL_S, InternalCa, InternalClientTls, InternalTlsMode
 from octacloud.security.tls import TlsConfig, check_exposure
-from octacloud.storage.cache import FleetCacheStats, ModelCacheCollector
+from octacloud.storage.stats import FleetCacheStats, ModelCacheCollector
+from octacloud.storage.store import StoreUnavailableError, open_store
 from octacloud.tenancy import Guard, KeyStore, server_secret
 
 log = logging.getLogger("octacloud")
@@ -73,9 +74,15 @@ class CloudConfig:
     ray_address: str | None = None
     """Run on the Ray cluster at this address ("auto": the one this machine belongs to) instead of locally."""
     model_storage: str | None = None
-    """On Ray: the repository as every node reaches it (a shared path or an fsspec URL); default: ``repository``."""
+    """The model store (a folder, ``s3://bucket/prefix`` or another fsspec URL) the controller reads and replicas
+    fetch from into their node's cache; default: ``repository``, served in place by local replicas."""
+    storage_credentials: Path | None = None
+    """S3 credentials file for ``model_storage`` (default: the AWS SDK's environment, profile, instance role)."""
     model_cache: Path | None = None
-    """On Ray: where each node caches models (``<model_cache>/<node>``); default: ``<state_dir>/model-cache``."""
+    """Where nodes cache models: this host's cache (local replicas), ``<model_cache>/<node>`` on Ray; default:
+    ``<state_dir>/model-cache``."""
+    model_cache_size: int | None = None
+    """Each node cache's size limit in bytes (None: no limit): least recently used, unused versions go first."""
     telemetry_interval_s: float = 1.0
     """How often GPU/replica telemetry is sampled (the scheduler and the dashboard read the latest)."""
     tls: TlsConfig | None = None
@@ -124,6 +131,13 @@ class Cloud:
             if nodes is not None
             else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards, cpu_nodes=config.cpu_nodes)
         )
+        self.models = open_store(config.model_storage or config.repository, config.storage_credentials)
+        """The model store: configs, versions and sizes are read here, replicas fetch from it."""
+        if config.model_storage is not None:
+            try:
+                self.models.check()
+            except StoreUnavailableError as exc:  # cached models still start: say so, and go on
+                log.error("%s (replicas whose model is cached on their node still start)", exc)
         self.store = StateStore.at(config.state_dir / "octacloud.db")
         secret_file = config.state_dir / internal_auth.FILE_NAME
         self.internal_secret = internal_auth.ensure_secret(secret_file)
@@ -169,12 +183,13 @@ class Cloud:
             nodes=self.nodes,
             scheduler=scheduler,
             launcher=launcher or self._local_launcher(),
-            repository=config.repository.resolve(),
+            repository=self.cache_root if config.model_storage is not None else config.repository.resolve(),
             routes=self.routes,
             clock=clock,
             prober=self._prober,
-            footprint=RepositoryFootprints(config.repository),
+            footprint=RepositoryFootprints(self.models),
             settings=config.controller,
+            models=self.models,
         )
         self._started = False
         self._stop = asyncio.Event()
@@ -229,14 +244,24 @@ class Cloud:
         self.http_port = config.http_port
         self.grpc_port = config.grpc_port
 
+    @property
+    def cache_root(self) -> Path:
+        return (self.config.model_cache or self.config.state_dir / "model-cache").resolve()
+
     def _local_launcher(self) -> ReplicaLauncher:
         workdir = self.config.state_dir / "replicas"
         if self.config.emulation is not None:
             return EmulatedLauncher(
                 workdir, self.config.emulation, environment=self._node_environment, internal_ca=self.internal_ca
             )
+        c = self.config
+        fetch = (
+            StoreFetch(self.models, self.cache_root, c.model_cache_size, c.storage_credentials)
+            if c.model_storage is not None
+            else None
+        )
         return LocalProcessLauncher(
-            workdir, environment=self._node_environment, internal_ca=self.internal_ca
+            workdir, environment=self._node_environment, internal_ca=self.internal_ca, fetch=fetch
         )  # replicas bind loopback
 
     def _node_environment(self) -> dict[str, str]:
@@ -438,10 +463,13 @@ def ray_cloud(config: CloudConfig, *, clock: Clock | None = None) -> Cloud:
             f"the Ray cluster at {config.ray_address or 'auto'} has no octacloud nodes: start each server's node "
             "with `octacloud node start`"
         )
-    storage = config.model_storage or str(config.repository.resolve())
+    storage = open_store(config.model_storage or config.repository.resolve(), config.storage_credentials)
     cache = config.model_cache or config.state_dir.resolve() / "model-cache"
     secret = internal_auth.ensure_secret(config.state_dir / internal_auth.FILE_NAME)
-    launcher = RayLauncher(fleet, storage, cache, internal_secret=secret, internal_ca=internal_ca(config, remote=True))
+    launcher = RayLauncher(
+        fleet, storage, cache, internal_secret=secret, internal_ca=internal_ca(config, remote=True),
+        cache_limit=config.model_cache_size,
+    )  # fmt: skip
     return Cloud(config, nodes=nodes, launcher=launcher, clock=clock, watcher=fleet.poll)
 
 

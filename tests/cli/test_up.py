@@ -13,6 +13,7 @@ import pytest
 
 from octacloud.cli.up import _Lines, event_line, log_events, sample_inputs, sample_requests
 from octacloud.control.store import StateStore
+from octacloud.storage.store import FsspecStore
 
 
 def test_every_stored_event_becomes_one_timed_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -64,7 +65,7 @@ output { name: "out" data_type: TYPE_FP32 dims: [ 4 ] }
 def test_the_printed_request_is_valid_for_the_model(tmp_path: Path) -> None:
     (tmp_path / "embed").mkdir()
     (tmp_path / "embed" / "config.pbtxt").write_text(CONFIG)
-    inputs = sample_inputs(tmp_path / "embed")
+    inputs = sample_inputs(FsspecStore(str(tmp_path)), "embed")
     assert inputs is not None
     assert [(i["name"], i["shape"], i["datatype"]) for i in inputs] == [
         ("input_ids", [1, 8], "INT64"), ("text", [1, 1], "BYTES"), ("scale", [1, 2, 3], "FP32")
@@ -84,9 +85,9 @@ def test_the_printed_request_is_valid_for_the_model(tmp_path: Path) -> None:
 
 def test_no_request_is_printed_for_a_model_without_declared_inputs(tmp_path: Path) -> None:
     (tmp_path / "bare").mkdir()
-    assert sample_inputs(tmp_path / "bare") is None
+    assert sample_inputs(FsspecStore(str(tmp_path)), "bare") is None
     (tmp_path / "bare" / "config.pbtxt").write_text('name: "bare"\n')
-    assert sample_inputs(tmp_path / "bare") is None
+    assert sample_inputs(FsspecStore(str(tmp_path)), "bare") is None
 
 
 def test_gateway_workers_must_be_at_least_one(tmp_path: Path) -> None:

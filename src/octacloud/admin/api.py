@@ -118,7 +118,7 @@ def build_admin_app(
         if not p.is_admin and tenant != p.tenant:
             raise ForbiddenError("a tenant may only deploy for itself (leave 'tenant' out)")
         model = body.get("model")
-        if not isinstance(model, str) or not is_model_name(model) or not (controller.repository / model).is_dir():
+        if not isinstance(model, str) or not is_model_name(model) or not controller.has_model(model):
             raise NotFoundError(f"model {str(model)[:64]!r} is not in the repository")
         if priorities is not None:
             body["priority_class"], body["priority"] = priorities.resolve(

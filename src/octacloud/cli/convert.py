@@ -48,6 +48,13 @@ def convert_command(
     ),
     name: str = typer.Option(..., "--name", "-n", help="Model name in the repository (variants get _fp16/_int8)."),
     repository: Path = typer.Option(Path("models"), "--repository", "--repo", help="Model repository folder."),
+    publish: str | None = typer.Option(
+        None,
+        "--publish",
+        help="Publish into this model store instead of --repository: s3://bucket/prefix, "
+        "another fsspec URL, or a folder (docs/storage.md).",
+    ),
+    storage_credentials: Path | None = typer.Option(None, help="S3 credentials file for --publish (AWS format)."),
     kind: str = typer.Option("auto", help="auto | huggingface | torch | onnx."),
     task: str = typer.Option(
         "auto",
@@ -101,6 +108,7 @@ def convert_command(
     from octacloud.toolchain.repository import ModelRepository
     from octacloud.toolchain.sources import SourceOptions, load_source
     from octacloud.toolchain.spec import parse_input_spec
+    from octacloud.toolchain.store import StoreRepository, repository_for
 
     try:
         source_options = SourceOptions(
@@ -138,9 +146,14 @@ def convert_command(
             ),
         )
         src = load_source(source, source_options)
-        result = convert(src, ModelRepository(repository), options, progress=lambda m: _err.print(f"[dim]{m}[/]"))
+        target = repository_for(publish, storage_credentials) if publish else ModelRepository(repository)
+        try:
+            result = convert(src, target, options, progress=lambda m: _err.print(f"[dim]{m}[/]"))
+        finally:
+            if isinstance(target, StoreRepository):
+                target.close()
     except OctacloudError as e:
-        _err.print(f"[red]convert failed:[/] {e}\n[dim]nothing was published to {repository}[/]")
+        _err.print(f"[red]convert failed:[/] {e}\n[dim]nothing was published to {publish or repository}[/]")
         raise typer.Exit(2) from None
     _out().print(result_table(result))
     if result.rejected:

@@ -64,40 +64,77 @@ def build(
 @models_app.command("list")
 def list_models(
     repository: Path = typer.Option(Path("models"), "--repository", "--repo", help="Model repository folder."),
+    storage: str | None = typer.Option(
+        None, "--storage", "--model-storage", help="List this model store instead (s3://bucket/prefix, any fsspec URL)."
+    ),
+    storage_credentials: Path | None = typer.Option(None, help="S3 credentials file for --storage (AWS format)."),
 ) -> None:
     """Models, versions, sizes and measured throughput (from the latest version's profile.json)."""
-    from octacloud.toolchain.profile import read_profile
-    from octacloud.toolchain.repository import ModelRepository
+    from octacloud.storage.store import StoreUnavailableError, open_store
+    from octacloud.toolchain.profile import ModelProfile
 
-    repo = ModelRepository(repository)
-    table = Table(title=f"models in {repository}")
+    try:
+        store = open_store(storage or repository, storage_credentials)
+        names = store.models()
+    except OctacloudError as e:
+        _err.print(f"[red]models list failed:[/] {e}")
+        raise typer.Exit(2) from None
+    table = Table(title=f"models in {storage or repository}")
     for col in (
         "model",
         "versions",
         "precision",
+        "stored MiB",
         "weights MiB",
         "bytes/sample",
         "p50 ms (batch 1)",
         "peak samples/s (batch)",
     ):
         table.add_column(col, justify="left" if col in ("model", "versions", "precision") else "right")
-    for name in repo.models():
-        found = repo.versions(name)
-        row = [name, ",".join(map(str, found)) or "-"]
+    for name in names:
+        row = [name, "-", "-", "-"]
         try:
-            p = read_profile(repository / name / str(found[-1])) if found else None
-        except OctacloudError:
+            found = store.versions(name)
+            row = [name, ",".join(map(str, found)) or "-", "-", f"{store.size(name) / 2**20:.1f}"]
+            p = ModelProfile.from_json(store.read(name, f"{found[-1]}/profile.json").decode()) if found else None
+        except StoreUnavailableError as e:
+            _err.print(f"[red]models list failed:[/] {e}")
+            raise typer.Exit(2) from None
+        except OctacloudError:  # no profile, or one that does not parse: the row says '-'
             p = None
         if p is None:
-            table.add_row(*row, "-", "-", "-", "-", "-")
+            table.add_row(*row, "-", "-", "-", "-")
             continue
         first, peak = p.batches[0], p.peak
+        row[2] = p.precision
         table.add_row(
             *row,
-            p.precision,
             f"{p.weights_bytes / 2**20:.1f}",
             f"{p.bytes_per_sample:,}",
             f"{first.p50_ms:.2f}" if first.batch_size == 1 else "-",
             f"{peak.samples_per_s:,.1f} ({peak.batch_size})",
         )
     _out().print(table)
+
+
+@models_app.command("publish")
+def publish(
+    source: Path = typer.Argument(..., help="A Triton-layout repository folder (e.g. the one `make models` built)."),
+    storage: str = typer.Option(..., "--storage", "--model-storage", help="The model store to publish into."),
+    storage_credentials: Path | None = typer.Option(None, help="S3 credentials file for --storage (AWS format)."),
+    only: list[str] = typer.Option([], "--only", help="Publish only these models (repeat)."),
+) -> None:
+    """Publish a local repository's models into a model store, version numbers kept: each version's files, its
+    manifest (SHA-256 per file: node caches verify it), then the model's config."""
+    from octacloud.storage.publish import publish_folder
+    from octacloud.storage.store import open_store
+
+    try:
+        store = open_store(storage, storage_credentials)
+        done = publish_folder(store, source, list(only) or None)
+    except OctacloudError as e:
+        _err.print(f"[red]models publish failed:[/] {e}")
+        raise typer.Exit(2) from None
+    for p in done:
+        what = "already there" if p.skipped else f"{p.files} file(s), {p.bytes / 2**20:.1f} MiB"
+        _out().print(f"{store.url}/{p.model}/{p.version}: {what}", highlight=False)

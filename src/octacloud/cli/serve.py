@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 
 import typer
@@ -32,6 +34,18 @@ def serve(
     max_body_mb: int = typer.Option(64, help="Largest request body (MiB) over REST and gRPC."),
     grpc_server: str = typer.Option("h2", help="h2: octacloud's HTTP/2 gRPC server (leanest); aio: grpc.aio."),
     log_level: str = typer.Option("info", help="Log level."),
+    model_storage: str | None = typer.Option(
+        None,
+        "--model-storage",
+        help="Fetch --fetch-model from this model store (a folder or URL) into the node "
+        "cache first; --repository is then the folder where this replica's one-model view is made.",
+    ),
+    storage_credentials: Path | None = typer.Option(None, help="S3 credentials file for --model-storage."),
+    model_cache: Path | None = typer.Option(None, help="The node's model cache folder (with --model-storage)."),
+    model_cache_size: str | None = typer.Option(None, help="The node cache's size limit (e.g. 20GiB)."),
+    fetch_model: str | None = typer.Option(None, help="With --model-storage: the model to fetch and serve."),
+    fetch_version: str = typer.Option("", help="With --fetch-model: its version ('' = the model's policy)."),
+    serve_as: str | None = typer.Option(None, help="With --fetch-model: the name clients use (default: the model)."),
 ) -> None:
     """Serve the models of REPOSITORY over the Open Inference Protocol (REST and gRPC), as Triton does."""
     from octacloud.idlespin import REPLICA_SPIN_ENV, window_us_from_env
@@ -44,6 +58,14 @@ def serve(
         raise typer.BadParameter(f"must be none, poll or explicit, got {model_control_mode!r}") from None
     if grpc_server not in ("h2", "aio"):
         raise typer.BadParameter(f"must be h2 or aio, got {grpc_server!r}", param_hint="--grpc-server")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fetch_seconds: float | None = None
+    if model_storage is not None:
+        repository, load_model, fetch_seconds = _fetched(
+            model_storage, storage_credentials, model_cache, model_cache_size, fetch_model, fetch_version,
+            serve_as, repository,
+        )  # fmt: skip
+        mode = ControlMode.EXPLICIT
     if not repository.is_dir():
         raise typer.BadParameter(f"{repository} is not a directory", param_hint="--repository")
     try:
@@ -51,7 +73,6 @@ def serve(
     except ValueError as e:
         typer.echo(f"octacloud serve: {e}", err=True)
         raise typer.Exit(2) from None
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def port(p: int) -> int | None:
         return None if p < 0 else p
@@ -75,9 +96,46 @@ def serve(
         poll_interval_s=poll_seconds,
         max_body_bytes=max_body_mb * 2**20,
         grpc_server=grpc_server,
+        fetch_seconds=fetch_seconds,
     )
     try:
         run(settings)
     except OSError as e:  # a port in use, an address that is not ours: say so, no traceback
         typer.echo(f"octacloud serve: {e}", err=True)
         raise typer.Exit(1) from None
+
+
+def _fetched(
+    storage: str,
+    credentials: Path | None,
+    cache_root: Path | None,
+    cache_size: str | None,
+    model: str | None,
+    version: str,
+    serve_as: str | None,
+    view_root: Path,
+) -> tuple[Path, list[str], float]:
+    """Fetch ``model`` from the store into the node cache (leased to this process while it runs) and make the
+    one-model repository this replica serves; returns it, the model to load, and the fetch's seconds."""
+    from octacloud.control.launcher import LaunchSpec, model_view
+    from octacloud.control.models import fetch_model
+    from octacloud.core.errors import OctacloudError
+    from octacloud.protocols.internal import replica_id_from_env
+    from octacloud.storage.cache import NodeCache
+    from octacloud.storage.sizes import parse_size
+    from octacloud.storage.store import open_store
+
+    if model is None or cache_root is None:
+        raise typer.BadParameter("--model-storage needs --fetch-model and --model-cache", param_hint="--model-storage")
+    name = serve_as or model
+    try:
+        cache = NodeCache(cache_root, parse_size(cache_size) if cache_size else None)
+        lease = replica_id_from_env() or f"serve-{os.getpid()}"
+        result = fetch_model(cache, open_store(storage, credentials), model, version, lease=lease)
+    except OctacloudError as e:
+        typer.echo(f"octacloud serve: {e}", err=True)
+        raise typer.Exit(3) from None
+    logging.getLogger("octacloud.storage").info("%s", result.describe(os.uname().nodename))
+    (view_root.parent / "fetch.json").write_text(json.dumps(result.to_json()))
+    spec = LaunchSpec(lease, name, result.path, version, {}, 0)
+    return model_view(spec, view_root.parent, result.versions), [name], result.seconds

@@ -132,14 +132,13 @@ _SAMPLE = {"BOOL": True, "BYTES": "hello"}
 _NUMPY = {"BOOL": "bool_", "BYTES": "object_", "FP16": "float16", "FP32": "float32", "FP64": "float64"}
 
 
-def sample_inputs(model_dir: Path) -> list[dict[str, Any]] | None:
-    """Inputs of one sample request to the model (name, shape, datatype, a value to fill it with), from its
-    ``config.pbtxt``; None when the config names no inputs."""
+def sample_inputs(store: Any, model: str) -> list[dict[str, Any]] | None:
+    """Inputs of one sample request to ``model`` (name, shape, datatype, a value to fill it with), from its
+    ``config.pbtxt`` in the model store; None when the config names no inputs."""
     from octacloud.serving.repository.config import datatype_of_enum, parse_config
 
-    path = model_dir / "config.pbtxt"
     try:
-        config = parse_config(path.read_text(), str(path))
+        config = parse_config(store.read(model, "config.pbtxt").decode(), f"{store.url}/{model}/config.pbtxt")
     except Exception:  # no config, or one the replica would refuse anyway: no sample then
         return None
     if not config.input:
@@ -231,9 +230,24 @@ def up(
         None, "--ray-address", "--ray", help="The Ray cluster (HOST:PORT; default: auto). Implies --backend ray."
     ),
     model_storage: str | None = typer.Option(
-        None, "--model-storage", help="On Ray: the repository as nodes reach it (shared path or fsspec URL)."
+        None,
+        "--model-storage",
+        help="The model store replicas fetch from into their node's cache: a folder, "
+        "s3://bucket/prefix (any S3-compatible endpoint) or another fsspec URL (docs/storage.md). Default: "
+        "--repository, served in place.",
     ),
-    model_cache: Path | None = typer.Option(None, "--model-cache", help="On Ray: each node's model cache folder."),
+    storage_credentials: Path | None = typer.Option(
+        None,
+        "--storage-credentials",
+        help="S3 credentials file (AWS format; may name endpoint_url) for "
+        "--model-storage (default: AWS_* variables, AWS_PROFILE, ~/.aws).",
+    ),
+    model_cache: Path | None = typer.Option(
+        None, "--model-cache", help="The node model cache folder (on Ray: <folder>/<node>; default: STATE/model-cache)."
+    ),
+    model_cache_size: str | None = typer.Option(
+        None, "--model-cache-size", help="Each node cache's size limit, e.g. 50GiB (default: no limit)."
+    ),
     limit: list[str] = typer.Option([], "--limit", help="Gateway bound NAME=VALUE (docs/security.md); repeatable."),
     gateway_workers: int = typer.Option(
         1,
@@ -274,9 +288,16 @@ def up(
         except ValueError as exc:
             err.print(f"[red]error:[/] {exc}")
             raise typer.Exit(2) from None
-    if not repository.is_dir():
+    if model_storage is None and not repository.is_dir():
         err.print(f"[red]error:[/] model repository {repository} does not exist (build the examples: make models)")
         raise typer.Exit(2)
+    from octacloud.storage.sizes import parse_size
+
+    try:
+        cache_size = parse_size(model_cache_size) if model_cache_size is not None else None
+    except OctacloudError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
     if backend not in ("local", "ray"):
         err.print(f"[red]error:[/] --backend must be local or ray, got {backend!r}")
         raise typer.Exit(2)
@@ -330,7 +351,9 @@ def up(
         prices=prices,
         ray_address=ray_address,
         model_storage=model_storage,
+        storage_credentials=storage_credentials,
         model_cache=model_cache,
+        model_cache_size=cache_size,
         limits=limits,
         gateway_workers=gateway_workers,
         internal_tls=internal_tls_mode,
@@ -426,7 +449,7 @@ def _print_sample(cloud: Any, deploy: list[str], base: str, grpc: str, key_file:
             d = cloud.controller.store.get_deployment(name)
         except Exception:  # not deployed after all (refused above)
             continue
-        inputs = sample_inputs(cloud.config.repository / d.spec.model)
+        inputs = sample_inputs(cloud.models, d.spec.model)
         if inputs is None:
             continue
         curl, python = sample_requests(base, grpc, name, inputs, key_file)
@@ -494,13 +517,14 @@ def _stop_ray_replicas(handles: list[str], address: str | None, state_dir: Path,
     """Stop the Ray replica actors named ``handles`` that still exist; how many there were."""
     from octacloud.control.ray.backend import RayFleet, RayLauncher, connect
     from octacloud.core.errors import OctacloudError
+    from octacloud.storage.store import FsspecStore
 
     try:
         connect(address)
     except OctacloudError as exc:
         err.print(f"[red]error:[/] {len(handles)} replica(s) ran on Ray, which is out of reach: {exc}")
         raise typer.Exit(1) from None
-    launcher = RayLauncher(RayFleet(), "", state_dir / "model-cache")
+    launcher = RayLauncher(RayFleet(), FsspecStore(str(state_dir)), state_dir / "model-cache")  # stops only
     stopped = 0
     for handle in handles:
         if launcher.alive(handle):

@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -29,6 +29,7 @@ from octacloud.control.slices import Slice
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.security.internal_auth import REPLICA_ID_ENV
 from octacloud.security.internal_tls import InternalCa, Renewals
+from octacloud.storage.store import FsspecStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +143,7 @@ def check_version(model_dir: Path, version: str) -> None:
         )
 
 
-def model_view(spec: LaunchSpec, root: Path) -> Path:
+def model_view(spec: LaunchSpec, root: Path, versions: Sequence[int] | None = None) -> Path:
     """A one-model repository under ``root`` that serves ``spec.model_dir`` as ``spec.serve_as``.
 
     Version folders are symlinked (no copy of the weights); ``config.pbtxt`` is rewritten with its ``name``
@@ -150,6 +151,7 @@ def model_view(spec: LaunchSpec, root: Path) -> Path:
     deployment pinned to a version (``spec.version``) links only that version's folder and sets the
     config's ``version_policy`` to ``specific { versions: [N] }``, so exactly that version is served, also
     after the repository gains a newer one. Without a version the model's own policy applies (the latest).
+    ``versions``: link only these (a node cache's folder may hold versions other replicas serve).
     """
     if not spec.model_dir.is_dir():
         raise NotFoundError(f"model folder {spec.model_dir} does not exist")
@@ -163,7 +165,8 @@ def model_view(spec: LaunchSpec, root: Path) -> Path:
     config = mc.ModelConfig()
     for entry in sorted(spec.model_dir.iterdir()):
         if entry.is_dir() and entry.name.isdigit():
-            if pinned is None or str(int(entry.name)) == pinned:
+            chosen = versions is None or int(entry.name) in versions
+            if chosen and (pinned is None or str(int(entry.name)) == pinned):
                 (target / entry.name).symlink_to(entry.resolve(), target_is_directory=True)
         elif entry.name == "config.pbtxt":
             try:
@@ -179,8 +182,40 @@ def model_view(spec: LaunchSpec, root: Path) -> Path:
     return repo
 
 
+@dataclass(frozen=True, slots=True)
+class StoreFetch:
+    """Replicas fetch their model from a model store into this node's cache before they load it."""
+
+    store: FsspecStore
+    cache_root: Path
+    limit_bytes: int | None = None
+    credentials: Path | None = None
+    """The S3 credentials file the store was opened with (the replica opens it again)."""
+
+    def argv(self, spec: LaunchSpec) -> list[str]:
+        args = [
+            "--model-storage",
+            self.store.url,
+            "--model-cache",
+            str(self.cache_root),
+            "--fetch-model",
+            spec.model_dir.name,
+            "--fetch-version",
+            spec.version,
+            "--serve-as",
+            spec.serve_as,
+        ]
+        if self.limit_bytes is not None:
+            args += ["--model-cache-size", str(self.limit_bytes)]
+        if self.credentials is not None:
+            args += ["--storage-credentials", str(self.credentials)]
+        return args  # fmt: skip
+
+
 class LocalProcessLauncher:
-    """Replicas as local ``octacloud serve`` processes, one per slice."""
+    """Replicas as local ``octacloud serve`` processes, one per slice. With ``fetch``, each replica fetches its
+    model from the model store into the node cache itself (one download however many start at once), then
+    loads it; without, it serves the model's folder in the local repository."""
 
     def __init__(
         self,
@@ -189,7 +224,10 @@ class LocalProcessLauncher:
         python: str = sys.executable,
         environment: Callable[[], Mapping[str, str]] | None = None,
         internal_ca: InternalCa | None = None,
+        fetch: StoreFetch | None = None,
     ) -> None:
+        self.fetch = fetch
+        self._logs: dict[str, Path] = {}
         self.internal_ca = internal_ca
         """Internal TLS: each replica gets a fresh certificate of this CA (files in its folder, key mode 0600)."""
         self._renewals = Renewals(internal_ca) if internal_ca is not None else None
@@ -205,7 +243,8 @@ class LocalProcessLauncher:
     def launch(self, spec: LaunchSpec) -> Launched:
         root = self.workdir / spec.replica_id
         root.mkdir(parents=True, exist_ok=True)
-        repo = model_view(spec, root.resolve())
+        # fetched: the replica makes its view once its model is in the node cache
+        repo = root.resolve() / "repository" if self.fetch is not None else model_view(spec, root.resolve())
         # The ports are bound here and the sockets handed to the replica (REST, gRPC, metrics at file descriptors
         # 3, 4, 5): a port picked and released for the replica to bind could be taken meanwhile by anything,
         # another replica being launched at the same moment among them.
@@ -228,6 +267,7 @@ class LocalProcessLauncher:
             "--grpc-fd", str(INHERITED_FDS[1]),
             "--metrics-fd", str(INHERITED_FDS[2]),
             "--threads", str(spec.threads),
+            *(self.fetch.argv(spec) if self.fetch is not None else []),
         ]  # fmt: skip
         node_env = self.environment() if self.environment is not None else {}
         env = {**os.environ, **node_env, **spec.env, REPLICA_ID_ENV: spec.replica_id, "PYTHONUNBUFFERED": "1"}
@@ -256,9 +296,23 @@ class LocalProcessLauncher:
             os.close(fd)
         http, grpc, metrics = (int(sock.getsockname()[1]) for sock in held)
         self._addresses[str(pid)] = ReplicaAddress(self.host, http, grpc, metrics, pid)
+        self._logs[str(pid)] = log
         if self._renewals is not None:
             self._renewals.track(str(pid), spec.replica_id, [self.host])
         return Launched(str(pid), self._addresses[str(pid)], log)
+
+    def exit_reason(self, handle: str) -> str:
+        """Why a replica that exited did (the error its last lines report: a model store that did not answer, a
+        full node cache), or '' when it did not say."""
+        log = self._logs.get(handle)
+        try:
+            with log.open("rb") as f:  # type: ignore[union-attr]
+                f.seek(max(0, log.stat().st_size - 8192))  # type: ignore[union-attr]
+                tail = f.read().decode("utf-8", "replace").splitlines()
+        except (AttributeError, OSError):
+            return ""
+        said = [line.removeprefix("octacloud serve: ") for line in tail if line.startswith("octacloud serve: ")]
+        return said[-1][:500] if said else ""
 
     def address(self, handle: str) -> ReplicaAddress | None:
         """Known from launch; an adopted replica's address is in the store, so None here means "ask the store"."""
@@ -307,6 +361,7 @@ class LocalProcessLauncher:
 
     def stop(self, handle: str, grace: float = 5.0) -> None:
         self._addresses.pop(handle, None)
+        self._logs.pop(handle, None)
         if self._renewals is not None:
             self._renewals.forget(handle)
         if not self.alive(handle):

@@ -17,6 +17,7 @@ from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.gateway.upstream import UpstreamError, UpstreamPool
 from octacloud.security.internal_auth import REPLICA_HEADER_BYTES
 from octacloud.security.internal_tls import replica_server_name
+from octacloud.storage.store import MANIFEST_FILE, FsspecStore, ModelStore
 
 
 class HttpProber:
@@ -69,33 +70,35 @@ class HttpProber:
 
 
 class RepositoryFootprints:
-    """A model's footprint from its folder: ``config.pbtxt`` parameters written by the toolchain
+    """A model's footprint from the model store: ``config.pbtxt`` parameters written by the toolchain
     (``octacloud.weights_bytes``, ``octacloud.bytes_per_sample``), ``max_batch_size``, and the newest
-    version's ``profile.json``; without them, the size of the ONNX files stands for the weights."""
+    version's ``profile.json``; without them, the size of the newest version's files stands for the weights.
+    ``repository`` is the store, or a folder (a store of its own)."""
 
-    def __init__(self, repository: Path) -> None:
-        self.repository = repository
+    def __init__(self, repository: Path | ModelStore) -> None:
+        self.store: ModelStore = FsspecStore(str(repository)) if isinstance(repository, Path) else repository
 
     def __call__(self, model: str) -> ModelFootprint:
-        folder = self.repository / model
-        if not folder.is_dir():
-            raise NotFoundError(f"model {model!r} is not in the repository {self.repository}")
-        config = model_config_pb2.ModelConfig()
-        config_path = folder / "config.pbtxt"
-        if config_path.exists():
-            try:
-                text_format.Parse(config_path.read_text(), config)
-            except text_format.ParseError as exc:
-                raise InvalidSpecError(f"{config_path}: {exc}") from None
-        versions = sorted((p for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+        store = self.store
+        versions = store.versions(model)  # NotFoundError: not in the store
         if not versions:
-            raise NotFoundError(f"model {model!r} has no version folders in {folder}")
+            raise NotFoundError(f"model {model!r} has no version folders in the model storage {store.url}")
+        config = model_config_pb2.ModelConfig()
+        try:
+            text_format.Parse(store.read(model, "config.pbtxt").decode("utf-8", "replace"), config)
+        except NotFoundError:
+            pass
+        except text_format.ParseError as exc:
+            raise InvalidSpecError(f"{store.url}/{model}/config.pbtxt: {exc}") from None
         params = {k: v.string_value for k, v in config.parameters.items()}
         weights = _int(params.get("octacloud.weights_bytes"))
         if weights is None:
-            weights = sum(f.stat().st_size for f in versions[-1].rglob("*") if f.is_file())
+            weights = sum(f.size for rel, f in store.files(model, versions[-1]).items() if rel != MANIFEST_FILE)
         per_sample = _int(params.get("octacloud.bytes_per_sample")) or 0
-        throughput = _profile_throughput(versions[-1] / "profile.json")
+        try:
+            throughput = _profile_throughput(store.read(model, f"{versions[-1]}/profile.json"))
+        except NotFoundError:
+            throughput = None
         return ModelFootprint(weights, per_sample, max(1, config.max_batch_size), throughput)
 
 
@@ -120,11 +123,13 @@ def _int(value: str | None) -> int | None:
         return None
 
 
-def _profile_throughput(path: Path) -> float | None:
+def _profile_throughput(text: bytes) -> float | None:
     """Best samples/s in a toolchain profile, if there is one (any layout with a list of batch points)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
         return None
     best = None
     points = data.get("batches") or data.get("points") or data.get("throughput") or []

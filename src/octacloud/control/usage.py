@@ -5,8 +5,8 @@
 - work: each replica's own Triton counters, scraped from its metrics endpoint
   (``nv_inference_compute_infer_duration_us``, ``nv_inference_count``): the execution-time share of a shared
   card, measured where the work runs;
-- storage: the bytes of each deployment's model folder in the repository (re-measured at most every minute,
-  in the meter's worker thread, counting at most :data:`MAX_FILES` files).
+- storage: the bytes of each deployment's model as the model store reports them (re-measured at most every
+  minute, in the meter's worker thread; a folder store's files are walked, counting at most :data:`MAX_FILES`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from octacloud.control.controller import Controller
 from octacloud.control.deployments import ReplicaState
+from octacloud.core.errors import NotFoundError
 from octacloud.metering import Allocation, Stored, Traffic, Work
 from octacloud.security.internal_auth import REPLICA_HEADER
+from octacloud.storage.store import FsspecStore, StoreUnavailableError
 
 log = logging.getLogger("octacloud.metering")
 
@@ -159,9 +161,21 @@ class ClusterUsage:
         for d in self.controller.store.deployments():
             cached = self._sizes.get(d.spec.model)
             if cached is None or now - cached[0] > self.storage_ttl_s:
-                cached = self._sizes[d.spec.model] = (now, folder_bytes(self.controller.repository / d.spec.model))
+                cached = self._sizes[d.spec.model] = (now, self._stored_bytes(d.spec.model))
             out.append(Stored(d.spec.tenant, d.spec.name, cached[1]))
         return out
+
+    def _stored_bytes(self, model: str) -> int:
+        """What the model store reports ``model`` takes (a folder store: its files, walked as before); a store
+        that cannot be read now keeps the last size measured."""
+        store = self.controller.models
+        if isinstance(store, FsspecStore) and store.local:
+            return folder_bytes(Path(store.root) / model)
+        try:
+            return store.size(model)
+        except (StoreUnavailableError, NotFoundError) as exc:
+            log.warning("storage of %s: %s", model, exc)
+            return self._sizes.get(model, (0.0, 0))[1]
 
     async def close(self) -> None:
         if self._client is not None:

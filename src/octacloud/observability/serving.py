@@ -102,6 +102,7 @@ _COUNTERS: tuple[tuple[str, str, Callable[[StatsLike], float]], ...] = (
     ),
 )
 LABELS = ("model", "version")
+COLD_START = "octacloud_replica_cold_start_seconds"
 
 
 class ServingCollector(Collector):  # type: ignore[misc]
@@ -123,6 +124,15 @@ class ServingCollector(Collector):  # type: ignore[misc]
         for v in versions:
             pending.add_metric([v.name, v.version], float(v.pending))
         yield pending
+        cold = GaugeMetricFamily(
+            COLD_START,
+            "Seconds the model version's start took, by part: fetch, load, warmup.",
+            labels=(*LABELS, "part"),
+        )
+        for v in versions:
+            for part, seconds in sorted(getattr(v, "cold_start", {}).items()):
+                cold.add_metric([v.name, v.version, part], float(seconds))
+        yield cold
 
 
 def serving_registry(source: Callable[[], Iterable[VersionStatsLike]]) -> CollectorRegistry:

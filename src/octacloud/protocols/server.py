@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import signal
@@ -105,6 +106,9 @@ class ServerSettings:
     another replica in ``x-octacloud-replica`` is refused (421 / UNAVAILABLE); "" checks nothing."""
     tls: ReplicaTls | None = field(default_factory=tls_from_env)
     """Internal TLS (default: ``$OCTACLOUD_INTERNAL_TLS_CERT|KEY|CA``); None: plain text."""
+    fetch_seconds: float | None = None
+    """How long fetching the model from the model store into the node cache took before this start (exported
+    with the load and warm-up as the replica's cold start); None: the repository was local."""
     tls_reload_s: float = 30.0
     """How often the certificate file is checked; a renewed one serves the next handshakes (no restart; REST,
     metrics and the ``h2`` gRPC server — ``grpc.aio`` keeps the certificate it started with)."""
@@ -362,11 +366,15 @@ class ReplicaServer:
                 log.warning("internal TLS: cannot load %s yet: %s", tls.certfile, exc)
 
     def _stats(self) -> Iterable[VersionStats]:
+        fetch = self.settings.fetch_seconds
         for _ in range(3):  # the metrics thread reads while the loop may change the set of models
             try:
-                return self.dataplane.model_statistics()
+                found = self.dataplane.model_statistics()
             except RuntimeError:
                 continue
+            if fetch is None:
+                return found
+            return [dataclasses.replace(v, cold_start={"fetch": fetch, **v.cold_start}) for v in found]
         return []
 
     async def stop(self) -> None:

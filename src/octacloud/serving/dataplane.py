@@ -7,7 +7,8 @@ its shape or datatype), queues it on the model's dynamic batcher, and builds the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy.typing as npt
@@ -46,6 +47,8 @@ class VersionStats:
     version: str
     stats: ModelStats
     pending: int
+    cold_start: Mapping[str, float] = field(default_factory=dict)
+    """Seconds the version's start took, by part (``fetch`` from the model store, ``load``, ``warmup``)."""
 
 
 class DataPlane:
@@ -88,7 +91,7 @@ class DataPlane:
         else:
             self.repository.get(name)
             models = self.repository.versions(name)
-        return [VersionStats(m.name, m.version, m.stats, m.batcher.pending) for m in models]
+        return [VersionStats(m.name, m.version, m.stats, m.batcher.pending, m.cold_start) for m in models]
 
     # ---- repository extension ----------------------------------------------------------------------------
     def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:

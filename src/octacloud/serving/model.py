@@ -94,6 +94,8 @@ class ModelVersion:
         self.config = config
         self.runtime = runtime
         self.state = ModelState.LOADING
+        self.cold_start: dict[str, float] = {}
+        """Seconds this version's start took, by part: ``load`` (the runtime), ``warmup`` (its first batches)."""
         self.stats = ModelStats()
         self.inputs, self.outputs = io_metadata(config)
         self.input_specs = {
@@ -152,6 +154,7 @@ class ModelVersion:
         probe: MemoryProbe | None = None,
     ) -> ModelVersion:
         """Load the runtime (in a thread), complete and check the config, warm up; READY on return."""
+        began = time.monotonic()
         try:
             gpus = factory_gpus(factory)
             plan = instance_plan(config, gpus)  # one place per instance: a GPU of the slice, or the CPU
@@ -182,6 +185,7 @@ class ModelVersion:
         except BaseException:
             runtime.close()
             raise
+        loaded = time.monotonic()
         if not model.bytes_per_sample:  # the config's parameter wins, then the toolchain's profile
             model.bytes_per_sample = profile_bytes_per_sample(version_dir) or 0
 
@@ -198,6 +202,7 @@ class ModelVersion:
             if isinstance(e, ModelConfigError):
                 raise
             raise ModelConfigError(f"version {version}: warm-up failed: {type(e).__name__}: {e}") from e
+        model.cold_start = {"load": loaded - began, "warmup": time.monotonic() - loaded}
         model.batcher.start()
         model.state = ModelState.READY
         return model

@@ -1,226 +1,371 @@
-"""Model storage across machines: one shared repository, a local cache on every node.
+"""A node's model cache: the versions its replicas need, copied from the model store onto local disk, checked.
 
-The repository lives on shared storage — a path every node mounts (NFS, a distributed file system) or an
-object store reached through fsspec (``s3://bucket/models``, ``gs://...``, any URL fsspec knows; the
-matching fsspec backend, e.g. ``s3fs``, must be installed on the nodes). A replica placed on a node reads its
-model from that node's cache, which :meth:`ModelCache.fetch` fills on first use and refreshes when the source
-changed, so a replica re-placed onto a new node starts without anyone copying models by hand.
+Layout under ``root`` (the node's SSD)::
 
-Freshness is decided by a manifest: the relative path, size and change marker (mtime, ETag or checksum,
-whichever the file system reports) of every file of the model. Equal manifests are a *hit* (nothing read
-from shared storage); otherwise a *miss* copies the model into a fresh folder that replaces the cached one
-atomically, under a per-model lock, so concurrent replicas on one node neither copy twice nor see a
-half-written model. Hits, misses, bytes copied and time spent are counted per node
-(:class:`FleetCacheStats`) and exported to Prometheus by :class:`ModelCacheCollector`.
+    <model>/config.pbtxt                the model's config as last read from the store
+    <model>/<version>/...               one *entry*: a version's files, complete and verified
+    <model>/<version>/.octacloud-entry.json    what was fetched: size and SHA-256 per file, the store's fingerprint
+    .locks/  .staging/  .leases/  .reservations/  .trash/
+
+**Only what is needed.** :meth:`NodeCache.fetch` takes the versions a replica serves (the caller resolves the
+model's version policy), never the whole model.
+
+**One download per node.** Each entry has a ``flock``: however many replicas, threads or processes ask for a
+version at once, one downloads it and the others wait, then hit. Files are downloaded in parallel, large ones
+in ranges (``parallel`` requests of ``chunk_bytes``), into a staging folder that is renamed into place only
+once every file matches its manifest: a download killed half-way (``kill -9``) leaves only a staging folder,
+which the next fetch of that version removes; nothing half-written is ever served.
+
+**Integrity.** A hit re-checks every cached file's size and SHA-256 against what was fetched, and the entry
+against the store's manifest when the store answers: a file damaged on the node's disk, or a version rebuilt
+in the store, is fetched again (``FetchResult.refetched`` says why), never served.
+
+**A size limit.** With ``limit_bytes``, room for a new entry is made by evicting the least recently used
+entries first — files and all — but never one that a live replica holds a lease on, nor one being fetched.
+When the entries in use leave no room, the fetch fails with :class:`CacheFullError` saying so.
+
+**The store away.** When the store cannot be read, versions already cached are served from the cache (the
+result's ``store_error`` says why the store was not asked); anything else fails with the store's error, and
+nothing cached is removed. The next fetch once the store answers again catches up (new builds, new versions).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
+import hashlib
 import json
 import os
 import shutil
-import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from octacloud.core.errors import NotFoundError
+from octacloud.core.errors import NotFoundError, OctacloudError
+from octacloud.storage.leases import Leases, entry_key, locked
+from octacloud.storage.manifest import FileDigest, Manifest, mismatches, sha256_of
+from octacloud.storage.stats import CacheStats, FetchResult, FleetCacheStats, ModelCacheCollector
+from octacloud.storage.store import CONFIG_FILE, MANIFEST_FILE, ModelStore, StoreUnavailableError
 
-MANIFEST = ".octacloud-manifest.json"
+__all__ = ["CacheFullError", "FetchResult", "FleetCacheStats", "ModelCacheCollector", "NodeCache"]
 
-Manifest = dict[str, list[Any]]
-"""Relative file path → [size in bytes, change marker]."""
+ENTRY_FILE = ".octacloud-entry.json"
+CHUNK_BYTES = 8 * 2**20
+PARALLEL = 8
+
+VersionPicker = Callable[[bytes, list[int]], list[int]]
+"""(the model's config.pbtxt, its published versions) → the versions to fetch."""
+
+
+class CacheFullError(OctacloudError):
+    """A node cache cannot make room under its size limit: what it holds is in use."""
 
 
 @dataclass(frozen=True, slots=True)
-class FetchResult:
-    """One :meth:`ModelCache.fetch`: where the model now is locally, and what it cost."""
+class Entry:
+    model: str
+    version: int
+    bytes: int
+    used_at: float
 
-    path: Path
+
+@dataclass(frozen=True, slots=True)
+class EntryOutcome:
     hit: bool
-    files_copied: int = 0
-    bytes_copied: int = 0
-    seconds: float = 0.0
-
-    def describe(self, node: str) -> str:
-        if self.hit:
-            return f"model cache hit on {node} ({self.seconds * 1000:.0f} ms)"
-        return (
-            f"model cache miss on {node}: copied {self.files_copied} file(s), "
-            f"{self.bytes_copied / 2**20:.1f} MiB in {self.seconds:.2f} s"
-        )
+    files: int = 0
+    bytes: int = 0
+    refetched: str = ""
+    evicted: int = 0
+    store_error: str = ""
 
 
-@dataclass(slots=True)
-class CacheStats:
-    """Counts for one node's cache (or a whole fleet's, summed)."""
+class NodeCache:
+    """One node's model cache at ``root``, at most ``limit_bytes`` (None: no limit)."""
 
-    hits: int = 0
-    misses: int = 0
-    bytes_copied: int = 0
-    seconds: float = 0.0
-
-    def record(self, result: FetchResult) -> None:
-        if result.hit:
-            self.hits += 1
-        else:
-            self.misses += 1
-        self.bytes_copied += result.bytes_copied
-        self.seconds += result.seconds
-
-    @property
-    def hit_ratio(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-
-@dataclass(slots=True)
-class FleetCacheStats:
-    """Cache outcomes per node, as the launcher saw them reported by replicas (thread-safe)."""
-
-    by_node: dict[str, CacheStats] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def record(self, node: str, result: FetchResult) -> None:
-        with self._lock:
-            self.by_node.setdefault(node, CacheStats()).record(result)
-
-    def snapshot(self) -> dict[str, CacheStats]:
-        with self._lock:
-            return {n: CacheStats(s.hits, s.misses, s.bytes_copied, s.seconds) for n, s in self.by_node.items()}
-
-
-class ModelCacheCollector:
-    """Prometheus collector of a fleet's model-cache counts (register it in the registry behind ``/metrics``)."""
-
-    def __init__(self, stats: FleetCacheStats) -> None:
-        self.stats = stats
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily
-
-        node = ["node"]
-        families = {
-            "hits": CounterMetricFamily("octacloud_model_cache_hits", "Replica starts served from cache", labels=node),
-            "misses": CounterMetricFamily(
-                "octacloud_model_cache_misses", "Replica starts that copied their model from storage", labels=node
-            ),
-            "bytes_copied": CounterMetricFamily(
-                "octacloud_model_cache_copied_bytes", "Bytes copied from storage into node caches", labels=node
-            ),
-            "seconds": CounterMetricFamily(
-                "octacloud_model_cache_fetch_seconds", "Time replicas spent getting their model", labels=node
-            ),
-        }
-        for name, counts in sorted(self.stats.snapshot().items()):
-            for field_name, family in families.items():
-                family.add_metric([name], float(getattr(counts, field_name)))
-        yield from families.values()
-
-
-def _filesystem(source: str) -> tuple[Any, str]:
-    """The fsspec file system and root path for ``source`` (a plain path means the local file system)."""
-    import fsspec
-
-    if "://" not in source:
-        source = Path(source).expanduser().resolve().as_uri()
-    fs, root = fsspec.core.url_to_fs(source)
-    return fs, str(root).rstrip("/")
-
-
-def _marker(info: Mapping[str, Any]) -> Any:
-    for key in ("ETag", "etag", "md5Hash", "md5", "mtime", "LastModified", "last_modified", "updated", "created"):
-        value = info.get(key)
-        if value is not None:
-            return str(value)
-    return None
-
-
-class ModelCache:
-    """A node's local copy of models from shared storage (``root``: e.g. the node's SSD)."""
-
-    def __init__(self, root: Path) -> None:
+    def __init__(
+        self,
+        root: Path,
+        limit_bytes: int | None = None,
+        *,
+        parallel: int = PARALLEL,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
         self.root = root
+        self.limit_bytes = limit_bytes
+        self.parallel = max(1, parallel)
+        self.chunk_bytes = max(1, chunk_bytes)
+        self.leases = Leases(root)
         self.stats = CacheStats()
 
-    def fetch(self, source: str, model: str) -> FetchResult:
-        """Make ``<source>/<model>`` available under ``root/<model>``, copying only when it changed.
+    # ---- fetching ----------------------------------------------------------------------------------------
 
-        ``source`` is the repository: a path or an fsspec URL. Raises :class:`NotFoundError` when the model is
-        not there. Safe to call from several processes at once on one node.
-        """
+    def fetch(
+        self, store: ModelStore, model: str, pick: VersionPicker | Sequence[int], lease: str | None = None
+    ) -> FetchResult:
+        """Make the versions of ``model`` that ``pick`` chooses available under ``root/<model>``; returns
+        where, and what it cost. ``lease`` names the replica the versions are held for (released with
+        :meth:`release`); eviction never removes them while its process lives."""
         started = time.monotonic()
-        fs, base = _filesystem(source)
-        remote = f"{base}/{model}"
-        manifest = self._manifest(fs, remote, source, model)
-        self.root.mkdir(parents=True, exist_ok=True)
-        local = self.root / model
-        with self._locked(model):
-            if _read_manifest(local) == manifest:
-                result = FetchResult(local, True, seconds=time.monotonic() - started)
-            else:
-                files, size = self._copy(fs, remote, manifest, local)
-                result = FetchResult(local, False, files, size, time.monotonic() - started)
+        store_error = ""
+        try:
+            config = store.read(model, CONFIG_FILE)
+            available = store.versions(model)
+        except StoreUnavailableError as exc:
+            store_error = str(exc)
+            config, available = self._cached_config(model, exc), self.cached_versions(model)
+        fresh = not store_error  # the config came from the store
+        versions = sorted(set(pick(config, available) if callable(pick) else pick))
+        if not versions:
+            raise NotFoundError(f"model {model!r} has no published version in the model storage {store.url}")
+        missing = [v for v in versions if v not in available]
+        if missing:
+            if store_error:
+                raise StoreUnavailableError(f"{store_error}; version(s) {missing} of {model!r} are not cached here")
+            raise NotFoundError(f"model {model!r} has no version {missing[0]} in the model storage {store.url}")
+        if lease is not None:
+            self.leases.hold(lease, [entry_key(model, v) for v in versions])
+        try:
+            keep = frozenset(entry_key(model, v) for v in versions)
+            outcomes = [self._ensure(store, model, v, store_error, keep) for v in versions]
+            store_error = store_error or next((o.store_error for o in outcomes if o.store_error), "")
+            if fresh:
+                self._write_config(model, config)
+        except BaseException:
+            if lease is not None:
+                self.leases.release(lease)
+            raise
+        result = FetchResult(
+            self.root / model,
+            all(o.hit for o in outcomes),
+            sum(o.files for o in outcomes),
+            sum(o.bytes for o in outcomes),
+            time.monotonic() - started,
+            tuple(versions),
+            tuple(o.refetched for o in outcomes if o.refetched),
+            store_error,
+            sum(o.evicted for o in outcomes),
+        )
         self.stats.record(result)
         return result
 
-    @staticmethod
-    def _manifest(fs: Any, remote: str, source: str, model: str) -> Manifest:
-        if not fs.isdir(remote):
-            raise NotFoundError(f"model {model!r} is not in the model storage {source}")
-        found: dict[str, Mapping[str, Any]] = fs.find(remote, detail=True)
-        manifest: Manifest = {}
-        for path, info in found.items():
-            if info.get("type") == "directory":
-                continue
-            rel = str(path)[len(remote.rstrip("/")) :].lstrip("/")
-            if not rel or rel == MANIFEST:
-                continue
-            manifest[rel] = [int(info.get("size") or 0), _marker(info)]
-        return manifest
+    def hold(self, lease: str, model: str, versions: Sequence[int], pid: int | None = None) -> None:
+        """Lease cached versions to process ``pid`` (a replica started from them) under the name ``lease``."""
+        self.leases.hold(lease, [entry_key(model, v) for v in versions], pid)
 
-    def _copy(self, fs: Any, remote: str, manifest: Manifest, local: Path) -> tuple[int, int]:
-        staging = self.root / f".staging-{local.name}-{uuid.uuid4().hex[:8]}"
+    def release(self, lease: str) -> None:
+        """The replica ``lease`` stopped: its versions may be evicted again."""
+        self.leases.release(lease)
+
+    def cached_versions(self, model: str) -> list[int]:
+        folder = self.root / model
+        if not folder.is_dir():
+            return []
+        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / ENTRY_FILE).is_file())
+
+    def entries(self) -> list[Entry]:
+        """Every complete entry, least recently used first."""
+        found = []
+        for marker in self.root.glob(f"*/*/{ENTRY_FILE}"):
+            version_dir = marker.parent
+            if not version_dir.name.isdigit() or version_dir.parent.name.startswith("."):
+                continue
+            try:
+                size = int(json.loads(marker.read_text())["bytes"])
+                used = marker.stat().st_mtime
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            found.append(Entry(version_dir.parent.name, int(version_dir.name), size, used))
+        return sorted(found, key=lambda e: (e.used_at, e.model, e.version))
+
+    def used_bytes(self) -> int:
+        return sum(e.bytes for e in self.entries())
+
+    # ---- one version --------------------------------------------------------------------------------------
+
+    def _ensure(
+        self, store: ModelStore, model: str, version: int, store_error: str, keep: frozenset[str]
+    ) -> EntryOutcome:
+        key = entry_key(model, version)
+        with locked(self.root / ".locks" / f"{key}.lock"):
+            self._clear_staging(key)
+            target = self.root / model / str(version)
+            fingerprint, remote = "", None
+            if not store_error:
+                try:
+                    fingerprint, remote = self._remote(store, model, version)
+                except StoreUnavailableError as exc:  # it went away since the config was read
+                    store_error = str(exc)
+            bad = self._check(target, fingerprint)
+            if not bad:
+                os.utime(target / ENTRY_FILE)  # its last use, for LRU
+                return EntryOutcome(True, store_error=store_error)
+            if store_error or remote is None:
+                raise StoreUnavailableError(f"{store_error}; {key} is not usable from the cache: {bad}")
+            refetched = "" if bad == "not cached" else f"{key}: {bad}"
+            self._discard(target)
+            evicted = self._reserve(key, remote.total_bytes, keep)
+            try:
+                files = self._download(store, model, version, remote, fingerprint, target)
+            finally:
+                (self.root / ".reservations" / key).unlink(missing_ok=True)
+            return EntryOutcome(False, files, remote.total_bytes, refetched, evicted)
+
+    def _remote(self, store: ModelStore, model: str, version: int) -> tuple[str, Manifest]:
+        """The store's fingerprint of a version and what its files should be (sizes, SHA-256 when published
+        with a manifest; without one, sizes only: the SHA-256 is taken of what arrives)."""
+        listing = store.files(model, version)
+        if MANIFEST_FILE in listing:
+            text = store.read(model, f"{version}/{MANIFEST_FILE}")
+            where = f"{store.url}/{model}/{version}/{MANIFEST_FILE}"
+            return "sha256:" + hashlib.sha256(text).hexdigest(), Manifest.from_json(text, where)
+        files = {rel: FileDigest(f.size, "") for rel, f in listing.items()}
+        marks = json.dumps(sorted((rel, f.size, f.marker) for rel, f in listing.items()))
+        return "listing:" + hashlib.sha256(marks.encode()).hexdigest(), Manifest(files)
+
+    def _check(self, target: Path, fingerprint: str) -> str:
+        """'' when the entry at ``target`` is complete, intact and (``fingerprint`` given) current; else why not."""
         try:
-            size = 0
-            for rel, (nbytes, _) in sorted(manifest.items()):
-                target = staging / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                fs.get_file(f"{remote}/{rel}", str(target))
-                size += int(nbytes)
-            (staging / MANIFEST).write_text(json.dumps(manifest, sort_keys=True))
-            old = self.root / f".old-{local.name}-{uuid.uuid4().hex[:8]}"
-            if local.exists():
-                local.rename(old)  # replicas that already loaded from it keep their open files
-            staging.rename(local)
-            shutil.rmtree(old, ignore_errors=True)
+            record = json.loads((target / ENTRY_FILE).read_text())
+            files = {k: FileDigest(int(v[0]), str(v[1])) for k, v in record["files"].items()}
+            cached_fingerprint = str(record["fingerprint"])
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            return "not cached"
+        if fingerprint and fingerprint != cached_fingerprint:
+            return "the store has a new build of it"
+        bad = mismatches(target, Manifest(files))
+        return "; ".join(bad[:3])
+
+    def _download(
+        self, store: ModelStore, model: str, version: int, remote: Manifest, fingerprint: str, target: Path
+    ) -> int:
+        key = entry_key(model, version)
+        staging = self.root / ".staging" / f"{key}-{uuid.uuid4().hex[:8]}"
+        staging.mkdir(parents=True)
+        try:
+            jobs: list[tuple[str, int, int]] = []
+            for rel, digest in sorted(remote.files.items()):
+                path = staging / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with path.open("wb") as f:
+                    f.truncate(digest.size)
+                jobs += [(rel, start, min(start + self.chunk_bytes, digest.size))
+                         for start in range(0, digest.size, self.chunk_bytes)]  # fmt: skip
+            with ThreadPoolExecutor(self.parallel, thread_name_prefix="model-fetch") as pool:
+                list(pool.map(lambda job: self._fetch_range(store, model, version, staging, *job), jobs))
+            digests = {rel: FileDigest(d.size, sha256_of(staging / rel)) for rel, d in remote.files.items()}
+            wrong = [rel for rel, d in remote.files.items() if d.sha256 and d.sha256 != digests[rel].sha256]
+            if wrong:
+                raise StoreUnavailableError(
+                    f"model storage {store.url}: {key} arrived with {', '.join(sorted(wrong))} not matching its "
+                    "manifest's SHA-256 (the store holds damaged or half-uploaded files: publish the version again)"
+                )
+            record = {"files": {k: [d.size, d.sha256] for k, d in sorted(digests.items())},
+                      "fingerprint": fingerprint, "bytes": remote.total_bytes, "source": store.url}  # fmt: skip
+            (staging / ENTRY_FILE).write_text(json.dumps(record, sort_keys=True))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging.rename(target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        return len(manifest), size
+        return len(remote.files)
 
-    @contextlib.contextmanager
-    def _locked(self, model: str) -> Iterator[None]:
-        fd = os.open(self.root / f".{model}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    def _fetch_range(self, store: ModelStore, model: str, version: int, staging: Path, rel: str, start: int,
+                     end: int) -> None:  # fmt: skip
+        data = store.read_range(model, f"{version}/{rel}", start, end)
+        if len(data) != end - start:
+            raise StoreUnavailableError(
+                f"model storage {store.url}: {model}/{version}/{rel} bytes {start}-{end} came back as {len(data)} "
+                "bytes (the file changed during the download?): try again"
+            )
+        fd = os.open(staging / rel, os.O_WRONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            os.pwrite(fd, data, start)
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    # ---- room ----------------------------------------------------------------------------------------------
 
-def _read_manifest(local: Path) -> Manifest | None:
-    try:
-        data = json.loads((local / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    if not all((local / rel).is_file() for rel in data):
-        return None  # someone deleted a cached file: copy again
-    return {k: list(v) for k, v in data.items()}
+    def _reserve(self, key: str, need: int, keep: frozenset[str] = frozenset()) -> int:
+        """Make room for ``need`` bytes (evicting unused entries, least recently used first); returns how many
+        entries were evicted. Raises :class:`CacheFullError` when what is in use leaves no room."""
+        reservations = self.root / ".reservations"
+        reservations.mkdir(parents=True, exist_ok=True)
+        with locked(self.root / ".locks" / "cache.lock"):
+            evicted = 0
+            if self.limit_bytes is not None:
+                entries = self.entries()
+                used = sum(e.bytes for e in entries) + self._reserved(exclude=key)
+                leased = self.leases.live()
+                for e in entries:
+                    if used + need <= self.limit_bytes:
+                        break
+                    if entry_key(e.model, e.version) not in keep and self._evict(e, leased):
+                        used -= e.bytes
+                        evicted += 1
+                if used + need > self.limit_bytes:
+                    raise CacheFullError(self._full(key, need, used, leased))
+            (reservations / key).write_text(str(need))
+        return evicted
+
+    def _full(self, key: str, need: int, used: int, leased: dict[str, set[str]]) -> str:
+        held = ", ".join(sorted(leased)) or "versions being fetched"
+        return (
+            f"node cache {self.root} is full: {key} needs {need / 2**20:.1f} MiB, the limit is "
+            f"{(self.limit_bytes or 0) / 2**20:.1f} MiB and {used / 2**20:.1f} MiB are in use by running replicas "
+            f"({held}): raise --model-cache-size, or stop replicas of other models on this node"
+        )
+
+    def _reserved(self, exclude: str) -> int:
+        """Bytes reserved by downloads in progress (a reservation whose download died is removed)."""
+        total = 0
+        for path in (self.root / ".reservations").glob("*"):
+            if path.name == exclude:
+                continue
+            with locked(self.root / ".locks" / f"{path.name}.lock", blocking=False) as free:
+                if free:  # nobody downloads it: left by a download that died
+                    path.unlink(missing_ok=True)
+                    continue
+            try:
+                total += int(path.read_text() or 0)
+            except (OSError, ValueError):
+                continue
+        return total
+
+    def _evict(self, e: Entry, leased: dict[str, set[str]]) -> bool:
+        key = entry_key(e.model, e.version)
+        if key in leased:
+            return False
+        with locked(self.root / ".locks" / f"{key}.lock", blocking=False) as free:
+            if not free:
+                return False  # being fetched or checked right now
+            self._discard(self.root / e.model / str(e.version))
+        return True
+
+    def _discard(self, folder: Path) -> None:
+        """Remove an entry's folder: renamed away first (so it is gone at once), then deleted."""
+        if not folder.exists():
+            return
+        trash = self.root / ".trash" / f"{folder.parent.name}@{folder.name}-{uuid.uuid4().hex[:8]}"
+        trash.parent.mkdir(parents=True, exist_ok=True)
+        folder.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _clear_staging(self, key: str) -> None:
+        """Remove what a download of ``key`` that died left (the caller holds ``key``'s lock)."""
+        for leftover in (self.root / ".staging").glob(f"{key}-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    # ---- the config ------------------------------------------------------------------------------------------
+
+    def _write_config(self, model: str, config: bytes) -> None:
+        path = self.root / model / CONFIG_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{CONFIG_FILE}.{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(config)
+        os.replace(tmp, path)
+
+    def _cached_config(self, model: str, why: StoreUnavailableError) -> bytes:
+        try:
+            return (self.root / model / CONFIG_FILE).read_bytes()
+        except OSError:
+            raise StoreUnavailableError(f"{why}; model {model!r} is not cached on this node") from None

@@ -22,6 +22,7 @@ from starlette.routing import Route
 from octacloud.core import fields
 from octacloud.core.errors import InvalidSpecError, NotFoundError, OctacloudError
 from octacloud.metering import GROUPS, Ledger, PriceSheet, report_totals
+from octacloud.storage.store import StoreUnavailableError
 from octacloud.tenancy.keys import (
     MAX_RATE,
     TENANT_NAME,
@@ -97,6 +98,7 @@ EXCEPTION_HANDLERS: dict[Any, Any] = {
     InvalidSpecError: _answer(400),
     NotFoundError: _answer(404),
     ConflictError: _answer(409),
+    StoreUnavailableError: _answer(503),
     HTTPException: _http_error,
 }
 """Errors the admin and tenant APIs raise → their status (the body is always ``{"error": <message>}``)."""

@@ -6,6 +6,7 @@ Layout (Triton's)::
     <repository>/<model>/<version>/model.onnx      the graph
     <repository>/<model>/<version>/profile.json    its measured profile (octacloud.toolchain.profile)
     <repository>/<model>/<version>/parity.json     its parity report against the source framework
+    <repository>/<model>/<version>/octacloud-manifest.json   size and SHA-256 of each file (storage/manifest.py)
 
 A precision variant is a model of its own (``minilm``, ``minilm_fp16``, ``minilm_int8``); every publish adds
 version ``max(existing) + 1``. Files are written under ``<repository>/.octacloud-staging/`` (names starting
@@ -32,6 +33,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from octacloud.core.errors import InvalidSpecError
+from octacloud.storage.manifest import write_manifest
 from octacloud.toolchain.profile import ModelProfile, Precision, write_profile
 from octacloud.toolchain.spec import TensorSpec, triton_type
 
@@ -254,6 +256,7 @@ class ModelRepository:
         version = (max(versions(model_dir), default=0)) + 1
         profile = dataclasses.replace(s.profile, model=s.name, version=version)
         write_profile(profile, s.directory)
+        write_manifest(s.directory)  # size and SHA-256 of every file: node caches check what they fetch
         text = config_text(s.config)
         if not model_dir.exists():
             # A new model: assemble <model>/config.pbtxt + <model>/1/ beside the staged version, rename once.

@@ -34,7 +34,8 @@ from octacloud.control.controller.world import (
 )
 from octacloud.control.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.control.fleet import CPU_CARD_MODEL
-from octacloud.control.launcher import ReplicaLauncher, check_version
+from octacloud.control.launcher import ReplicaLauncher
+from octacloud.control.models import check_model
 from octacloud.control.sizing import Autoscaler, FleetCapacity, Sizing, plan_size, reserve_percent
 from octacloud.control.store import StateStore, Transition
 from octacloud.core.clock import Clock
@@ -45,6 +46,7 @@ from octacloud.observability.scheduling import SchedulingStats
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
 from octacloud.scheduler.loop import LoopSettings, ReevaluationLoop
+from octacloud.storage.store import FsspecStore, ModelStore
 
 
 @dataclass(slots=True)
@@ -75,7 +77,10 @@ class Controller:
         loop: LoopSettings | None = None,
         autoscaler: Autoscaler | None = None,
         scheduling: SchedulingStats | None = None,
+        models: ModelStore | None = None,
     ) -> None:
+        self.models: ModelStore = models if models is not None else FsspecStore(str(repository))
+        """Where configs, versions and sizes are read (``--model-storage``; default: the repository folder)."""
         self.w = World(
             as_controller_store(store, clock), nodes, scheduler, launcher, repository, routes, clock, prober, footprint,
             settings or ControllerSettings(), scheduling or SchedulingStats(),
@@ -128,9 +133,7 @@ class Controller:
         """Create or update a deployment. Validates against the repository and the fleet before accepting. A new
         model, version or size is rolled out replica by replica (the old ones serve until their successor does)."""
         w = self.w
-        if not (w.repository / spec.model).is_dir():
-            raise NotFoundError(f"model {spec.model!r} is not in the repository {w.repository}")
-        check_version(w.repository / spec.model, spec.version)
+        check_model(self.models, spec.model, spec.version)
         sizing = self.sizing(spec)
         octants, replicas = sizing.octants, sizing.replicas
         try:
@@ -156,6 +159,14 @@ class Controller:
         w.store.add_event("deploy", spec.name, what, deployment=spec.name, tenant=spec.tenant)
         w.poke()
         return d
+
+    def has_model(self, model: str) -> bool:
+        """Whether the model store holds ``model`` (raises StoreUnavailableError when it cannot tell now)."""
+        try:
+            self.models.versions(model)
+        except NotFoundError:
+            return False
+        return True
 
     def resolve_size(self, spec: DeploymentSpec) -> tuple[int, int]:
         """Octants per replica and replica count ``spec`` resolves to (auto-sizing done); raises as deploy does."""

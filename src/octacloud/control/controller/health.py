@@ -47,7 +47,8 @@ class HealthChecker:
             if r.state not in (ReplicaState.STARTING, ReplicaState.READY) or not r.handle:
                 continue
             if not w.launcher.alive(r.handle):
-                self.x.failed(r, "process exited")
+                why = getattr(w.launcher, "exit_reason", _untold)(r.handle)  # a launcher that can tell says why
+                self.x.failed(r, f"process exited: {why}" if why else "process exited")
                 continue
             if not r.http_port:  # a remote replica reports where it serves once it has started
                 try:
@@ -110,3 +111,7 @@ class HealthChecker:
         r.restarts += 1
         w.replica_event("restart", r, f"restart #{r.restarts} on {r.node}")
         await self.x.launch(r, d)
+
+
+def _untold(_handle: str) -> str:
+    return ""

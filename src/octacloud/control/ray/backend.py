@@ -44,7 +44,8 @@ from octacloud.core.model import Health, Node
 from octacloud.idlespin import REPLICA_SPIN_ENV
 from octacloud.security.internal_auth import REPLICA_ID_ENV
 from octacloud.security.internal_tls import InternalCa, Renewals
-from octacloud.storage.cache import FleetCacheStats
+from octacloud.storage.stats import FleetCacheStats
+from octacloud.storage.store import ModelStore
 
 log = logging.getLogger("octacloud.ray")
 
@@ -139,16 +140,18 @@ class RayLauncher:
     """Replicas as detached Ray actors pinned to the scheduler's node and card (a :class:`ReplicaLauncher`).
 
     Handles are actor names (``replica-<id>-<nonce>``) in the ``octacloud`` namespace, so a restarted
-    controller finds the actors an earlier one started. ``storage`` is the model repository as every node
-    reaches it (a shared path or an fsspec URL); each node caches models under ``cache_root/<node>``.
+    controller finds the actors an earlier one started. ``storage`` is the model store every node fetches
+    from (a folder every node mounts, or an object store); each node caches models under ``cache_root/<node>``
+    (at most ``cache_limit`` bytes).
     """
 
     def __init__(
         self,
         fleet: RayFleet,
-        storage: str,
+        storage: ModelStore,
         cache_root: Path,
         *,
+        cache_limit: int | None = None,
         actor_concurrency: int = 4,
         internal_secret: str | None = None,
         internal_ca: InternalCa | None = None,
@@ -165,6 +168,7 @@ class RayLauncher:
         self.fleet = fleet
         self.storage = storage
         self.cache_root = cache_root
+        self.cache_limit = cache_limit
         self.cache_stats = FleetCacheStats()
         self._actor_class: Any = ray.remote(ReplicaActor)
         self._concurrency = actor_concurrency
@@ -195,7 +199,9 @@ class RayLauncher:
         ).remote()
         host = self.bind_address(host)
         tls = self._renewals.issue(spec.replica_id, [host]) if self._renewals is not None else None
-        launch = ActorLaunch(spec, s.node, self.storage, self.cache_root, host, self.internal_secret, tls)
+        launch = ActorLaunch(
+            spec, s.node, self.storage, self.cache_root, host, self.internal_secret, tls, self.cache_limit
+        )
         self._actors[handle] = actor
         self._starts[handle] = (s.node, actor.start.remote(launch))
         self._watches[handle] = actor.watch.remote()

@@ -26,9 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from octacloud.control.launcher import LaunchSpec, model_view
+from octacloud.control.models import fetch_model
 from octacloud.security import internal_auth
 from octacloud.security.internal_tls import Credentials
-from octacloud.storage.cache import FetchResult, ModelCache
+from octacloud.storage.cache import NodeCache
+from octacloud.storage.stats import FetchResult
+from octacloud.storage.store import ModelStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +41,8 @@ class ActorLaunch:
     spec: LaunchSpec
     node: str
     """The octacloud node the actor runs on (names its model cache)."""
-    storage: str
-    """The model repository on shared storage: a path every node mounts, or an fsspec URL."""
+    storage: ModelStore
+    """The model store (a folder every node mounts, or an object store's URL with its credentials)."""
     cache_root: Path
     """Where nodes keep their model caches (``<cache_root>/<node>``) and replicas their scratch folders."""
     host: str
@@ -50,6 +53,8 @@ class ActorLaunch:
     tls: Credentials | None = None
     """Internal TLS: this replica's certificate, key and the cloud CA, written (key mode 0600) to the replica's
     scratch folder; the replica then serves TLS only (see ``cluster.internal_tls``)."""
+    cache_limit: int | None = None
+    """The node cache's size limit in bytes (``--model-cache-size``; None: no limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +77,7 @@ class ReplicaActor:
         self._thread: threading.Thread | None = None
         self._started: ActorStarted | None = None
         self._scratch: Path | None = None
+        self._lease: tuple[NodeCache, str] | None = None
 
     def start(self, launch: ActorLaunch) -> ActorStarted:
         """Fetch the model, start the server, return once it serves (model loaded and warmed up)."""
@@ -80,7 +86,9 @@ class ReplicaActor:
         from octacloud.serving import ControlMode
 
         spec = launch.spec
-        cache = ModelCache(launch.cache_root / launch.node).fetch(launch.storage, spec.model_dir.name)
+        node_cache = NodeCache(launch.cache_root / launch.node, launch.cache_limit)
+        cache = fetch_model(node_cache, launch.storage, spec.model_dir.name, spec.version, lease=spec.replica_id)
+        self._lease = (node_cache, spec.replica_id)  # released at stop; a killed actor's lease dies with it
         scratch = launch.cache_root / launch.node / ".replicas" / spec.replica_id
         scratch.mkdir(parents=True, exist_ok=True)
         self._scratch = scratch
@@ -92,7 +100,7 @@ class ReplicaActor:
                 f.write(launch.internal_secret + "\n")
             os.environ[internal_auth.ENV_VAR] = str(secret_file)  # this actor's own process only
         local = LaunchSpec(spec.replica_id, spec.serve_as, cache.path, spec.version, spec.env, spec.threads)
-        repository = model_view(local, scratch)
+        repository = model_view(local, scratch, cache.versions)
         tls = launch.tls.write(scratch, "replica") if launch.tls is not None else None
         settings = ServerSettings(
             repository=repository,
@@ -105,6 +113,7 @@ class ReplicaActor:
             threads=spec.threads,
             tls=tls,
             replica_id=spec.replica_id,
+            fetch_seconds=cache.seconds,
         )
         server = ReplicaServer(settings)
         started = threading.Event()
@@ -175,3 +184,5 @@ class ReplicaActor:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: already stopped
             loop.call_soon_threadsafe(event.set)
         thread.join(timeout=max(grace, 0.0) + 5.0)
+        if self._lease is not None and not thread.is_alive():
+            self._lease[0].release(self._lease[1])
