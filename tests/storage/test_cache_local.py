@@ -103,3 +103,24 @@ def test_sizes_as_people_write_them(text: str, size: int) -> None:
 def test_a_size_that_is_not_one_says_so(text: str) -> None:
     with pytest.raises(InvalidSpecError, match="--model-cache-size"):
         parse_size(text)
+
+
+def test_footprints_outlive_the_store_and_are_reread_after_their_ttl(tmp_path: Path) -> None:
+    from octacloud.control.probes import RepositoryFootprints
+    from octacloud.storage.store import StoreUnavailableError
+
+    write_version(tmp_path / "shared", "mlp", 1, b"w" * 4096)
+    store = FsspecStore(str(tmp_path / "shared"))
+    clock = [0.0]
+    footprints = RepositoryFootprints(store, ttl_s=10, now=lambda: clock[0])
+    first = footprints("mlp")
+    assert first.weights_bytes == 4096
+
+    def down(*_: object) -> list[int]:
+        raise StoreUnavailableError("model storage s3://x: cannot read it")
+
+    store.versions = down  # type: ignore[method-assign]
+    clock[0] = 60.0
+    assert footprints("mlp") == first  # the last one read
+    with pytest.raises(NotFoundError, match="footprint of 'bert' is unknown: model storage s3://x"):
+        footprints("bert")  # never read: the loop places it without one

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import ssl
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.gateway.upstream import UpstreamError, UpstreamPool
 from octacloud.security.internal_auth import REPLICA_HEADER_BYTES
 from octacloud.security.internal_tls import replica_server_name
-from octacloud.storage.store import MANIFEST_FILE, FsspecStore, ModelStore
+from octacloud.storage.store import MANIFEST_FILE, FsspecStore, ModelStore, StoreUnavailableError
 
 
 class HttpProber:
@@ -75,10 +76,32 @@ class RepositoryFootprints:
     version's ``profile.json``; without them, the size of the newest version's files stands for the weights.
     ``repository`` is the store, or a folder (a store of its own)."""
 
-    def __init__(self, repository: Path | ModelStore) -> None:
+    def __init__(
+        self, repository: Path | ModelStore, *, ttl_s: float = 10.0, now: Callable[[], float] = time.monotonic
+    ) -> None:
         self.store: ModelStore = FsspecStore(str(repository)) if isinstance(repository, Path) else repository
+        self.ttl_s = ttl_s
+        """A footprint read is reused this long (the controller asks for it on every pass)."""
+        self._now = now
+        self._known: dict[str, tuple[float, ModelFootprint]] = {}
 
     def __call__(self, model: str) -> ModelFootprint:
+        """The footprint of ``model``; while the store cannot be read, the last one read, or NotFoundError (a
+        store that goes away never stops the controller's loop: it places replicas without a footprint)."""
+        now = self._now()
+        known = self._known.get(model)
+        if known is not None and now - known[0] < self.ttl_s:
+            return known[1]
+        try:
+            footprint = self._read(model)
+        except StoreUnavailableError as exc:
+            if known is None:  # what callers already take as "no footprint known": they place without one
+                raise NotFoundError(f"the footprint of {model!r} is unknown: {exc}") from None
+            return known[1]
+        self._known[model] = (now, footprint)
+        return footprint
+
+    def _read(self, model: str) -> ModelFootprint:
         store = self.store
         versions = store.versions(model)  # NotFoundError: not in the store
         if not versions:
