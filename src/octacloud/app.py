@@ -23,10 +23,12 @@ from octacloud.control.deployments import ReplicaState
 from octacloud.control.emulated import EmulatedLauncher, EmulationSettings
 from octacloud.control.fleet import discover_fleet
 from octacloud.control.launcher import LocalProcessLauncher, ReplicaLauncher, StoreFetch
+from octacloud.control.models import CacheIndex
 from octacloud.control.mps import MpsDaemon, SharingCollector
 from octacloud.control.probes import HttpProber, RepositoryFootprints
 from octacloud.control.store import StateStore
 from octacloud.control.usage import ClusterUsage
+from octacloud.control.warm import keep_warm_copies
 from octacloud.core.clock import Clock, SystemClock
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node
@@ -83,6 +85,9 @@ class CloudConfig:
     ``<state_dir>/model-cache``."""
     model_cache_size: int | None = None
     """Each node cache's size limit in bytes (None: no limit): least recently used, unused versions go first."""
+    warm_copies: int = 0
+    """Nodes per deployment, beyond those running it, that keep its model cached for the failover reserve (the
+    ones with the most free GPU), so that a failover does not wait for a download."""
     telemetry_interval_s: float = 1.0
     """How often GPU/replica telemetry is sampled (the scheduler and the dashboard read the latest)."""
     tls: TlsConfig | None = None
@@ -170,7 +175,11 @@ class Cloud:
             on_card_readings=self._card_readings,
         )
         """Telemetry (the scheduler's telemetry source), the cloud's ``/metrics`` and the dashboard."""
-        profile = cloud_profile(config.policy, telemetry=self.monitoring.sampler)
+        self.cached_models: CacheIndex = getattr(launcher, "cache_index", None) or CacheIndex(
+            self.cache_root if config.model_storage is not None else None
+        )
+        """Which models each node's cache holds (the ``model-cache`` scoring term reads it)."""
+        profile = cloud_profile(config.policy, telemetry=self.monitoring.sampler, model_cache=self.cached_models)
         scheduler = Scheduler(ClusterState(self.nodes), profile)
         self.routes = RouteTable()
         self._prober = HttpProber(
@@ -345,6 +354,9 @@ class Cloud:
             self._tasks.append(asyncio.create_task(self._renew_certificates(renew)))
         if self.mps:
             self._tasks.append(asyncio.create_task(self._watch_mps()))
+        if self.config.warm_copies > 0:
+            warm = keep_warm_copies(self.controller, self.config.warm_copies, self._stop)
+            self._tasks.append(asyncio.create_task(warm))
         self._started = True
         scheme = "https" if self.config.tls is not None else "http"
         log.info("octacloud gateway on %s://%s:%d (gRPC %d)", scheme, self.config.host, self.http_port, self.grpc_port)

@@ -248,6 +248,9 @@ def up(
     model_cache_size: str | None = typer.Option(
         None, "--model-cache-size", help="Each node cache's size limit, e.g. 50GiB (default: no limit)."
     ),
+    warm_copies: int = typer.Option(
+        0, "--warm-copies", help="Nodes per deployment that keep its model cached for failovers (docs/storage.md)."
+    ),
     limit: list[str] = typer.Option([], "--limit", help="Gateway bound NAME=VALUE (docs/security.md); repeatable."),
     gateway_workers: int = typer.Option(
         1,
@@ -354,6 +357,7 @@ def up(
         storage_credentials=storage_credentials,
         model_cache=model_cache,
         model_cache_size=cache_size,
+        warm_copies=max(0, warm_copies),
         limits=limits,
         gateway_workers=gateway_workers,
         internal_tls=internal_tls_mode,

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -228,6 +230,10 @@ class LocalProcessLauncher:
     ) -> None:
         self.fetch = fetch
         self._logs: dict[str, Path] = {}
+        self._prefetch_lock = threading.Lock()
+        self._prefetching: set[str] = set()
+        self.prefetched: list[tuple[str, str]] = []
+        """(node, model) of every prefetch that completed, in order."""
         self.internal_ca = internal_ca
         """Internal TLS: each replica gets a fresh certificate of this CA (files in its folder, key mode 0600)."""
         self._renewals = Renewals(internal_ca) if internal_ca is not None else None
@@ -300,6 +306,35 @@ class LocalProcessLauncher:
         if self._renewals is not None:
             self._renewals.track(str(pid), spec.replica_id, [self.host])
         return Launched(str(pid), self._addresses[str(pid)], log)
+
+    def prefetch(self, node: str, model: str, version: str) -> None:
+        """Fetch what a replica of ``model`` (``version``: '' for its policy) needs into this machine's node
+        cache now, in the background, ahead of a replica that will start here (one waiting for its slice, a
+        warm copy for the failover reserve). Never blocks; a prefetch already under way is not repeated."""
+        if self.fetch is None:
+            return
+        key = f"{model}@{version}"
+        with self._prefetch_lock:
+            if key in self._prefetching:
+                return
+            self._prefetching.add(key)
+        threading.Thread(target=self._prefetch, args=(node, model, version, key), daemon=True).start()
+
+    def _prefetch(self, node: str, model: str, version: str, key: str) -> None:
+        from octacloud.control.models import fetch_model
+        from octacloud.storage.cache import NodeCache
+
+        fetch = self.fetch
+        assert fetch is not None
+        try:
+            got = fetch_model(NodeCache(fetch.cache_root, fetch.limit_bytes), fetch.store, model, version)
+            logging.getLogger("octacloud.storage").info("prefetch: %s", got.describe(node))
+            self.prefetched.append((node, model))
+        except Exception as exc:  # a prefetch is an optimisation: the replica fetches (and reports) itself
+            logging.getLogger("octacloud.storage").warning("prefetch of %s on %s failed: %s", key, node, exc)
+        finally:
+            with self._prefetch_lock:
+                self._prefetching.discard(key)
 
     def exit_reason(self, handle: str) -> str:
         """Why a replica that exited did (the error its last lines report: a model store that did not answer, a

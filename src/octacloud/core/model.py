@@ -106,6 +106,8 @@ class Request:
     """Pinned work is never moved by defragmentation."""
     failover: bool = False
     """Replacement of work lost to a failure: may use the failover headroom."""
+    model: str = ""
+    """The model the work runs ('' for none): cache-aware placement prefers nodes that already hold it."""
 
     def __post_init__(self) -> None:
         n = self.name or "<unnamed>"

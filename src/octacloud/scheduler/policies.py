@@ -21,6 +21,7 @@ from octacloud.scheduler.fragmentation import TargetWorkload
 from octacloud.scheduler.framework.runner import Profile
 from octacloud.scheduler.plugins import REGISTRY, RULE_KINDS
 from octacloud.scheduler.plugins.headroom import FailoverHeadroom
+from octacloud.scheduler.plugins.model_cache import CachedModels
 from octacloud.scheduler.plugins.model_memory import ModelMemoryLimit
 from octacloud.scheduler.plugins.octant import OctantUnit
 from octacloud.scheduler.profiles import builtin_profile_names, builtin_profile_path, load_profile
@@ -51,10 +52,15 @@ def slice_prior() -> TargetWorkload:
     return TargetWorkload.from_requests(sizes, coverage=1.0)
 
 
-def cloud_profile(policy: str = PRODUCT_DEFAULT, telemetry: TelemetrySource | None = None) -> Profile:
+def cloud_profile(
+    policy: str = PRODUCT_DEFAULT, telemetry: TelemetrySource | None = None, model_cache: CachedModels | None = None
+) -> Profile:
     """The profile the cloud schedules with (``octacloud up`` and the Kubernetes extender alike): ``policy``,
-    seed 0, the product's slice sizes as the prior workload, and the product's rules."""
-    return build_profile(policy, seed=0, workload=slice_prior(), rules=True, telemetry=telemetry)
+    seed 0, the product's slice sizes as the prior workload, and the product's rules. ``model_cache`` tells a
+    profile's ``model-cache`` term which nodes hold which models."""
+    return build_profile(
+        policy, seed=0, workload=slice_prior(), rules=True, telemetry=telemetry, model_cache=model_cache
+    )
 
 
 def policy_names() -> list[str]:
@@ -69,9 +75,10 @@ def build_profile(
     workload: TargetWorkload | None = None,
     rules: bool = False,
     telemetry: TelemetrySource | None = None,
+    model_cache: CachedModels | None = None,
 ) -> Profile:
     """The profile called ``name`` (built-in, or a profile file path), seeded with ``seed``."""
-    context = PluginContext(seed=seed, workload=workload, telemetry=telemetry)
+    context = PluginContext(seed=seed, workload=workload, telemetry=telemetry, model_cache=model_cache)
     path = Path(name) if name.endswith((".yaml", ".yml", ".toml")) else builtin_profile_path(name)
     profile = load_profile(path, context=context, registry=REGISTRY)
     return with_rules(profile) if rules else without_rules(profile)

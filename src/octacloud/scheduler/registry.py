@@ -17,6 +17,7 @@ from octacloud.scheduler.framework.api import Plugin
 
 if TYPE_CHECKING:
     from octacloud.scheduler.fragmentation import TargetWorkload
+    from octacloud.scheduler.plugins.model_cache import CachedModels
     from octacloud.scheduler.telemetry import TelemetrySource
 
 _N = TypeVar("_N", int, float)
@@ -32,6 +33,8 @@ class PluginContext:
     """FGD's target workload; required by fragmentation-aware plugins."""
     telemetry: TelemetrySource | None = None
     """Live node metrics for telemetry-fed scoring terms."""
+    model_cache: CachedModels | None = None
+    """Which models the nodes' caches hold, for cache-aware placement (``model-cache``)."""
 
 
 class Args:

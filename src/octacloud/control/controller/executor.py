@@ -94,6 +94,17 @@ class Executor:
                 w.replica_event("placed", r, f"{p.node} cards {list(p.gpus)} × {p.milli_per_gpu} milli{waits}")
                 if self.room_is_free(r):
                     await self.launch(r, deployments[r.deployment])
+                else:  # it waits for its slice: its model downloads to the node meanwhile
+                    self.prefetch(r.node, *w.template(r, deployments[r.deployment])[:2])
+
+    def prefetch(self, node: str, model: str, version: str) -> None:
+        """Ask the launcher (one that can) to fetch ``model`` to ``node`` ahead of a replica; never blocks."""
+        prefetch = getattr(self.w.launcher, "prefetch", None)
+        if prefetch is not None:
+            try:
+                prefetch(node, model, version)
+            except Exception:  # an optimisation, never a failed pass
+                log.exception("prefetch of %s to %s failed", model, node)
 
     def room_is_free(self, r: Replica) -> bool:
         """True once every replica named in ``r.after`` has stopped (and so left ``r``'s slice)."""

@@ -168,6 +168,7 @@ class World:
             owner=d.spec.tenant,
             pinned=bool(r.replaces) or r.state is ReplicaState.STOPPING or r.id in self.transitions,
             failover=r.failover,
+            model=model,
         )
 
     @staticmethod

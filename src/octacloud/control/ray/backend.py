@@ -37,6 +37,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 import ray
 from octacloud.control.controller import NodeChange
 from octacloud.control.launcher import Launched, LaunchFailedError, LaunchSpec, ReplicaAddress
+from octacloud.control.models import CacheIndex
 from octacloud.control.ray.inventory import FAST_FAILURE_DETECTION, node_from_ray, node_name, slice_resources
 from octacloud.control.ray.replica import ActorLaunch, ActorStarted, ReplicaActor
 from octacloud.core.errors import InvalidSpecError
@@ -44,7 +45,7 @@ from octacloud.core.model import Health, Node
 from octacloud.idlespin import REPLICA_SPIN_ENV
 from octacloud.security.internal_auth import REPLICA_ID_ENV
 from octacloud.security.internal_tls import InternalCa, Renewals
-from octacloud.storage.stats import FleetCacheStats
+from octacloud.storage.stats import FetchResult, FleetCacheStats
 from octacloud.storage.store import ModelStore
 
 log = logging.getLogger("octacloud.ray")
@@ -170,6 +171,9 @@ class RayLauncher:
         self.cache_root = cache_root
         self.cache_limit = cache_limit
         self.cache_stats = FleetCacheStats()
+        self.cache_index = CacheIndex()
+        self._prefetches: dict[tuple[str, str, str], Any] = {}
+        """Which models each node fetched (its replicas and prefetches report it): cache-aware placement."""
         self._actor_class: Any = ray.remote(ReplicaActor)
         self._concurrency = actor_concurrency
         self._actors: dict[str, Any] = {}
@@ -209,6 +213,36 @@ class RayLauncher:
             self._renewals.track(handle, spec.replica_id, [host])
         return Launched(handle, None, None)
 
+    def prefetch(self, node: str, model: str, version: str) -> None:
+        """Fetch ``model`` into node ``node``'s cache now, as a Ray task pinned there, ahead of a replica that
+        will start on it. Never waits; a prefetch already under way there is not repeated."""
+        self._collect_prefetches()
+        node_id = self.fleet.node_id(node)
+        key = (node, model, version)
+        if node_id is None or key in self._prefetches:
+            return
+        task = ray.remote(_prefetch_on_node).options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+        )
+        self._prefetches[key] = task.remote(self.storage, self.cache_root / node, self.cache_limit, model, version)
+
+    def _collect_prefetches(self) -> None:
+        refs = list(self._prefetches.values())
+        if not refs:
+            return
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for key, ref in list(self._prefetches.items()):
+            if ref not in done:
+                continue
+            del self._prefetches[key]
+            try:
+                result: FetchResult = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                log.warning("prefetch of %s on %s failed: %s", key[1], key[0], _first_line(exc))
+                continue
+            self.cache_stats.record(key[0], result)
+            self.cache_index.record(key[0], key[1])
+
     def bind_address(self, node_address: str) -> str:
         """Where a replica on the node at ``node_address`` listens: loopback on the gateway's node, else that
         node's address (the only one the gateway can reach it at)."""
@@ -239,6 +273,7 @@ class RayLauncher:
         note = ""
         if node is not None:  # an adopted replica's cache outcome was recorded by the controller that started it
             self.cache_stats.record(node, started.cache)
+            self.cache_index.record(node, started.cache.path.name)
             note = started.cache.describe(node)
         address = ReplicaAddress(
             started.host, started.http_port, started.grpc_port, started.metrics_port, started.pid, note
@@ -317,6 +352,14 @@ class RayLauncher:
             return None
         self._actors[handle] = actor
         return actor
+
+
+def _prefetch_on_node(store: ModelStore, root: Path, limit: int | None, model: str, version: str) -> FetchResult:
+    """Runs on the node (a Ray task): fill its cache with what a replica of ``model`` needs."""
+    from octacloud.control.models import fetch_model
+    from octacloud.storage.cache import NodeCache
+
+    return fetch_model(NodeCache(root, limit), store, model, version)
 
 
 def _first_line(exc: BaseException) -> str:

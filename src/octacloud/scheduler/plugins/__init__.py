@@ -11,6 +11,7 @@ from octacloud.scheduler.plugins import (
     free_resource,
     gpu_type,
     headroom,
+    model_cache,
     model_memory,
     octacloud,
     octant,
@@ -48,6 +49,7 @@ def builtin_registry() -> PluginRegistry:
     reg.register("gpu-type", gpu_type.build, "filter + score: allowed, denied, preferred and reserved GPU models")
     reg.register("nvlink-topology", topology.build, "score + cards: multi-card requests within one NVLink group")
     reg.register("telemetry", telemetry.build, "filter + score: one node metric (needs a telemetry source)")
+    reg.register("model-cache", model_cache.build, "score: nodes whose model cache holds the request's model")
     reg.register("free-resource", free_resource.build, "score: free share of CPU, memory, GPU or GPU memory")
     return reg
 
