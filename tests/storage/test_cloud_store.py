@@ -104,7 +104,7 @@ def test_the_store_killed_replicas_serve_and_restart_from_the_cache(
     np.testing.assert_allclose(cloud.infer("lin", x), expected_output(x), rtol=1e-5, atol=1e-5)
     victim = cloud.ready("lin")[0]
     os.kill(int(victim["pid"]), signal.SIGKILL)
-    wait_until("the killed replica replaced", lambda: victim["id"] not in {r["id"] for r in cloud.ready("lin")}
+    wait_until("the killed replica started again", lambda: victim["pid"] not in {r["pid"] for r in cloud.ready("lin")}
                and len(cloud.ready("lin")) == 3)  # fmt: skip
     np.testing.assert_allclose(cloud.infer("lin", x), expected_output(x), rtol=1e-5, atol=1e-5)
     from_cache = [f for f in fetches(cloud) if f["store_error"]]  # the replacement's fetch: the cache alone

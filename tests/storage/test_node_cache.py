@@ -85,10 +85,19 @@ def test_eviction_under_a_size_limit_spares_a_model_in_use(s3_store: FsspecStore
     for name in ("a", "b", "c", "d"):
         published(s3_store, tmp_path / "local", name, {1: random_bytes(size)})
     cache = NodeCache(tmp_path / "node", limit_bytes=size * 5 // 2)  # room for two
-    replica = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    fetch_model(cache, s3_store, "a", "")
+    hold = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from octacloud.storage.cache import NodeCache
+        NodeCache(Path({str(tmp_path / "node")!r})).hold("replica-a", "a", [1])
+        print("held", flush=True)
+        time.sleep(600)
+    """)  # a replica serving a@1: another process, as a replica is (or another pod on the node)
+    replica = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, env={**os.environ,
+                               "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
     try:
-        fetch_model(cache, s3_store, "a", "", lease="replica-a")  # held while the fetching process runs
-        cache.hold("replica-a", "a", [1], pid=replica.pid)  # then by the replica that serves it
+        assert replica.stdout is not None and replica.stdout.readline() == b"held\n"
         fetch_model(cache, s3_store, "b", "")
         got = fetch_model(cache, s3_store, "c", "", lease="replica-c")
         assert got.evicted == 1 and cache.cached_versions("b") == [] and not (tmp_path / "node" / "b" / "1").exists()
@@ -97,7 +106,7 @@ def test_eviction_under_a_size_limit_spares_a_model_in_use(s3_store: FsspecStore
             fetch_model(cache, s3_store, "d", "")
     finally:
         replica.kill()
-        replica.wait()
+        replica.communicate()  # reaps it and closes its pipe
     cache.release("replica-c")
     assert fetch_model(cache, s3_store, "d", "").evicted == 1  # a's replica died: its lease with it
     assert cache.used_bytes() <= size * 5 // 2

@@ -104,8 +104,8 @@ class NodeCache:
         self, store: ModelStore, model: str, pick: VersionPicker | Sequence[int], lease: str | None = None
     ) -> FetchResult:
         """Make the versions of ``model`` that ``pick`` chooses available under ``root/<model>``; returns
-        where, and what it cost. ``lease`` names the replica the versions are held for (released with
-        :meth:`release`); eviction never removes them while its process lives."""
+        where, and what it cost. ``lease`` names the replica the versions are held for: this process holds the
+        lease until :meth:`release` or its exit, and eviction never removes them meanwhile."""
         started = time.monotonic()
         store_error = ""
         try:
@@ -149,9 +149,9 @@ class NodeCache:
         self.stats.record(result)
         return result
 
-    def hold(self, lease: str, model: str, versions: Sequence[int], pid: int | None = None) -> None:
-        """Lease cached versions to process ``pid`` (a replica started from them) under the name ``lease``."""
-        self.leases.hold(lease, [entry_key(model, v) for v in versions], pid)
+    def hold(self, lease: str, model: str, versions: Sequence[int]) -> None:
+        """This process (a replica started from them) leases cached versions under the name ``lease``."""
+        self.leases.hold(lease, [entry_key(model, v) for v in versions])
 
     def release(self, lease: str) -> None:
         """The replica ``lease`` stopped: its versions may be evicted again."""

@@ -1,10 +1,11 @@
 """What a node cache must not touch: versions being fetched (a ``flock`` per version) and versions live
-replicas use (a lease file per replica, naming its process).
+replicas use (a lease per replica).
 
-A lease is live while its process runs: the file records the PID and the process's start time (so a PID
-reused by another process does not keep a lease alive), and a replica killed with ``kill -9`` leaves a lease
-that the next eviction finds dead and removes. Locks are ``flock``s, which the kernel releases when their
-holder dies, so a download killed half-way holds nothing.
+A lease is a lock file the replica's process holds a shared ``flock`` on for as long as it runs, and beside it
+the versions it holds (``<name>.json``, replaced whole). Whether a lease is live is asked of the kernel — an
+eviction tries to lock the file exclusively — so it works across processes, containers and PID namespaces
+that share the cache folder (pods on one Kubernetes node), and a replica killed with ``kill -9`` loses its
+lease with its process: the kernel drops its lock, and the next eviction removes what it left.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import errno
 import fcntl
 import json
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -23,19 +25,15 @@ def entry_key(model: str, version: int) -> str:
 
 
 @contextlib.contextmanager
-def locked(path: Path, *, blocking: bool = True) -> Iterator[bool]:
-    """An exclusive ``flock`` on ``path`` (created if needed); yields False when ``blocking`` is off and another
-    holder has it (then nothing is held)."""
+def locked(path: Path, *, blocking: bool = True, shared: bool = False) -> Iterator[bool]:
+    """A ``flock`` on ``path`` (created if needed), exclusive unless ``shared``; yields False when ``blocking``
+    is off and another holder has it (then nothing is held)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                yield False
-                return
-            raise
+        if not _lock(fd, blocking=blocking, shared=shared):
+            yield False
+            return
         try:
             yield True
         finally:
@@ -44,53 +42,80 @@ def locked(path: Path, *, blocking: bool = True) -> Iterator[bool]:
         os.close(fd)
 
 
-def process_start(pid: int) -> str | None:
-    """The start time of process ``pid`` (clock ticks since boot), or None when it is gone or a zombie."""
+def _lock(fd: int, *, blocking: bool, shared: bool) -> bool:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()
-    if not fields or fields[0] == "Z":
-        return None
-    return fields[19] if len(fields) > 19 else None
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB))
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    return True
+
+
+_HELD: dict[Path, int] = {}
+"""Lease lock files this process holds, with their descriptors (kept open: the lock lives as long as they do)."""
+_HELD_LOCK = threading.Lock()
+
+
+def _hold_lock(lock: Path) -> int:
+    """A descriptor holding a shared lock on ``lock`` as it is now on disk (an eviction that found a dead
+    lease may have removed the file between our open and our lock: then lock the new one)."""
+    while True:
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+        _lock(fd, blocking=True, shared=True)
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 class Leases:
-    """The leases of one node cache (``<root>/.leases/<name>.json``)."""
+    """The leases of one node cache (``<root>/.leases/<name>.lock`` and ``<name>.json``)."""
 
     def __init__(self, root: Path) -> None:
         self.folder = root / ".leases"
 
-    def hold(self, name: str, entries: Iterable[str], pid: int | None = None) -> None:
-        """Lease ``entries`` (``model@version``) to process ``pid`` (default: this one), replacing ``name``'s."""
-        pid = os.getpid() if pid is None else pid
-        start = process_start(pid)
-        if start is None:
-            raise ProcessLookupError(f"process {pid} is not running: it cannot hold a model-cache lease")
+    def hold(self, name: str, entries: Iterable[str]) -> None:
+        """This process leases ``entries`` (``model@version``) under ``name`` until :meth:`release` or its exit
+        (replacing what ``name`` held)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({"pid": pid, "start": start, "entries": sorted(set(entries))})
-        tmp = self.folder / f".{name}.{os.getpid()}.tmp"
-        tmp.write_text(body)
+        lock = self.folder / f"{name}.lock"
+        with _HELD_LOCK:
+            if lock not in _HELD:
+                _HELD[lock] = _hold_lock(lock)
+        tmp = self.folder / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.write_text(json.dumps({"entries": sorted(set(entries))}))
         os.replace(tmp, self.folder / f"{name}.json")
 
     def release(self, name: str) -> None:
+        lock = self.folder / f"{name}.lock"
         (self.folder / f"{name}.json").unlink(missing_ok=True)
+        with _HELD_LOCK:
+            fd = _HELD.pop(lock, None)
+        if fd is not None:
+            os.close(fd)  # drops the lock
+        with locked(lock, blocking=False) as free:
+            if free:
+                lock.unlink(missing_ok=True)
 
     def live(self) -> dict[str, set[str]]:
-        """Entry → names of the live leases that hold it; dead leases are removed on the way."""
+        """Entry → names of the live leases that hold it; what dead leases left is removed on the way."""
         held: dict[str, set[str]] = {}
         if not self.folder.is_dir():
             return held
-        for path in self.folder.glob("*.json"):
+        for lock in self.folder.glob("*.lock"):
+            record = lock.with_suffix(".json")
+            with locked(lock, blocking=False) as free:
+                if free:  # nobody holds it: its process is gone
+                    record.unlink(missing_ok=True)
+                    lock.unlink(missing_ok=True)
+                    continue
             try:
-                data = json.loads(path.read_text())
-                pid, start, entries = int(data["pid"]), str(data["start"]), list(data["entries"])
+                entries = json.loads(record.read_text())["entries"]
             except (OSError, ValueError, KeyError, TypeError):
-                continue  # being replaced right now, or not ours
-            if process_start(pid) != start:
-                path.unlink(missing_ok=True)  # its process is gone (or the PID is someone else's now)
-                continue
+                continue  # being written right now: what it fetches is under its version's lock meanwhile
             for entry in entries:
-                held.setdefault(str(entry), set()).add(path.stem)
+                held.setdefault(str(entry), set()).add(lock.stem)
         return held
