@@ -37,6 +37,7 @@ from octacloud.k8s.resources import (
     Obj,
     pod_placement,
 )
+from octacloud.storage.sizes import parse_size
 
 log = logging.getLogger("octacloud.k8s.operator")
 
@@ -61,7 +62,15 @@ SPEC_KEYS = (
     "tenant",
     "image",
     "modelsClaim",
+    "modelStorage",
+    "storageSecret",
+    "cacheSize",
 )
+NODE_CACHE_HOST_PATH = "/var/lib/octacloud/model-cache"
+"""With ``modelStorage``: every node's model cache, shared by the pods on that node (a hostPath)."""
+NODE_CACHE_MOUNT = "/var/cache/octacloud/models"
+STORAGE_SECRET_MOUNT = "/etc/octacloud/storage"
+"""With ``storageSecret``: the Secret's ``credentials`` key (an AWS shared-credentials file) is mounted here."""
 
 FootprintSource = Callable[[str], ModelFootprint]
 
@@ -85,6 +94,10 @@ class Desired:
     image: str
     models_claim: str
     scheduler_name: str = SCHEDULER_NAME
+    model_storage: str = ""
+    """The model store pods fetch from through the node cache ('' : the ``modelsClaim`` PVC, read in place)."""
+    storage_secret: str = ""
+    cache_size: str = ""
 
 
 def parse(obj: Mapping[str, Any], footprint: FootprintSource | None, card_memory_mib: int | None) -> Desired:
@@ -158,7 +171,21 @@ def parse(obj: Mapping[str, Any], footprint: FootprintSource | None, card_memory
         str(spec.get("image", DEFAULT_IMAGE)),
         str(spec.get("modelsClaim", "octacloud-models")),
         str(spec.get("schedulerName", SCHEDULER_NAME)),
+        *_storage_fields(spec, where),
     )
+
+
+def _storage_fields(spec: Mapping[str, Any], where: str) -> tuple[str, str, str]:
+    """``modelStorage``, ``storageSecret``, ``cacheSize``, checked."""
+    storage, secret, size = (spec.get(k, "") for k in ("modelStorage", "storageSecret", "cacheSize"))
+    for key, value in (("modelStorage", storage), ("storageSecret", secret), ("cacheSize", size)):
+        if not isinstance(value, str):
+            raise InvalidSpecError(f"{where}: spec.{key} must be a string, got {value!r}")
+    if (secret or size) and not storage:
+        raise InvalidSpecError(f"{where}: spec.storageSecret and spec.cacheSize go with spec.modelStorage")
+    if size:
+        parse_size(size, f"{where}: spec.cacheSize")
+    return storage, secret, size
 
 
 def owner_reference(obj: Mapping[str, Any]) -> Obj:
@@ -189,6 +216,10 @@ def deployment_for(d: Desired, owner: Obj) -> Obj:
         "--load-model",
         d.spec.model,
     ]
+    mounts: list[Obj] = [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}]
+    volumes: list[Obj] = [{"name": "models", "persistentVolumeClaim": {"claimName": d.models_claim, "readOnly": True}}]
+    if d.model_storage:
+        command, mounts, volumes = _node_cache(d)
     container: Obj = {
         "name": "replica",
         "image": d.image,
@@ -201,12 +232,12 @@ def deployment_for(d: Desired, owner: Obj) -> Obj:
         "resources": {"limits": {OCTANTS: str(d.octants)}},
         "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"}, "periodSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"}, "periodSeconds": 10},
-        "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}],
+        "volumeMounts": mounts,
     }
     pod_spec: Obj = {
         "schedulerName": d.scheduler_name,
         "containers": [container],
-        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": d.models_claim, "readOnly": True}}],
+        "volumes": volumes,
     }
     if d.priority_class:
         pod_spec["priorityClassName"] = d.priority_class
@@ -221,6 +252,28 @@ def deployment_for(d: Desired, owner: Obj) -> Obj:
             "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec},
         },
     }
+
+
+def _node_cache(d: Desired) -> tuple[list[str], list[Obj], list[Obj]]:
+    """The replica's command, mounts and volumes when it fetches from ``modelStorage`` through its node's cache
+    (as KServe's LocalModelCache keeps models on the node): the cache is a hostPath every pod on the node shares
+    (one download per node, ``flock``s and leases work across pods), the one-model view a scratch emptyDir."""
+    command = ["octacloud", "serve", "--repository", "/scratch/repository", "--host", "0.0.0.0",
+               "--model-storage", d.model_storage, "--model-cache", NODE_CACHE_MOUNT, "--fetch-model", d.spec.model,
+               "--fetch-version", d.spec.version, "--serve-as", d.spec.model]  # fmt: skip
+    if d.cache_size:
+        command += ["--model-cache-size", d.cache_size]
+    mounts: list[Obj] = [{"name": "model-cache", "mountPath": NODE_CACHE_MOUNT},
+                         {"name": "scratch", "mountPath": "/scratch"}]  # fmt: skip
+    volumes: list[Obj] = [
+        {"name": "model-cache", "hostPath": {"path": NODE_CACHE_HOST_PATH, "type": "DirectoryOrCreate"}},
+        {"name": "scratch", "emptyDir": {}},
+    ]
+    if d.storage_secret:
+        command += ["--storage-credentials", f"{STORAGE_SECRET_MOUNT}/credentials"]
+        mounts.append({"name": "storage-credentials", "mountPath": STORAGE_SECRET_MOUNT, "readOnly": True})
+        volumes.append({"name": "storage-credentials", "secret": {"secretName": d.storage_secret}})
+    return command, mounts, volumes
 
 
 def service_for(d: Desired, owner: Obj) -> Obj:
