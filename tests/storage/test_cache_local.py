@@ -124,3 +124,29 @@ def test_footprints_outlive_the_store_and_are_reread_after_their_ttl(tmp_path: P
     assert footprints("mlp") == first  # the last one read
     with pytest.raises(NotFoundError, match="footprint of 'bert' is unknown: model storage s3://x"):
         footprints("bert")  # never read: the loop places it without one
+
+
+def test_storage_metering_reads_the_sizes_the_store_reports(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from octacloud.control.usage import ClusterUsage
+    from octacloud.storage.store import StoreUnavailableError
+
+    bucket = f"memory://metered-{uuid.uuid4().hex[:8]}"
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"{bucket}/mlp/config.pbtxt", b"x" * 10)
+    fs.pipe(f"{bucket}/mlp/1/model.onnx", b"w" * 1000)
+    store = FsspecStore(bucket)
+    deployment = SimpleNamespace(spec=SimpleNamespace(model="mlp", tenant="acme", name="lin"))
+    controller = SimpleNamespace(models=store, store=SimpleNamespace(deployments=lambda: [deployment]))
+    clock = [0.0]
+    usage = ClusterUsage(controller, storage_ttl_s=60, now=lambda: clock[0])  # type: ignore[arg-type]
+    (stored,) = usage.storage()
+    assert (stored.tenant, stored.deployment, stored.bytes) == ("acme", "lin", 1010)
+
+    def down(_model: str) -> int:
+        raise StoreUnavailableError("model storage memory://x: cannot read it")
+
+    store.size = down  # type: ignore[method-assign]
+    clock[0] = 120.0  # re-measured: the store is away, the last size stands
+    assert usage.storage()[0].bytes == 1010
