@@ -73,8 +73,11 @@ class SeaweedS3:
             assert self.process is not None
             if self.process.poll() is not None:
                 raise RuntimeError(f"weed mini exited ({self.process.returncode}): see {self.root / 'weed.log'}")
-            try:
-                client.list_buckets()
+            try:  # writable, not only listening: after a restart the volume server registers a moment later
+                if "ready-probe" not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+                    client.create_bucket(Bucket="ready-probe")
+                client.put_object(Bucket="ready-probe", Key="probe", Body=b"ok")
+                assert client.get_object(Bucket="ready-probe", Key="probe")["Body"].read() == b"ok"
                 return
             except Exception:
                 if time.monotonic() > deadline:
