@@ -25,6 +25,8 @@ class FakeAdmin:
     def __call__(self, method: str, url: str, json: Any = None, headers: Any = None, **_: Any) -> httpx.Response:
         path = httpx.URL(url).path
         self.sent.append((method, path, dict(headers or {}), json))
+        if path not in self.answers:
+            return httpx.Response(404, json={"error": f"no route {path}"})
         return httpx.Response(200, json=self.answers[path])
 
 
@@ -63,6 +65,33 @@ def test_a_given_key_wins_over_the_saved_one(admin: FakeAdmin, tmp_path: Path) -
     admin.answers["/admin/deployments"] = _deployments(1)
     assert CliRunner().invoke(app, ["status", "--key", "oc_given"]).exit_code == 0
     assert admin.sent[0][2]["Authorization"] == "Bearer oc_given"
+
+
+def test_status_shows_the_fleet_with_its_failure_domains_to_an_admin(admin: FakeAdmin) -> None:
+    admin.answers["/admin/deployments"] = _deployments(1)
+    card = {"index": 0, "free_milli": 625}
+    admin.answers["/admin/fleet"] = {
+        "nodes": [
+            {"name": "gpu-a", "health": "healthy", "domains": {"zone": "eu-1", "rack": "r12", "power_feed": "pdu-1"},
+             "cards": [card, {"index": 1, "free_milli": 1000}]},
+            {"name": "gpu-b", "health": "failed", "domains": {"zone": "", "rack": "", "power_feed": ""}, "cards": []},
+        ]
+    }  # fmt: skip
+    result = CliRunner().invoke(app, ["status"])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if "gpu-a" in line).split()
+    assert [w for w in row if w not in "│┃"] == ["gpu-a", "healthy", "eu-1", "r12", "pdu-1", "2", "13/16"]
+    row = next(line for line in result.output.splitlines() if "gpu-b" in line).split()
+    assert [w for w in row if w not in "│┃"] == ["gpu-b", "failed", "-", "-", "-", "0", "0/0"]
+    shown = CliRunner().invoke(app, ["status", "--json"])
+    assert '"rack": "r12"' in shown.output
+
+
+def test_status_without_the_fleet_for_a_tenant_key(admin: FakeAdmin) -> None:
+    admin.answers["/admin/deployments"] = _deployments(1)  # /admin/fleet answers 404 here (403 for a tenant)
+    result = CliRunner().invoke(app, ["status"])
+    assert result.exit_code == 0, result.output
+    assert "nodes" not in result.output and "0f0f0f" in result.output
 
 
 def test_events_show_their_times(admin: FakeAdmin) -> None:

@@ -24,6 +24,7 @@ def document(at: float, qps: float) -> dict[str, Any]:
                 {
                     "name": "node-a",
                     "health": "healthy",
+                    "domains": {"zone": "eu-1", "rack": "r12", "power_feed": ""},
                     "cards": [
                         {"index": 0, "model": "H100", "free_milli": 375, "usable": True,
                          "octants": [a, a, a, b, b, None, None, None],
@@ -67,6 +68,7 @@ def test_frame_shows_octants_load_replicas_and_events() -> None:
     assert text.count(OCTANT) == 5 and text.count(FREE) == 3 + 8
     assert "5/8" in text and "0/8" in text and "util  42 %" in text and "20,480 MiB" in text
     assert "unusable" in text
+    assert "node-a (healthy) eu-1/r12/-" in text  # its failure domains: zone / rack / power feed
     assert "allocated 31 %" in text and "fragmented 25 %" in text
     assert "10.0" in text and "12.5 ms" in text and "1:40 4:3" in text
     assert "process exited" in text and "placed" in text

@@ -22,6 +22,7 @@ from octacloud.admin.rollouts import rollout_routes
 from octacloud.control.controller import Controller
 from octacloud.control.deployments import MAX_REPLICAS, Deployment, DeploymentSpec, Replica
 from octacloud.core import fields
+from octacloud.core.domains import domain_dict
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.metering import Ledger, PriceSheet
 from octacloud.serving import is_model_name
@@ -186,7 +187,15 @@ def build_admin_app(
                         "replicas": holders,
                     }
                 )
-            nodes.append({"name": node.name, "health": node.health.value, "labels": dict(node.labels), "cards": cards})
+            nodes.append(
+                {
+                    "name": node.name,
+                    "health": node.health.value,
+                    "labels": dict(node.labels),
+                    "domains": domain_dict(node),
+                    "cards": cards,
+                }
+            )
         return JSONResponse(
             {
                 "nodes": nodes,

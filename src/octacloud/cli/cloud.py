@@ -19,6 +19,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from octacloud.core.units import MILLI_PER_OCTANT, OCTANTS_PER_GPU
+
 
 def _console(stderr: bool = False) -> Console:
     """A console that wraps no message, and that draws tables in full when its output is not a terminal
@@ -61,7 +63,10 @@ def _call(
     body: dict[str, Any] | None = None,
     key: str | None = None,
     cacert: Path | None = None,
+    optional: bool = False,
 ) -> dict[str, Any]:
+    """The admin API's JSON answer; on an error it prints it and exits, unless ``optional`` and the key may not
+    see ``path`` (403) or the cloud has no such path (404): then ``{}``."""
     key = key or _saved_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
@@ -74,6 +79,8 @@ def _call(
         data: dict[str, Any] = response.json()
     except ValueError:
         data = {"error": response.text}
+    if optional and response.status_code in (403, 404):
+        return {}
     if response.status_code >= 400:
         err.print(f"[red]error:[/] {data.get('error', response.text)}")
         raise typer.Exit(1)
@@ -146,11 +153,15 @@ def status(
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
-    """Deployments and their replicas: where each runs and in what state."""
+    """Deployments and their replicas: where each runs and in what state; for an admin key, the fleet's nodes
+    with their failure domains (zone, rack, power feed) and free octants too."""
     data = _call("GET", _url(url), "/admin/deployments", None, key, cacert)
+    fleet = _call("GET", _url(url), "/admin/fleet", None, key, cacert, optional=True)
     if as_json:
-        console.print_json(json.dumps(data))
+        console.print_json(json.dumps({**data, **({"fleet": fleet} if fleet else {})}))
         return
+    if fleet.get("nodes"):
+        console.print(_nodes_table(fleet["nodes"]))
     table = Table(title="deployments")
     for col in ("deployment", "model", "want", "octants", "replica", "state", "node", "cards", "milli", "message"):
         table.add_column(col)
@@ -171,6 +182,24 @@ def status(
                 r.get("message", ""),
             )
     console.print(table)
+
+
+def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
+    table = Table(title="nodes")
+    for col in ("node", "health", "zone", "rack", "power feed", "cards", "free octants"):
+        table.add_column(col)
+    for n in nodes:
+        domains = n.get("domains") or {}
+        cards = n.get("cards") or []
+        free = sum(int(c.get("free_milli", 0)) for c in cards) // MILLI_PER_OCTANT
+        table.add_row(
+            n["name"],
+            n.get("health", "-"),
+            *(domains.get(kind) or "-" for kind in ("zone", "rack", "power_feed")),
+            str(len(cards)),
+            f"{free}/{len(cards) * OCTANTS_PER_GPU}",
+        )
+    return table
 
 
 def scale(

@@ -109,7 +109,10 @@ def render(state: dict[str, Any], history: History) -> RenderableType:
                 lines.append("  unusable", style="red")
             lines.append("\n")
         lines.rstrip()
-        nodes.append(Panel(lines, title=f"{node['name']} ({node['health']})", expand=False))
+        d = node.get("domains") or {}
+        where = "/".join(d.get(k) or "-" for k in ("zone", "rack", "power_feed")) if any(d.values()) else ""
+        title = f"{node['name']} ({node['health']})" + (f" {where}" if where else "")
+        nodes.append(Panel(lines, title=title, expand=False))
 
     deployments = Table(title="deployments", expand=True, title_justify="left")
     for column in ("deployment", "tenant", "oct", "ready", "req/s", "", "latency", "batch sizes"):

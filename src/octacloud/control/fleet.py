@@ -14,7 +14,9 @@ A fleet file looks like::
       - name: gpu-a
         cpu_milli: 64000
         memory_mib: 262144
-        labels: {zone: a}
+        zone: eu-1                # failure domains (optional): zone, rack, power feed
+        rack: r12
+        power_feed: pdu-12a
         gpus:
           - {model: A100, memory_mib: 81920, nvlink_group: 0}
           - {model: A100, memory_mib: 81920, nvlink_group: 0}
@@ -38,13 +40,25 @@ from typing import Any
 import yaml
 
 from octacloud.core.clock import Clock, SystemClock
+from octacloud.core.domains import DOMAIN_LABELS, check_domain_name, domain_labels
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Gpu, Health, Node
 
 CPU_CARD_MODEL = "cpu"
 """The model name of a "card" that is really a share of the host's CPU (machines without GPUs)."""
 
-_NODE_KEYS = {"name", "cpu_milli", "memory_mib", "labels", "gpus", "gpu_count", "gpu_model", "gpu_memory_mib"}
+_DOMAIN_KEYS = ("zone", "rack", "power_feed")
+_NODE_KEYS = {
+    "name",
+    "cpu_milli",
+    "memory_mib",
+    "labels",
+    "gpus",
+    "gpu_count",
+    "gpu_model",
+    "gpu_memory_mib",
+    *_DOMAIN_KEYS,
+}
 _GPU_KEYS = {"model", "memory_mib", "nvlink_group", "health"}
 
 
@@ -88,10 +102,25 @@ def parse_fleet(data: object, source: str = "<fleet>") -> list[Node]:
                 cpu_milli=_int(spec.get("cpu_milli"), f"{where}: cpu_milli"),
                 memory_mib=_int(spec.get("memory_mib"), f"{where}: memory_mib"),
                 gpus=gpus,
-                labels={str(a): str(b) for a, b in labels.items()},
+                labels=_labels(spec, {str(a): str(b) for a, b in labels.items()}, where),
             )
         )
     return nodes
+
+
+def _labels(spec: Mapping[str, Any], labels: dict[str, str], where: str) -> dict[str, str]:
+    """The node's labels with its failure domains (``zone``, ``rack``, ``power_feed``) written in."""
+    for kind in _DOMAIN_KEYS:
+        if kind not in spec:
+            continue
+        value = check_domain_name(kind, spec[kind], f"{where}: {kind}")
+        for label in DOMAIN_LABELS[kind]:
+            if labels.get(label, value) != value:
+                raise InvalidSpecError(
+                    f"{where}: {kind} {value!r} disagrees with label {label}={labels[label]!r}; give it once"
+                )
+        labels.update(domain_labels(**{kind: value}))
+    return labels
 
 
 def _parse_gpus(spec: Mapping[str, Any], where: str) -> tuple[Gpu, ...]:

@@ -1,7 +1,8 @@
 """Readers for the openb GPU-sharing traces (Alibaba cluster-trace-gpu-v2023).
 
 Node files have the columns ``sn,cpu_milli,memory_mib,gpu,model`` and optionally ``gpu_memory_mib`` (memory of
-one card of the row, MiB); pod files either
+one card of the row, MiB) and the failure domains ``zone``, ``rack``, ``power_feed`` (written as the node's domain
+labels, :mod:`octacloud.core.domains`; an empty cell declares none); pod files either
 ``name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time`` or
 only the first five (the ``multigpu`` families). ``gpu_spec`` lists allowed GPU models joined by ``|``.
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from octacloud.core.domains import check_domain_name, domain_labels
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Gpu, Node, Request
 from octacloud.core.units import gib_to_mib
@@ -55,6 +57,8 @@ GPU_MEMORY_MIB: Mapping[str, int] = MappingProxyType(
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 GPU_MEMORY_COLUMN = "gpu_memory_mib"
 """Optional node column: memory of one card of the row, in MiB (overrides the per-model table)."""
+DOMAIN_COLUMNS = ("zone", "rack", "power_feed")
+"""Optional node columns: the node's failure domains."""
 POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
 """The pod columns every openb pod file has; ``gpu_spec`` and the time columns are optional."""
 
@@ -103,10 +107,24 @@ def read_nodes(path: str | Path, *, gpu_memory: Mapping[str, int] | None = None)
                 )
         try:
             gpus = tuple(Gpu(g, model, card_mib) for g in range(count))
-            nodes.append(Node(name, _int(row, "cpu_milli", line, where), _int(row, "memory_mib", line, where), gpus))
+            labels = _domain_labels(row, line, where)
+            cpu, mem = _int(row, "cpu_milli", line, where), _int(row, "memory_mib", line, where)
+            nodes.append(Node(name, cpu, mem, gpus, labels))
         except InvalidSpecError as exc:
             raise TraceFormatError(f"{where(line, None)}: {exc}") from None
     return nodes
+
+
+def _domain_labels(row: Mapping[str, str], line: int, where: _Where) -> dict[str, str]:
+    values: dict[str, str] = {}
+    for column in DOMAIN_COLUMNS:
+        value = (row.get(column) or "").strip()
+        if value:
+            try:
+                values[column] = check_domain_name(column, value, where(line, column))
+            except InvalidSpecError as exc:
+                raise TraceFormatError(str(exc)) from None
+    return domain_labels(**values)
 
 
 def read_gpu_memory_table(path: str | Path) -> dict[str, int]:

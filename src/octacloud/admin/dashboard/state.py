@@ -13,6 +13,7 @@ from typing import Any
 
 from octacloud.control.controller import Controller
 from octacloud.control.deployments import Deployment, Replica, ReplicaState
+from octacloud.core.domains import domain_dict
 from octacloud.core.units import MILLI_PER_OCTANT, OCTANTS_PER_GPU
 from octacloud.observability.monitor import CloudMonitor, Series
 from octacloud.observability.telemetry import CPU_BUSY, CPU_CORES, CPU_MEMORY_USED, CardKey, FleetSample
@@ -127,7 +128,7 @@ def _fleet(state: ClusterState, status: Status, sample: FleetSample | None) -> l
                     "telemetry": _card_telemetry(sample, node.name, g.index),
                 }
             )
-        nodes.append({"name": node.name, "health": node.health.value, "cards": cards})
+        nodes.append({"name": node.name, "health": node.health.value, "domains": domain_dict(node), "cards": cards})
     return nodes
 
 

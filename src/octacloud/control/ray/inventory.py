@@ -6,7 +6,10 @@ Every octacloud node is a Ray node that advertises, besides Ray's own ``CPU`` an
   exactly its slice (``{"gpu3_octant": 2}``, or ``{"gpu0_octant": 8, "gpu1_octant": 8}`` for two whole
   cards) on the node the scheduler chose, so Ray refuses or queues anything our accounting got wrong;
 * a marker, ``octacloud_node:<name>: 1``, that names the node in octacloud's fleet;
-* labels for what resources cannot say: the card model, its memory, NVLink groups.
+* labels for what resources cannot say: the card model, its memory, NVLink groups, and the node's failure
+  domains (``octacloud.io/zone``, ``octacloud.io/rack``, ``octacloud.io/power-feed``). A cluster whose nodes
+  were started without labels may declare domains as marker resources instead, ``octacloud_rack:<name>: 1``
+  (likewise ``octacloud_zone:`` and ``octacloud_power_feed:``); a label wins over a marker.
 
 Ray does not know about cards here (``num_gpus`` is left to NVML-less defaults and replicas ask for
 ``num_gpus=0``): the octant resources are the only GPU accounting Ray sees, and the slice environment
@@ -22,11 +25,14 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from octacloud.core.domains import DOMAIN_LABELS, check_domain_name
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Gpu, Node
 from octacloud.core.units import OCTANTS_PER_GPU
 
 NODE_MARKER = "octacloud_node:"
+DOMAIN_MARKERS = {"zone": "octacloud_zone:", "rack": "octacloud_rack:", "power_feed": "octacloud_power_feed:"}
+"""Marker resources that declare a node's failure domains on a cluster started without labels."""
 LABEL_MODEL = "octacloud.io/gpu-model"
 LABEL_MEMORY = "octacloud.io/gpu-memory-mib"
 LABEL_NVLINK = "octacloud.io/nvlink-groups"
@@ -129,6 +135,7 @@ def node_from_ray(entry: Mapping[str, Any]) -> Node | None:
         for k, v in labels.items()
         if k.startswith(LABEL_PREFIX) and k not in (LABEL_MODEL, LABEL_MEMORY, LABEL_NVLINK)
     }
+    own.update({k: v for k, v in _domain_markers(name, resources).items() if k not in own})
     return Node(
         name=name,
         cpu_milli=int(float(resources.get("CPU", 0)) * 1000),
@@ -136,6 +143,18 @@ def node_from_ray(entry: Mapping[str, Any]) -> Node | None:
         gpus=gpus,
         labels=own,
     )
+
+
+def _domain_markers(name: str, resources: Mapping[str, float]) -> dict[str, str]:
+    """The domain labels a node's marker resources declare (one marker per kind at most)."""
+    out: dict[str, str] = {}
+    for kind, marker in DOMAIN_MARKERS.items():
+        values = sorted(key[len(marker) :] for key in resources if key.startswith(marker))
+        if len(values) > 1:
+            raise InvalidSpecError(f"Ray node {name!r}: more than one {marker}<name> resource: {values}")
+        if values:
+            out[DOMAIN_LABELS[kind][0]] = check_domain_name(kind, values[0], f"Ray node {name!r}: {marker}")
+    return out
 
 
 def ray_start_command(

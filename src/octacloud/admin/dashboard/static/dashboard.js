@@ -148,7 +148,10 @@ function renderFleet(fleet, by) {
         <div class="meter"><span>${memory}</span><span>${t.power_w == null ? "" : `${t.power_w.toFixed(0)} W`}</span></div>
       </div>`;
     }).join("");
-    return `<div class="node ${esc(node.health)}" data-node="${esc(node.name)}"><h3>${esc(node.name)} <span>${esc(node.health)}</span></h3><div class="cards">${cards}</div></div>`;
+    const d = node.domains || {};
+    const where = [d.zone, d.rack, d.power_feed].some(Boolean)
+      ? ` <span class="domains" title="zone / rack / power feed">${[d.zone, d.rack, d.power_feed].map((p) => esc(p || "-")).join(" / ")}</span>` : "";
+    return `<div class="node ${esc(node.health)}" data-node="${esc(node.name)}"><h3>${esc(node.name)} <span>${esc(node.health)}</span>${where}</h3><div class="cards">${cards}</div></div>`;
   }).join("");
   $("fleet").innerHTML = nodes;
   $("legend").innerHTML = [...seen].map(([name, c]) => `<span><i style="background:${c}"></i>${esc(name)}</span>`).join("")
