@@ -56,6 +56,7 @@ from typing import Any
 
 from benchutil import LocalCloud, cpu_s, find_replica_pid, syscalls
 from octacloud.security.internal_auth import HEADER
+from record import Recorder, add_flag
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -322,7 +323,9 @@ def main() -> None:
         help="also sample the gateway with py-spy during each gateway point (raw stacks in DIR; the sampling "
         "costs the gateway CPU, so read its figures from a run without it)",
     )
+    add_flag(parser)
     args = parser.parse_args()
+    recorder = Recorder("cloud")
 
     pa = perf_analyzer_path()
     work = Path(tempfile.mkdtemp(prefix="octacloud-bench-models-"))
@@ -413,6 +416,8 @@ def main() -> None:
         print(" shared: all processes on all cores; split: gateway on core 0, replica and client on the rest;")
         print(" apart: replica alone on the cores but 0, client (and in its rows the gateway) on core 0;")
         print(f" HTTP: perf_analyzer; gRPC: {args.grpc_client} (bench/{args.grpc_client}.py), authorization metadata)")
+        recorder.save([{"layout": lay, "protocol": pr, "concurrency": c, "direct": d, "gateway": g}
+                       for lay, pr, c, d, g in rows])  # fmt: skip
     finally:
         cloud.stop()
         shutil.rmtree(work, ignore_errors=True)

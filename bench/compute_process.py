@@ -34,6 +34,7 @@ from octacloud.serving.compute import ComputeProcess  # noqa: E402
 from octacloud.serving.repository.config import read_config  # noqa: E402
 from octacloud.serving.runtime import OnnxRuntimeFactory  # noqa: E402
 from octacloud.serving.types import numpy_dtype  # noqa: E402
+from record import Recorder, add_flag  # noqa: E402
 
 
 def cpu_s(pid: int) -> float:
@@ -90,7 +91,10 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    add_flag(p)
     args = p.parse_args()
+    recorder = Recorder("compute_process")
+    figures: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="octacloud-compute-") as tmp:
         folder = args.model or mlp_model(Path(tmp))
         config = read_config(folder)
@@ -127,6 +131,8 @@ def main() -> None:
                 for where, runs in results.items():
                     wall, mine, theirs = (statistics.median(x[i] for x in runs) for i in range(3))
                     print(f"{rows:4} {where:8} {wall:8.0f} {mine:8.0f} {theirs:9.0f} {mine + theirs:8.0f}")
+                    figures.append({"rows": rows, "where": where, "wall_us": wall, "cpu_us": mine,
+                                    "child_cpu_us": theirs})  # fmt: skip
         finally:
             child.close()
             here.close()
@@ -134,10 +140,12 @@ def main() -> None:
             wall, mine, theirs = ping_pong(args.calls, same)
             where = "one core" if same else "any core"
             print(f"ping-pong, {where}: {wall:6.0f} us wall, {mine:4.0f} + {theirs:4.0f} us CPU per round trip")
+            figures.append({"ping_pong": where, "wall_us": wall, "cpu_us": mine, "child_cpu_us": theirs})
     print(
         "\nreplica: onnxruntime in this process; process: in a compute child (the hand-off: a pickle each way and "
         "two wake-ups). cpu/call = this process's CPU + the child's, per call."
     )
+    recorder.save(figures)
 
 
 if __name__ == "__main__":

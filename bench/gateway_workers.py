@@ -42,6 +42,7 @@ from typing import Any
 
 from benchutil import cpu_s as process_cpu_s
 from benchutil import free_port
+from record import Recorder, add_flag
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
@@ -296,7 +297,9 @@ def main() -> None:
         action="store_true",
         help="--connections per gateway worker (N workers: N times as many): the same load on each process",
     )
+    add_flag(p)
     args = p.parse_args()
+    recorder = Recorder("gateway_workers")
     each = " per worker" if args.per_worker else ""
     print(f"cores: {os.cpu_count()}  connections: {args.connections}{each} over {args.clients} client processes  "
           f"points: {args.seconds:g} s after {args.warmup:g} s warm-up")  # fmt: skip
@@ -337,6 +340,7 @@ def main() -> None:
     finally:
         subprocess.run([sys.executable, "-m", "octacloud", "down", "--state-dir", str(state)], capture_output=True)
     summary(args, results)
+    recorder.save({str(n): points for n, points in results.items()})
     print(f"(logs in {work})")
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 from benchutil import LocalCloud, find_replica_pid, proc_stat
 from benchutil import cpu_s as process_cpu_s
+from record import Recorder, add_flag
 
 HERE = Path(__file__).resolve().parent
 INTERNAL_HEADER = "x-octacloud-internal"  # octacloud.security.internal_auth.HEADER
@@ -260,7 +261,9 @@ def main() -> None:
         choices=["http-direct", "http-gateway", "grpc-direct", "grpc-gateway"],
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write every figure here")
+    add_flag(parser)
     args = parser.parse_args()
+    recorder = Recorder("knee")
 
     import resource
 
@@ -277,6 +280,7 @@ def main() -> None:
         targets = {k: t for k, t in cloud.targets(args.shape).items() if f"{k[0]}-{k[1]}" in args.targets}
         out = sweep(args, targets, Meter(cloud))
         summary(args, out)
+        recorder.save(out)
         if args.json:
             args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **out}, indent=1))
     finally:

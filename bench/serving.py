@@ -45,8 +45,10 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from benchutil import TICK_S, free_port
+from record import Recorder, add_flag
 
 HERE = Path(__file__).resolve().parent
 PEERS = Path(os.environ.get("OCTACLOUD_PEERS", Path.home() / ".cache" / "octacloud-peers"))
@@ -346,7 +348,9 @@ def main() -> None:
         help="where octacloud computes (config parameter 'compute'); several: one octacloud server each",
     )
     p.add_argument("--serve-args", default="", help="more options for octacloud serve, e.g. '--grpc-threads 0'")
+    add_flag(p)
     args = p.parse_args()
+    recorder = Recorder("serving")
     preferred = [args.max_batch] if args.preferred is None else args.preferred
 
     if not PERF_ANALYZER.exists() or (not args.skip_triton and not TRITONSERVER.exists()):
@@ -404,6 +408,7 @@ def main() -> None:
         f"{'protocol':8} {'c':>2} | {'server':9} {'infer/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'cpu us/inf':>10} "
         f"{'cores':>5} {'batch':>5} | {'thr ratio':>9} {'p99 ratio':>9} {'cpu ratio':>9}"
     )
+    figures: dict[str, Any] = {"medians": [], "open_loop": [{"rate": r, "server": k, **o} for r, k, o in opened]}
     for protocol in args.protocols:
         for c in args.concurrency:
             med = {}
@@ -413,6 +418,7 @@ def main() -> None:
                 med[kind] = {f: median([getattr(x, f) for x in mine]) for f in fields}
             for kind in kinds:
                 m = med[kind]
+                figures["medians"].append({"protocol": protocol, "concurrency": c, "server": kind, **m})
                 ratios = ""
                 if kind != "triton" and "triton" in med:
                     t = med["triton"]
@@ -433,6 +439,7 @@ def main() -> None:
         "cores the server kept busy (octacloud's replica runs its protocol, batching and short batches on one loop: "
         "near 1.0 it is saturated)."
     )
+    recorder.save(figures)
 
 
 if __name__ == "__main__":

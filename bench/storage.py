@@ -36,6 +36,7 @@ from octacloud.control.models import fetch_model  # noqa: E402
 from octacloud.storage.cache import NodeCache  # noqa: E402
 from octacloud.storage.publish import publish_folder  # noqa: E402
 from octacloud.storage.store import FsspecStore, open_store  # noqa: E402
+from record import Recorder, add_flag  # noqa: E402
 
 
 async def load_parts(model_dir: Path, versions: tuple[int, ...] | None, scratch: Path) -> dict[str, float]:
@@ -170,10 +171,12 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--placement-only", action="store_true", help="only the cache-aware placement trade-off")
+    add_flag(parser)
     args = parser.parse_args()
+    recorder = Recorder("storage")
     weights = [0.0, 0.25, 0.5, 1.0, 2.0, 5.0]
     if args.placement_only:
-        report_placement(weights)
+        recorder.save({"placement": report_placement(weights)})
         return
     source = args.models / args.model
     if not (source / "config.pbtxt").is_file():
@@ -195,10 +198,11 @@ def main() -> None:
             server.stop()
     report(args.model, size, starts, shared, apart, args.replicas)
     placed = report_placement(weights)
+    figures: dict[str, Any] = {"model": args.model, "bytes": size, "cold_start": starts, "placement": placed,
+                               "scale_out": {"one node cache": shared, "a copy per replica": apart}}  # fmt: skip
+    recorder.save(figures)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        figures: dict[str, Any] = {"model": args.model, "bytes": size, "cold_start": starts, "placement": placed,
-                                   "scale_out": {"one node cache": shared, "a copy per replica": apart}}  # fmt: skip
         args.out.write_text(json.dumps(figures, indent=1) + "\n")
 
 
