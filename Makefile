@@ -10,7 +10,7 @@ PIP      := $(PY) -m pip
 STAMP    := $(VENV)/.octacloud-installed
 PYTEST_ARGS ?=
 
-.PHONY: up install dev build-tools ray plots k8s lock browser test lint types layers pytest models gpu-check clean
+.PHONY: up install dev build-tools ray plots k8s postgres pgsql lock browser test lint types layers pytest models gpu-check clean
 
 # The main job: the cloud on this machine, serving the example models (built once, cached) behind one
 # OIP endpoint on 127.0.0.1:8000 (REST) and :8001 (gRPC). Ctrl-C stops it; replicas keep running until
@@ -49,6 +49,7 @@ install: $(STAMP)
 #   ray          the `ray` extra: the multi-node backend
 #   plots        the `plots` extra: the simulator's figures (matplotlib)
 #   k8s          the `k8s` extra: octacloud k8s extender | device-plugin | operator
+#   postgres     the `postgres` extra: psycopg, for a state store on a PostgreSQL server
 $(VENV)/.octacloud-%-installed: $(STAMP) requirements/%.lock
 	$(PIP) install --quiet -r requirements/$*.lock
 	@touch $@
@@ -58,6 +59,7 @@ build-tools: $(VENV)/.octacloud-build-installed
 ray: $(VENV)/.octacloud-ray-installed
 plots: $(VENV)/.octacloud-plots-installed
 k8s: $(VENV)/.octacloud-k8s-installed
+postgres: $(VENV)/.octacloud-postgres-installed
 
 # Re-resolve every lock file (after a dependency changed in pyproject.toml or requirements/dev.in) with the
 # resolver pinned in dev.lock; commit the changed requirements/*.lock.
@@ -87,7 +89,14 @@ browser:
 	else DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; fi
 
-pytest: dev build-tools ray plots k8s models browser
+# The store tests also run against a real PostgreSQL server that they start on loopback (tests/postgres.py):
+# Debian's postgresql, installed once as root; skipped when its server binary is present.
+pgsql:
+	@if ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then :; \
+	else DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; fi
+
+pytest: dev build-tools ray plots k8s postgres models browser pgsql
 	scripts/netns-run $(BIN)/pytest $(PYTEST_ARGS)
 
 # The GPU check (docs/gpu.md): on an NVIDIA machine, the GPU set, the example models, then bench/gpu.py.

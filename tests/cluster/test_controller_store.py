@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from octacloud.control.controller.state import ControllerStore
 from octacloud.control.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.control.store import StateStore, Transition
 
 
-def test_reads_are_copies_and_match_what_is_stored(tmp_path: Path) -> None:
-    backing = StateStore.at(tmp_path / "s.db")
+def test_reads_are_copies_and_match_what_is_stored(store_url: str) -> None:
+    backing = StateStore(store_url)
     s = ControllerStore(backing)
     s.put_deployment(Deployment(DeploymentSpec("a", "m", tenant="acme"), 1, 2, 0.0))
     assert s.add_revision(s.get_deployment("a"), 1.0) == 1 and s.add_revision(s.get_deployment("a"), 2.0) == 2
@@ -33,3 +31,4 @@ def test_reads_are_copies_and_match_what_is_stored(tmp_path: Path) -> None:
     again = ControllerStore(backing)  # a restart reads what was stored
     assert again.replicas() == backing.replicas() and again.events(10) == backing.events(10)
     again.close()
+    backing.close()

@@ -4,7 +4,6 @@ controller's copy in memory in front of it (``ControllerStore``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +14,9 @@ from octacloud.core.errors import NotFoundError
 
 
 @pytest.fixture(params=["database", "controller"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    backing = StateStore.at(tmp_path / "s.db")
+def store(request: pytest.FixtureRequest, store_url: str) -> Iterator[Store]:
+    """Each store over each database (``store_url``: SQLite, then a real PostgreSQL server)."""
+    backing = StateStore(store_url)
     if request.param == "database":
         yield backing
     else:

@@ -4,7 +4,7 @@ after a crash, a failed write retried, reports and prices."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,8 +62,11 @@ class FakeSource:
 
 
 @pytest.fixture
-def ledger(tmp_path: Path) -> Ledger:
-    return Ledger.at(f"sqlite:///{tmp_path / 'ledger.db'}")
+def ledger(store_url: str) -> Iterator[Ledger]:
+    """A ledger on each database (SQLite, then a real PostgreSQL server)."""
+    ledger = Ledger.at(store_url)
+    yield ledger
+    ledger.engine.dispose()
 
 
 def total(ledger: Ledger, metric: Metric, **where: str) -> int:

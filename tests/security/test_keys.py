@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
 from octacloud.core.clock import ManualClock
 from octacloud.core.errors import InvalidSpecError, NotFoundError
+from octacloud.database import open_engine
 from octacloud.tenancy import (
     AuthError,
     Guard,
@@ -32,9 +34,11 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def store(tmp_path: Path, clock: ManualClock) -> KeyStore:
-    engine = create_engine(f"sqlite:///{tmp_path / 'state.db'}")
-    return KeyStore(engine, server_secret(tmp_path / "server.secret"), clock, cache_s=5.0)
+def store(tmp_path: Path, clock: ManualClock, store_url: str) -> Iterator[KeyStore]:
+    """A key store on each database (SQLite, then a real PostgreSQL server)."""
+    engine = open_engine(store_url)
+    yield KeyStore(engine, server_secret(tmp_path / "server.secret"), clock, cache_s=5.0)
+    engine.dispose()
 
 
 def test_a_key_authenticates_as_its_tenant_and_role(store: KeyStore) -> None:

@@ -15,11 +15,11 @@ import enum
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 from sqlalchemy import BigInteger, Integer, String, UniqueConstraint, create_engine, event, func, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import CursorResult, Engine
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 
@@ -146,8 +146,8 @@ class Ledger:
         added = 0
         with self._tx() as s:
             if rows:
-                stmt = dialect.insert(_RecordRow).values(rows).on_conflict_do_nothing()
-                added = cast(CursorResult[Any], s.execute(stmt)).rowcount
+                stmt = dialect.insert(_RecordRow).values(rows).on_conflict_do_nothing().returning(_RecordRow.id)
+                added = len(s.execute(stmt).all())  # (counted from the rows: a driver's rowcount may be -1 here)
             if closed_until_ms is not None:
                 progress = s.get(_ProgressRow, meter)
                 if progress is None:
