@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -178,6 +179,7 @@ class StateStore:
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._removed: dict[str, str] = {}  # deployment → tenant, for the events of its removal
         self._listeners: list[EventListener] = []
+        self._batch = threading.local()  # .session: the transaction of this thread's batch(), if one is open
 
     @classmethod
     def at(cls, path: Path) -> StateStore:
@@ -186,8 +188,23 @@ class StateStore:
 
     @contextmanager
     def _tx(self) -> Iterator[Session]:
+        outer: Session | None = getattr(self._batch, "session", None)
+        if outer is not None:
+            yield outer
+            return
         with self._sessions.begin() as session:
             yield session
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Every call this thread makes inside the block in one transaction: all of it stored at the end, or none
+        of it (an error rolls the lot back). One commit for many rows is what lets a writer keep up with a fleet."""
+        with self._sessions.begin() as session:
+            self._batch.session = session
+            try:
+                yield
+            finally:
+                self._batch.session = None
 
     # ---- deployments -------------------------------------------------------------------------------------
 

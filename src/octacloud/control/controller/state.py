@@ -10,8 +10,10 @@ request the gateway is serving. :class:`ControllerStore` keeps the same contract
   own writes is exactly what the database holds (or will hold); every read returns fresh copies, as a database
   read does, so no decision changes;
 * **writes behind, in order, on one thread**: a write is applied to the copy at once and queued for the store
-  thread, which applies the queue in order, retrying an operational error (the database is locked, the disk is
-  full) with back-off rather than dropping or reordering anything;
+  thread, which applies the queue in order, up to :data:`BATCH` writes in one transaction, retrying an
+  operational error (the database is locked, the disk is full) with back-off rather than dropping or reordering
+  anything; a write that can never succeed is found by applying its batch one write at a time, and only it is
+  dropped;
 * **flushes before acting**: :meth:`drained` (awaited off the loop) returns once every write queued so far is
   stored; the executor awaits it before it starts or stops a process, so that what a restart reads is never
   behind what runs.
@@ -25,6 +27,7 @@ import asyncio
 import collections
 import copy
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -42,6 +45,8 @@ log = logging.getLogger("octacloud.controller.store")
 _FLEET_KINDS = frozenset({"node"})
 RECENT_EVENTS = 2000
 """How many of the newest events are kept in memory for :meth:`ControllerStore.events`."""
+BATCH = 500
+"""The most queued writes the store thread stores in one transaction (a fleet's deploy queues thousands)."""
 
 
 class ControllerStore:
@@ -68,6 +73,8 @@ class ControllerStore:
         self._cv = threading.Condition()
         self._busy = False
         self._closed = False
+        self._alone = 0
+        """How many writes at the head of the queue are stored one per transaction (their batch failed)."""
         self.failing: tuple[float, str] | None = None
         """(since, error) while the thread fails to store the head of its queue; None when it stores."""
         self._thread = threading.Thread(target=self._run, name="octacloud-store", daemon=True)
@@ -90,10 +97,10 @@ class ControllerStore:
                     self._cv.wait()
                 if not self._queue:
                     return
-                job = self._queue[0]
+                jobs = list(itertools.islice(self._queue, 1 if self._alone else BATCH))
                 self._busy = True
             try:
-                job()
+                self._store(jobs)
             except OperationalError as exc:  # locked, disk full, connection lost: the same write again, later
                 with self._cv:
                     self._busy = False
@@ -104,15 +111,29 @@ class ControllerStore:
                 delay = min(1.0, delay * 2)
                 continue
             except Exception:  # a write that can never succeed: dropped, loudly, so that the rest is stored
+                if len(jobs) > 1:  # (somewhere in this batch, none of which is stored: find it)
+                    with self._cv:
+                        self._alone, self._busy = len(jobs), False
+                    continue
                 log.exception("state store write failed for good; dropped")
             delay = 0.05
             with self._cv:
-                self._queue.popleft()
+                for _ in jobs:
+                    self._queue.popleft()
+                self._alone = max(0, self._alone - len(jobs))
                 self._busy = False
                 if self.failing is not None:
                     log.info("state store writes resumed")
                 self.failing = None
                 self._cv.notify_all()
+
+    def _store(self, jobs: list[Callable[[], object]]) -> None:
+        if len(jobs) == 1:
+            jobs[0]()
+            return
+        with self.backing.batch():
+            for job in jobs:
+                job()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (blocking) until every write queued so far is stored; False if ``timeout`` passed first."""
