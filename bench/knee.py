@@ -21,7 +21,7 @@ admitted p99 ÷ unloaded p99, time to refusal p50/p99, the share of refusals car
 header, gRPC trailing metadata), errors, HTTP requests left unsent because every one of the client's
 ``--max-connections`` connections was waiting for an answer (the server holding that many), the client's lag
 p99 (a point where the client fell behind is marked ``LAG``: its latencies are the client's), and the 1-minute
-load average. The goal (docs/serving.md): through the gateway, admitted p99 within 2× of unloaded above
+load average. The goal (docs/gateway.md): through the gateway, admitted p99 within 2× of unloaded above
 capacity, refusals in about a millisecond.
 """
 

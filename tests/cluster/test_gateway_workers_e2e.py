@@ -30,7 +30,7 @@ from tests.security.conftest import call, make_tenant
 pytestmark = pytest.mark.slow
 
 REVOCATION_BOUND_S = 0.5
-"""How soon after the admin API answered a revocation every worker refuses the key (docs/serving.md)."""
+"""How soon after the admin API answered a revocation every worker refuses the key (docs/gateway.md)."""
 
 
 def body(rows: int = 2) -> bytes:

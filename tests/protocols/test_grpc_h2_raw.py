@@ -454,7 +454,7 @@ def test_the_gate_refuses_in_the_frame_handling_and_release_follows_every_admitt
 def test_calls_started_together_are_each_sent_at_once_in_their_own_write() -> None:
     """The gateway forwards a burst of calls: each leaves as soon as it is forwarded, HEADERS and DATA in one
     write, not all of them in one write at the end of the loop turn (which would hand the replica the whole
-    burst at once and merge its batches; docs/serving.md)."""
+    burst at once and merge its batches; docs/gateway.md)."""
 
     async def go() -> None:
         async with serving() as (_, _, port):

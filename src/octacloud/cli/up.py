@@ -256,7 +256,7 @@ def up(
         1,
         "--gateway-workers",
         help="Processes serving the REST and gRPC ports (SO_REUSEPORT); 1: the cloud's own process "
-        "(docs/serving.md, Gateway workers).",
+        "(docs/gateway.md, Gateway workers).",
     ),
     internal_tls: str = typer.Option(
         "auto", "--internal-tls", help="TLS from the gateway to replicas: auto (on Ray), on, off (docs/security.md)."

@@ -11,7 +11,7 @@ checked on the call's metadata before its message is read (:meth:`GrpcGateway.ad
 admission hook), and a message over ``GatewayLimits.max_message_bytes`` is refused from its length prefix.
 
 Both hops run on the event loop without ``grpc.aio`` (whose poller thread wakes the loop several times per
-call, measured in docs/serving.md): the front is :class:`~octacloud.protocols.grpc.h2.Http2Server` with raw
+call, measured in bench/results/cloud.md): the front is :class:`~octacloud.protocols.grpc.h2.Http2Server` with raw
 methods (``gateway.fronts.GrpcFront``), and each replica is reached over HTTP/2 by
 :class:`~octacloud.protocols.grpc.h2_client.Channel`, so the replica serves the call exactly as a direct
 one. A replica's own status, details and trailing metadata are passed on as they are.

@@ -5,7 +5,7 @@ Each listens on the gateway's two ports with ``SO_REUSEPORT`` (the kernel spread
 verifies keys itself against the shared state store, and routes with its own copy of the route table. The main
 process keeps the controller, the store, the meter and the admin API, dashboard and ``/metrics`` (reached from
 any worker through ``gateway.admin_link``), and feeds the workers over ``gateway.feed``. What is shared, and
-within which bounds, is in ``gateway.sharing`` and docs/serving.md ("Gateway workers").
+within which bounds, is in ``gateway.sharing`` and docs/gateway.md ("Gateway workers").
 
 :class:`GatewayWorkers` is the main process's side: it reserves the ports, serves the feed and the internal admin
 port, starts the workers and restarts one that exits (kill -9 included) while the others keep serving.

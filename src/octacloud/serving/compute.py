@@ -7,7 +7,7 @@ the model's compute is a third of its time. With ``compute: "process"`` the mode
 (as Triton's python backend runs its stub): the replica's loop sends each batch over a Unix socket and goes on
 with the protocol work while the child computes, and a model that crashes takes only its child down. What it
 buys is that isolation, not speed: each batch costs two wake-ups across processes, and on the machines measured
-(docs/serving.md) that cost more CPU than the compute it moved off the loop.
+(docs/serving.md, bench/results/serving.md) that cost more CPU than the compute it moved off the loop.
 
 One child per model instance: ``instance_group { count: N }`` starts N children (on GPUs, N per card:
 ``serving/instances.py``, each child on its instance's card), each loading its own copy of

@@ -8,7 +8,7 @@ that forwards a burst of calls in one write hands the replica the whole burst at
 as one batch, and the callers' next calls come back as one burst again, so that the replica computes while
 the gateway and the callers wait and the other way round. Sent as they are forwarded, the calls reach the
 replica as spread out as they left their callers, and its batches form as they do for direct callers
-(``bench/cloud.py``, docs/serving.md). HPACK decoding comes from ``hpack``;
+(``bench/cloud.py``, docs/gateway.md). HPACK decoding comes from ``hpack``;
 requests are encoded as literals without indexing, so no encoder state is kept.
 
 :class:`Channel` holds the HTTP/2 connections to one replica: a call goes on the first connection with a free
