@@ -23,6 +23,7 @@ from typing import Any
 from octacloud.control.controller import ControllerSettings
 from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
+from record import Recorder, add_flag
 from scale_down import CloudThread
 
 
@@ -50,7 +51,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--interval", type=float, default=5.0, help="the controller's reconcile interval, seconds")
+    add_flag(ap)
     args = ap.parse_args()
+    recorder = Recorder("release_wake")
     nodes = [Node("bench", 8_000, 65_536, (Gpu(0, CPU_CARD_MODEL, 4096),))]
     settings = ControllerSettings(interval_s=args.interval, stop_grace_s=3.0, drain_timeout_s=2.0)
     c = CloudThread.in_temp("octacloud-release-wake-", nodes, settings)
@@ -80,6 +83,7 @@ def main() -> None:
         f"from the release to the waiting replica's placement: mean {statistics.mean(waits):.3f} s, worst "
         f"{worst:.3f} s; the reconcile interval {args.interval:g} s (worst ÷ interval {worst / args.interval:.4f})"
     )
+    recorder.save({"waits_s": waits, "interval_s": args.interval})
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from octacloud.app import Cloud, CloudConfig
 from octacloud.control.controller import ControllerSettings
 from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
+from record import Recorder, add_flag
 
 IN, OUT = 64, 8
 
@@ -185,7 +186,10 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=3.0, help="seconds measured per phase and round")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--replicas", type=int, default=3, help="replicas of 'other' before each scale-down")
+    add_flag(ap)
     args = ap.parse_args()
+    recorder = Recorder("scale_down")
+    figures: dict[str, Any] = {}
     nodes = [Node("bench", 16_000, 65_536, tuple(Gpu(i, CPU_CARD_MODEL, 4096) for i in range(2)))]
     settings = ControllerSettings(interval_s=1.0, health_interval_s=0.2, stop_grace_s=5.0)
     c = CloudThread.in_temp("octacloud-scale-down-", nodes, settings)
@@ -242,9 +246,12 @@ def main() -> None:
                 f"  {what:>20}: {len(rows):6d} requests, {fails} failed, p50 {p50:6.2f} ms, p99 {p99_ms(rows):6.2f} ms,"
                 f" worst event-loop lag {worst:6.1f} ms"
             )
+            figures[what] = {"requests": len(rows), "failed": fails, "p50_ms": p50, "p99_ms": p99_ms(rows),
+                             "worst_loop_lag_ms": worst}  # fmt: skip
         print(f"  ratio during/without p99: {b / a:.3f} (against N replicas), {b / p99_ms(after):.3f} (against 1)")
         print(f"  {len(stops)} replicas stopped during the run")
         print(f"  load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+        recorder.save({"windows": figures, "stopped": len(stops)})
     finally:
         if load is not None:
             load.close()
