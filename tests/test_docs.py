@@ -1,0 +1,59 @@
+"""The documentation stays a set of references a user can follow: every doc is reachable from the README's
+documentation list, every relative link (and its #anchor) leads somewhere, and no doc outgrows a reference."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+LINKED = [ROOT / "README.md", *DOCS, *sorted((ROOT / "bench" / "results").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+MAX_LINES = 500
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    found = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not line.startswith("#"):
+            continue
+        title = line.lstrip("#").strip().lower()
+        found.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return found
+
+
+def links(path: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # links in code blocks are not links
+    return [m.group(1) for m in LINK.finditer(text)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_a_doc_is_a_reference_not_a_record(doc: Path) -> None:
+    lines = len(doc.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{doc.name} has {lines} lines: move measured history to bench/results/"
+
+
+def test_the_readme_leads_to_every_doc() -> None:
+    readme = set(links(ROOT / "README.md"))
+    missing = [d.name for d in DOCS if f"docs/{d.name}" not in readme]
+    assert not missing, f"README.md's documentation list does not link {missing}"
+
+
+@pytest.mark.parametrize("source", LINKED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_lead_somewhere(source: Path) -> None:
+    broken = []
+    for target in links(source):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        path = (source.parent / file).resolve() if file else source
+        if not path.exists() or (anchor and path.suffix == ".md" and anchor not in anchors(path)):
+            broken.append(target)
+    assert not broken, f"{source.relative_to(ROOT)}: links that lead nowhere: {broken}"
