@@ -36,6 +36,7 @@ from benchutil import cpu_s, free_port
 from octacloud.gateway.upstream import UpstreamPool
 from octacloud.security import internal_auth
 from octacloud.security.internal_tls import InternalCa, InternalClientTls
+from record import Recorder, add_flag
 
 
 @dataclass
@@ -246,9 +247,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fresh", type=int, default=200, help="requests on fresh connections, per side")
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
+    add_flag(parser)
     args = parser.parse_args()
+    recorder = Recorder("internal_tls")
     out = asyncio.run(run(args))
     report(out, args)
+    recorder.save(out)
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))
 

@@ -35,6 +35,7 @@ from octacloud.scheduler.loop import LoopSettings, PassReport, ReevaluationLoop
 from octacloud.scheduler.policies import build_profile
 from octacloud.sim.protocol import inflate
 from octacloud.sim.traces import read_nodes, read_pods
+from record import Recorder, add_flag
 
 
 def traces_dir() -> Path:
@@ -140,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moves", type=int, default=16, help="defragmentation moves per pass")
     parser.add_argument("--copies", default="1,8,17", help="fleet copies (1: 6,212 GPUs, 8: 49,696, 17: 105,604)")
     parser.add_argument("--exhaustive-up-to", type=int, default=17, help="exhaustive passes up to this many copies")
+    add_flag(parser)
     args = parser.parse_args(argv)
+    recorder = Recorder("scheduler_loop", None if argv is None else [sys.argv[0], *argv])
+    figures: list[dict[str, object]] = []
     folder = traces_dir()
     if not folder.is_dir():
         print(f"no openb traces in {folder} (set OCTACLOUD_TRACES)", file=sys.stderr)
@@ -164,19 +168,25 @@ def main(argv: list[str] | None = None) -> int:
         )
         fast = one_pass(replicate(state, c), pending, args, workload, indexed=True)
         print(show("indexed", fast) + f"; placed {len(fast.report.placed)}, moves {len(fast.report.moves)}", flush=True)
+        figures.append({"copies": c, "nodes": len(state) * c, "gpus": gpus, "pending": len(pending),
+                        "indexed": {"wall_s": fast.wall, "cpu_s": fast.cpu, "placed": len(fast.report.placed),
+                                    "moves": len(fast.report.moves)}})  # fmt: skip
         if c > args.exhaustive_up_to:
             print(f"  (no exhaustive pass above {args.exhaustive_up_to} copies); load average {load()}", flush=True)
             continue
         slow = one_pass(replicate(state, c), pending, args, workload, indexed=False)
         same = outcome(fast.report) == outcome(slow.report) and fast.allocated == slow.allocated
         print(show("exhaustive", slow), flush=True)
+        figures[-1]["exhaustive"] = {"wall_s": slow.wall, "cpu_s": slow.cpu, "identical": same}
         print(
             f"  exhaustive / indexed: {slow.wall / fast.wall:.1f}× wall, {slow.cpu / fast.cpu:.1f}× cpu; "
             f"identical placements and moves: {'yes' if same else 'NO'}; load average {load()}",
             flush=True,
         )
         if not same:
+            recorder.save(figures)
             return 1
+    recorder.save(figures)
     return 0
 
 
