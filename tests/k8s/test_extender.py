@@ -126,7 +126,7 @@ async def test_decisions_equal_octacloud_up(tmp_path: Path, http: httpx.AsyncCli
         def handles(self) -> None:
             return None
 
-    (tmp_path / "repo" / "m").mkdir(parents=True)
+    (tmp_path / "repo" / "m" / "1").mkdir(parents=True)  # one published version
     cloud = Cloud(
         CloudConfig(repository=tmp_path / "repo", state_dir=tmp_path / "state"),
         nodes=fleet(),

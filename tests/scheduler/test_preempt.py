@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from octacloud.core import Request
-from octacloud.scheduler.actions.preempt import preempt
+from octacloud.scheduler.actions.preempt import preempt, victims_on_node
 from octacloud.scheduler.framework import ClusterState, Scheduler
 from octacloud.scheduler.policies import build_profile
 from tests.scheduler.helpers import check_invariants, node, place, req, snapshot
@@ -104,3 +104,26 @@ def test_victims_are_returned_for_replacement() -> None:
     assert victim.request.name == "b1"  # one victim either way; the least GPU evicted wins
     assert [op.kind for op in result.operations] == ["evict", "allocate"]
     check_invariants(scheduler.state)
+
+
+def test_victims_on_node_is_preempts_choice_there_and_changes_nothing() -> None:
+    victims = (
+        (req("a0", 1000, priority=3), "a", (0,)),
+        (req("a1", 1000, priority=1), "a", (1,)),
+        (req("b0", 1000, priority=9), "b", (0,)),
+        (req("b1", 1000, priority=9), "b", (1,)),
+    )
+    scheduler = _full_cluster(*victims)
+    before = snapshot(scheduler.state)
+    on_a = victims_on_node(scheduler, req("p", 1000, priority=5), scheduler.state.index["a"])
+    assert on_a is not None and [v.request.name for v in on_a] == ["a1"]
+    assert victims_on_node(scheduler, req("p", 1000, priority=5), scheduler.state.index["b"]) is None
+    assert victims_on_node(scheduler, req("p", 1000, 2, priority=5), scheduler.state.index["a"]) is not None
+    assert snapshot(scheduler.state) == before  # nothing evicted: the caller evicts
+    done = preempt(_full_cluster(*victims), req("p", 1000, priority=5))
+    assert done is not None and [v.request.name for v in done.victims] == ["a1"]
+
+
+def test_victims_on_node_is_empty_when_the_pod_already_fits() -> None:
+    scheduler = _full_cluster((req("a0", 1000, priority=1), "a", (0,)))
+    assert victims_on_node(scheduler, req("p", 1000, priority=5), scheduler.state.index["a"]) == ()

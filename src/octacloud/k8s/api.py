@@ -8,8 +8,10 @@ server of :mod:`octacloud.k8s.fakeapi` as its transport, so every request is rea
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+import ssl
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,9 @@ from octacloud.k8s.resources import Obj
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MERGE_PATCH = "application/merge-patch+json"
+
+
+Objs = list[Obj]
 
 
 class ApiError(OctacloudError):
@@ -55,13 +60,18 @@ class KubeClient:
         base_url: str,
         *,
         token: str | None = None,
-        verify: bool | str = True,
+        verify: bool | str | ssl.SSLContext = True,
         transport: httpx.AsyncBaseTransport | None = None,
         timeout_s: float = 10.0,
     ) -> None:
         headers = {"Accept": "application/json", "User-Agent": "octacloud"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
+        if isinstance(verify, str):  # a CA bundle's path (httpx takes a context for it)
+            try:
+                verify = ssl.create_default_context(cafile=verify)
+            except (OSError, ssl.SSLError) as exc:
+                raise InvalidSpecError(f"cannot read the API server's CA bundle {verify}: {exc}") from None
         self._http = httpx.AsyncClient(
             base_url=base_url, headers=headers, verify=verify, transport=transport, timeout=timeout_s
         )
@@ -107,6 +117,39 @@ class KubeClient:
         params = {_camel(k): v for k, v in selectors.items() if v}
         items = (await self.request("GET", path, params=params)).get("items") or []
         return [i for i in items if isinstance(i, dict)]
+
+    async def list_with_version(self, path: str, **selectors: str) -> tuple[Objs, str]:
+        """Items of a collection and its ``metadata.resourceVersion`` (where a :meth:`watch` of it starts)."""
+        params = {_camel(k): v for k, v in selectors.items() if v}
+        body = await self.request("GET", path, params=params)
+        items = [i for i in body.get("items") or [] if isinstance(i, dict)]
+        return items, str((body.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def watch(
+        self, path: str, resource_version: str, *, timeout_s: int = 300, **selectors: str
+    ) -> AsyncIterator[Obj]:
+        """The watch events of a collection from ``resource_version`` on: ``{"type": "ADDED" | "MODIFIED" |
+        "DELETED" | "BOOKMARK" | "ERROR", "object": ...}``, until the server ends the watch (after ``timeout_s``).
+
+        An ``ERROR`` event carries a ``Status``; code 410 (``Expired``) means the version is too old: list again
+        and watch from the new version. A refusal of the request itself raises :class:`ApiError`."""
+        params = {_camel(k): v for k, v in selectors.items() if v}
+        params.update(
+            watch="1", resourceVersion=resource_version, allowWatchBookmarks="true", timeoutSeconds=str(timeout_s)
+        )
+        timeout = httpx.Timeout(self._http.timeout.connect, read=timeout_s + 30.0)
+        try:
+            async with self._http.stream("GET", path, params=params, timeout=timeout) as response:
+                if response.status_code >= 300:
+                    await response.aread()
+                    raise _error(response)
+                async for line in response.aiter_lines():
+                    if line.strip():
+                        event = json.loads(line)
+                        if isinstance(event, dict):
+                            yield event
+        except httpx.HTTPError as exc:
+            raise ApiError(0, "Unreachable", f"watch {path}: {exc}") from None
 
     async def create(self, path: str, body: Mapping[str, Any]) -> Obj:
         return await self.request("POST", path, body)

@@ -1,8 +1,7 @@
 """kube-scheduler's HTTP extender, answered by octacloud's scheduler.
 
-kube-scheduler POSTs JSON to ``<urlPrefix>/<verb>`` (the types of ``k8s.io/kube-scheduler/extender/v1``, encoded by
-Go's ``encoding/json`` without tags, so the keys are the Go field names: ``Pod``, ``Nodes``, ``NodeNames``; Go
-decodes them case-insensitively, and so does this extender):
+kube-scheduler POSTs JSON to ``<urlPrefix>/<verb>`` (:mod:`~octacloud.k8s.extender_wire` reads and writes it) for
+the pods that ask for a managed resource, with the nodes that passed its own filters:
 
 - ``filter`` (``ExtenderArgs`` → ``ExtenderFilterResult``): octacloud decides the pod's node and card(s) among the
   candidates, exactly as ``octacloud up`` does with the same profile, and returns that one node (the others are
@@ -14,12 +13,15 @@ decodes them case-insensitively, and so does this extender):
   the others;
 - ``bind`` (``ExtenderBindingArgs`` → ``ExtenderBindingResult``): writes the placement on the pod (annotations),
   then creates its ``Binding``. If kube-scheduler chose another node, octacloud places the pod there or refuses;
-- ``preempt`` (``ExtenderPreemptionArgs`` → ``ExtenderPreemptionResult``): keeps the nodes where evicting
-  kube-scheduler's proposed victims lets octacloud place the pod, each with the fewest of those victims needed.
+- ``preempt`` (``ExtenderPreemptionArgs`` → ``ExtenderPreemptionResult``): for each node kube-scheduler proposes,
+  the victims the scheduler's own preemption action chooses there (:func:`~octacloud.scheduler.actions.preempt.
+  victims_on_node`: the cheapest set of strictly lower-priority octacloud pods whose eviction lets the pod fit on
+  the node's cards), with kube-scheduler's victims that are not octacloud's; nodes where none helps are dropped.
 
 Bad input (not JSON, missing fields, a node octacloud does not know, a malformed pod) gets an answer whose
-``Error`` says what was wrong, and the extender keeps serving. On start, and every ``resync_s``, the state is
-rebuilt from the pods' annotations (:meth:`Extender.resync`), so a restart loses nothing.
+``Error`` says what was wrong, and the extender keeps serving. The state follows the API: rebuilt from the pods'
+annotations on start and every ``resync_s`` (:meth:`Extender.resync`), kept current between by a watch of the
+pods (:meth:`Extender.observe`), and rebuilt at once when a pod finds no room while the watch may lag behind.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +39,19 @@ from octacloud.core.errors import InvalidSpecError, OctacloudError
 from octacloud.core.model import Health, Node, Placement, Request
 from octacloud.core.units import max_model_memory_mib
 from octacloud.k8s.api import ApiError, KubeClient, node_path, pods_path
+from octacloud.k8s.extender_wire import (
+    ExtenderArgs,
+    ExtenderError,
+    Proposal,
+    expect_object,
+    field_of,
+    filter_result,
+    preemption_result,
+    read_args,
+    read_preemption,
+    shortfall,
+    why_not,
+)
 from octacloud.k8s.resources import (
     GPU_COUNT_LABEL,
     Obj,
@@ -47,9 +63,11 @@ from octacloud.k8s.resources import (
     pod_request,
     pod_uid,
 )
-from octacloud.scheduler.framework.runner import Decision, Profile, Scheduler
+from octacloud.scheduler.actions.preempt import victims_on_node
+from octacloud.scheduler.framework.runner import Profile, Scheduler
 from octacloud.scheduler.framework.state import ClusterState
-from octacloud.scheduler.framework.transaction import Transaction
+
+__all__ = ["MAX_EXTENDER_PRIORITY", "Extender", "ExtenderError", "ExtenderSettings"]
 
 log = logging.getLogger("octacloud.k8s.extender")
 
@@ -57,35 +75,17 @@ MAX_EXTENDER_PRIORITY = 10
 """``MaxExtenderPriority`` of ``k8s.io/kube-scheduler/extender/v1``."""
 
 
-class ExtenderError(OctacloudError):
-    """A request the extender cannot answer; the message goes into the reply's ``Error``."""
-
-
-def field_of(obj: Mapping[str, Any], name: str) -> Any:
-    """``obj[name]`` matched as Go's ``encoding/json`` does: the exact key first, else case-insensitively."""
-    if name in obj:
-        return obj[name]
-    lower = name.lower()
-    for key, value in obj.items():
-        if isinstance(key, str) and key.lower() == lower:
-            return value
-    return None
-
-
-def _object(value: Any, what: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ExtenderError(f"{what}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
 @dataclass(slots=True)
 class ExtenderSettings:
     assume_ttl_s: float = 120.0
     """A filtered pod's placement is held this long for its bind; then released."""
-    resync_s: float = 10.0
-    """How often the state is rebuilt from the API's pods (pods that finished give their cards back)."""
+    resync_s: float = 60.0
+    """How often the state is rebuilt from the API's pods (the watch keeps it current in between)."""
     refresh_s: float = 5.0
     """A filter naming a node octacloud does not know re-reads the nodes, at most this often."""
+    catch_up_s: float = 2.0
+    """A pod that finds no room rebuilds the state first (deletions the watch has not brought yet), at most this
+    often: kube-scheduler would otherwise preempt for room that is already free."""
     explain_placed: bool = False
     """When a pod is placed, also list every other candidate in ``FailedNodes`` ("octacloud chose node X")."""
 
@@ -108,12 +108,15 @@ class Extender:
     settings: ExtenderSettings = field(default_factory=ExtenderSettings)
     fixed_fleet: bool = False
     """The fleet came from a fleet file: Node objects kube-scheduler sends do not change it."""
+    calls: Counter[str] = field(default_factory=Counter, init=False)
+    """Requests answered, by verb (``filter`` with node objects counts as ``filter-nodes``), and resyncs."""
     _scheduler: Scheduler = field(init=False)
     _assumed: dict[str, _Assumed] = field(default_factory=dict, init=False)
     _bound: dict[str, Request] = field(default_factory=dict, init=False)
     _next_refresh: float = field(default=float("-inf"), init=False)
+    _last_resync: float = field(default=float("-inf"), init=False)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
-    """Held by the HTTP front around each verb and by :meth:`resync`: one change of the state at a time."""
+    """Held by the HTTP front around each verb, by :meth:`resync` and the watch: one change of the state at a time."""
 
     def __post_init__(self) -> None:
         self._scheduler = Scheduler(ClusterState(self.nodes), self.profile)
@@ -131,51 +134,50 @@ class Extender:
     async def filter(self, args: Any) -> Obj:
         """``ExtenderArgs`` → ``ExtenderFilterResult``."""
         try:
-            pod, names, node_objs = await self._args(args)
-            request = pod_request(pod)
+            a = await self._args(args)
+            request = pod_request(a.pod)
         except (ExtenderError, InvalidSpecError, ApiError) as exc:
             return {"Error": str(exc)}
+        self.calls["filter" if a.nodes is None else "filter-nodes"] += 1
         if request is None:  # not octacloud's: no opinion
-            return self._filtered(names, node_objs, names, {}, {})
+            return filter_result(a, a.names, {}, {})
         self._expire()
         self._forget(request.name)
-        index = self.state.index
-        known = [n for n in names if n in index]
-        unresolvable = {n: self._unknown(n) for n in names if n not in index} if len(known) < len(names) else {}
-        failed: dict[str, str] = {}
         if request.name in self.state.allocations:  # filtered again after its bind: it stays where it is
             node = self.state.allocations[request.name].placement.node
-            failed = {n: f"pod {pod_key(pod)} is bound to node {node}" for n in known if n != node}
-            return self._filtered(names, node_objs, [node] if node in known else [], failed, unresolvable)
-        everywhere = len(known) == len(self.state) and len(set(known)) == len(known)
-        decision = self._scheduler.decide(request, None if everywhere else [index[n] for n in known])
-        if decision.placement is not None:
-            p = decision.placement
-            self._scheduler.commit(decision.request, p)
-            self._assumed[request.name] = _Assumed(
-                decision.request, p, self.clock.monotonic() + self.settings.assume_ttl_s
-            )
+            elsewhere = {n: f"pod {pod_key(a.pod)} is bound to node {node}" for n in a.names if n != node}
+            return filter_result(a, [node] if node in a.names else [], elsewhere, {})
+        placement = self._place(request, a.names)
+        if placement is None and await self._catch_up():
+            placement = self._place(request, a.names)
+        index = self.state.index
+        unresolvable = {n: self._unknown(n) for n in a.names if n not in index}
+        known = [n for n in a.names if n in index]
+        failed: dict[str, str] = {}
+        if placement is not None:
             # A node passes, so kube-scheduler will not preempt for this pod and shows no diagnosis: the other
             # nodes are left out (dropped without a reason), which saves encoding a reason per node.
             if self.settings.explain_placed:
-                failed = dict.fromkeys(known, f"octacloud chose node {p.node}")
-                failed.pop(p.node, None)
-            return self._filtered(names, node_objs, [p.node], failed, unresolvable)
+                failed = {n: f"octacloud chose node {placement.node}" for n in known if n != placement.node}
+            return filter_result(a, [placement.node], failed, unresolvable)
         for n in known:
-            reason = _why_not(self._scheduler.decide(request, [self.state.index[n]]), pod)
-            if self._never_fits(request, self.state.nodes[self.state.index[n]]):
+            reason = (
+                f"{why_not(self._scheduler.decide(request, [index[n]]), a.pod)}: {shortfall(request, self.state, n)}"
+            )
+            if self._never_fits(request, self.state.nodes[index[n]]):
                 unresolvable[n] = reason
             else:
                 failed[n] = reason
-        return self._filtered(names, node_objs, [], failed, unresolvable)
+        return filter_result(a, [], failed, unresolvable)
 
     async def prioritize(self, args: Any) -> list[Obj]:
         """``ExtenderArgs`` → ``HostPriorityList``; raises :class:`ExtenderError` on bad input (no Error field)."""
         try:
-            pod, names, _ = await self._args(args)
-            request = pod_request(pod)
+            a = await self._args(args)
+            request = pod_request(a.pod)
         except (InvalidSpecError, ApiError) as exc:
             raise ExtenderError(str(exc)) from None
+        self.calls["prioritize"] += 1
         chosen: str | None = None
         if request is not None:
             self._expire()
@@ -185,15 +187,16 @@ class Extender:
             elif request.name in self._bound:
                 chosen = self.state.allocations[request.name].placement.node
             else:
-                known = [self.state.index[n] for n in names if n in self.state.index]
+                known = [self.state.index[n] for n in a.names if n in self.state.index]
                 decision = self._scheduler.decide(request, known)
                 chosen = decision.placement.node if decision.placement is not None else None
-        return [{"Host": n, "Score": MAX_EXTENDER_PRIORITY if n == chosen else 0} for n in names]
+        return [{"Host": n, "Score": MAX_EXTENDER_PRIORITY if n == chosen else 0} for n in a.names]
 
     async def bind(self, args: Any) -> Obj:
         """``ExtenderBindingArgs`` → ``ExtenderBindingResult``: annotate the pod, then bind it."""
+        self.calls["bind"] += 1
         try:
-            a = _object(args, "ExtenderBindingArgs")
+            a = expect_object(args, "ExtenderBindingArgs")
             name, namespace, uid, node = (field_of(a, k) for k in ("PodName", "PodNamespace", "PodUID", "Node"))
             for key, value in (("PodName", name), ("PodNamespace", namespace), ("Node", node)):
                 if not isinstance(value, str) or not value:
@@ -225,69 +228,55 @@ class Extender:
     async def preempt(self, args: Any) -> Obj:
         """``ExtenderPreemptionArgs`` → ``ExtenderPreemptionResult``; raises :class:`ExtenderError` on bad input."""
         try:
-            a = _object(args, "ExtenderPreemptionArgs")
-            pod = _object(field_of(a, "Pod"), "ExtenderPreemptionArgs.Pod")
+            pod, proposals = read_preemption(args)
             request = pod_request(pod)
         except InvalidSpecError as exc:
             raise ExtenderError(str(exc)) from None
-        meta = field_of(a, "NodeNameToMetaVictims")
-        full = field_of(a, "NodeNameToVictims")
-        proposals: dict[str, list[str]] = {}
-        pdb: dict[str, int] = {}
-        source, uid_of = (meta, _meta_uid) if meta is not None else (full, _pod_uid_of)
-        for node, victims in _object(source or {}, "ExtenderPreemptionArgs.NodeNameToMetaVictims").items():
-            v = _object(victims or {}, f"victims on node {node}")
-            pods = field_of(v, "Pods") or []
-            if not isinstance(pods, list):
-                raise ExtenderError(f"victims on node {node}: Pods must be a list")
-            proposals[node] = [uid_of(p, node) for p in pods]
-            pdb[node] = int(field_of(v, "NumPDBViolations") or 0)
+        self.calls["preempt"] += 1
         if request is None:  # not octacloud's: keep kube-scheduler's proposal
-            kept = proposals
-        else:
-            self._expire()
-            self._forget(request.name)
-            kept = {}
-            for node, victims in proposals.items():
-                needed = self._victims_needed(request, node, victims)
-                if needed is not None:
-                    kept[node] = needed
-        return {
-            "NodeNameToMetaVictims": {
-                node: {"Pods": [{"UID": u} for u in uids], "NumPDBViolations": pdb.get(node, 0)}
-                for node, uids in kept.items()
-            }
-        }
+            return preemption_result(proposals)
+        self._expire()
+        self._forget(request.name)
+        await self._catch_up()
+        kept: dict[str, Proposal] = {}
+        for node, proposal in proposals.items():
+            if node not in self.state.index:
+                continue
+            ours = victims_on_node(self._scheduler, request, self.state.index[node])
+            if ours is None:
+                continue
+            # kube-scheduler's victims that are not octacloud's were chosen for its own resources (CPU, memory):
+            # they stay; of octacloud's pods, the preemption action's choice replaces kube-scheduler's count.
+            others = [v for v in proposal.victims if v not in self.state.allocations]
+            kept[node] = Proposal([*others, *(a.request.name for a in ours)], proposal.pdb_violations)
+        return preemption_result(kept)
 
     # ---- state from the API ------------------------------------------------------------------------------
 
-    async def resync(self) -> None:
+    async def resync(self) -> str:
         """Rebuild the state from the API: the nodes octacloud's device plugin labelled, and every active pod
-        with a placement annotation; assumed (filtered, not yet bound) placements are kept."""
+        bound where its placement annotation says; assumed (filtered, not yet bound) placements are kept.
+        Returns the resource version of the pod list (where a watch of the pods starts)."""
         if self.api is None:
-            return
+            return ""
         async with self.lock:
-            await self._resync(self.api)
+            return await self._resync(self.api)
 
-    async def _resync(self, api: KubeClient) -> None:
+    async def _resync(self, api: KubeClient) -> str:
+        self.calls["resync"] += 1
+        self._last_resync = self.clock.monotonic()
         if not self.fixed_fleet:
             self._set_nodes(await self._api_nodes())
-        pods = await api.list(pods_path())
+        pods, version = await api.list_with_version(pods_path())
         state = ClusterState(self.state.nodes)
         scheduler = Scheduler(state, self.profile)
         bound: dict[str, Request] = {}
-        for pod in pods:
-            try:
-                placement = pod_placement(pod)
-                request = pod_request(pod) if placement is not None else None
-                if placement is None or request is None or not pod_is_active(pod):
-                    continue
-                placement = dataclasses.replace(placement, milli_per_gpu=request.gpu_milli)
-                scheduler.commit(request, placement)
-            except (InvalidSpecError, OctacloudError) as exc:
-                log.warning("pod %s: cannot account its placement (%s)", pod_key(pod), exc)
-                continue
-            bound[request.name] = request
+        # Pods being deleted still hold their cards, but after every other pod: where a preemptor already took
+        # a victim's card, the victim is the one left out.
+        for pod in sorted(pods, key=lambda p: bool((p.get("metadata") or {}).get("deletionTimestamp"))):
+            request = self._bound_request(pod, scheduler)
+            if request is not None:
+                bound[request.name] = request
         for name, held in list(self._assumed.items()):
             try:
                 if name not in bound:
@@ -295,6 +284,45 @@ class Extender:
             except (InvalidSpecError, OctacloudError):
                 del self._assumed[name]
         self._scheduler, self._bound = scheduler, bound
+        return version
+
+    def _bound_request(self, pod: Mapping[str, Any], scheduler: Scheduler) -> Request | None:
+        """Account a pod bound where the extender placed it (None: it holds nothing of octacloud's)."""
+        try:
+            placement = pod_placement(pod)
+            if placement is None or not pod_is_active(pod):
+                return None
+            if (pod.get("spec") or {}).get("nodeName") != placement.node:
+                return None  # annotated, but its binding failed or is still to come
+            request = pod_request(pod)
+            if request is None:
+                return None
+            scheduler.commit(request, dataclasses.replace(placement, milli_per_gpu=request.gpu_milli))
+        except (InvalidSpecError, OctacloudError) as exc:
+            log.warning("pod %s: cannot account its placement (%s)", pod_key(pod), exc)
+            return None
+        return request
+
+    def observe(self, event: str, pod: Mapping[str, Any]) -> None:
+        """A watch event of a pod (``ADDED``, ``MODIFIED``, ``DELETED``): a pod deleted or finished gives its cards
+        back; one bound with a placement octacloud does not hold (bound while this extender was away) is taken."""
+        uid = pod_uid(pod)
+        if event == "DELETED" or not pod_is_active(pod):
+            if uid in self.state.allocations:
+                log.info("pod %s is gone: its cards are free", pod_key(pod))
+                self.forget(uid)
+            return
+        if event in ("ADDED", "MODIFIED") and uid not in self.state.allocations:
+            request = self._bound_request(pod, self._scheduler)
+            if request is not None:
+                self._bound[request.name] = request
+
+    async def _catch_up(self) -> bool:
+        """Rebuild the state now unless that was done within ``catch_up_s``; True when it was rebuilt."""
+        if self.api is None or self.clock.monotonic() - self._last_resync < self.settings.catch_up_s:
+            return False
+        await self._resync(self.api)
+        return True
 
     async def _api_nodes(self) -> list[Node]:
         assert self.api is not None
@@ -331,36 +359,22 @@ class Extender:
 
     # ---- mechanism ---------------------------------------------------------------------------------------
 
-    async def _args(self, args: Any) -> tuple[Mapping[str, Any], list[str], list[Obj] | None]:
-        a = _object(args, "ExtenderArgs")
-        pod = field_of(a, "Pod")
-        if pod is None:
-            raise ExtenderError("ExtenderArgs.Pod is missing")
-        pod = _object(pod, "ExtenderArgs.Pod")
-        names_field, nodes_field = field_of(a, "NodeNames"), field_of(a, "Nodes")
-        if names_field is not None:
-            if not isinstance(names_field, list) or not all(isinstance(n, str) for n in names_field):
-                raise ExtenderError("ExtenderArgs.NodeNames: expected a list of node names")
-            names = list(names_field)
-            now = self.clock.monotonic()
-            if (
-                self.api is not None
-                and not self.fixed_fleet
-                and now >= self._next_refresh
-                and any(n not in self.state.index for n in names)
-            ):  # a node joined since the last resync (or a node without cards: asked again only after a while)
-                self._next_refresh = now + self.settings.refresh_s
-                self._set_nodes(await self._api_nodes())
-            return pod, names, None
-        if nodes_field is not None:
-            items = field_of(_object(nodes_field, "ExtenderArgs.Nodes"), "items") or []
-            if not isinstance(items, list):
-                raise ExtenderError("ExtenderArgs.Nodes.items: expected a list of v1.Node")
-            objs = [dict(_object(i, "ExtenderArgs.Nodes.items[]")) for i in items]
+    async def _args(self, args: Any) -> ExtenderArgs:
+        a = read_args(args)
+        if a.nodes is not None:
             if not self.fixed_fleet:
-                self._learn(objs)
-            return pod, [str((o.get("metadata") or {}).get("name", "")) for o in objs], objs
-        raise ExtenderError("ExtenderArgs has neither NodeNames (nodeCacheCapable) nor Nodes")
+                self._learn(a.nodes)
+            return a
+        now = self.clock.monotonic()
+        if (
+            self.api is not None
+            and not self.fixed_fleet
+            and now >= self._next_refresh
+            and any(n not in self.state.index for n in a.names)
+        ):  # a node joined since the last resync (or a node without cards: asked again only after a while)
+            self._next_refresh = now + self.settings.refresh_s
+            self._set_nodes(await self._api_nodes())
+        return a
 
     def _learn(self, objs: list[Obj]) -> None:
         """Add or update the nodes kube-scheduler sent (when it is not node-cache capable)."""
@@ -379,22 +393,18 @@ class Extender:
         if changed:
             self._set_nodes(list(current.values()))
 
-    @staticmethod
-    def _filtered(
-        names: list[str], objs: list[Obj] | None, keep: list[str], failed: dict[str, str], unresolvable: dict[str, str]
-    ) -> Obj:
-        result: Obj = {"FailedNodes": failed, "FailedAndUnresolvableNodes": unresolvable, "Error": ""}
-        if objs is None:
-            result["NodeNames"] = keep
-        else:
-            wanted = set(keep)
-            result["Nodes"] = {
-                "apiVersion": "v1",
-                "kind": "NodeList",
-                "metadata": {},
-                "items": [o for o in objs if (o.get("metadata") or {}).get("name") in wanted],
-            }
-        return result
+    def _place(self, request: Request, names: list[str]) -> Placement | None:
+        """Decide among the candidates ``names`` and hold the placement until the bind (None: it fits nowhere)."""
+        index = self.state.index
+        known = [n for n in names if n in index]
+        everywhere = len(known) == len(self.state) and len(set(known)) == len(known)
+        decision = self._scheduler.decide(request, None if everywhere else [index[n] for n in known])
+        if decision.placement is None:
+            return None
+        self._scheduler.commit(decision.request, decision.placement)
+        expires = self.clock.monotonic() + self.settings.assume_ttl_s
+        self._assumed[request.name] = _Assumed(decision.request, decision.placement, expires)
+        return decision.placement
 
     def _unknown(self, name: str) -> str:
         return (
@@ -432,37 +442,12 @@ class Extender:
             return self.state.allocations[request.name].placement
         decision = self._scheduler.decide(request, [self.state.index[node]])
         if decision.placement is None:
-            raise ExtenderError(f"{_why_not(decision, pod)} on node {node}")
+            raise ExtenderError(f"{why_not(decision, pod)} on node {node}")
         self._scheduler.commit(decision.request, decision.placement)
         self._assumed[request.name] = _Assumed(
             decision.request, decision.placement, self.clock.monotonic() + self.settings.assume_ttl_s
         )
         return decision.placement
-
-    def _victims_needed(self, request: Request, node: str, victims: list[str]) -> list[str] | None:
-        """The fewest of ``victims`` whose eviction lets ``request`` fit on ``node`` (None: none do)."""
-        if node not in self.state.index:
-            return None
-        i = self.state.index[node]
-        ours = [v for v in victims if v in self.state.allocations and self.state.allocations[v].node_index == i]
-        others = [v for v in victims if v not in ours]
-        if not self._fits_without(request, i, ours):
-            return None
-        # Drop victims one at a time, most important first, while the pod still fits without the rest.
-        needed = sorted(ours, key=lambda v: -self.state.allocations[v].request.priority)
-        for v in list(needed):
-            trial = [u for u in needed if u != v]
-            if self._fits_without(request, i, trial):
-                needed = trial
-        return [*others, *needed]
-
-    def _fits_without(self, request: Request, node: int, victims: list[str]) -> bool:
-        with Transaction(self.state) as tx:
-            for v in victims:
-                tx.evict(v)
-            decision = self._scheduler.decide(request, [node])
-            tx.rollback()
-        return decision.placement is not None
 
     def _forget(self, name: str) -> None:
         """Drop an assumed placement (a pod filtered again, or whose bind failed)."""
@@ -485,22 +470,6 @@ class Extender:
     def placements(self) -> dict[str, Placement]:
         """Every pod octacloud holds cards for (bound or assumed), by UID."""
         return {a.request.name: a.placement for a in self.state}
-
-
-def _why_not(decision: Decision, pod: Mapping[str, Any]) -> str:
-    parts = ", ".join(f"{why}: {n}" for why, n in sorted(decision.reasons.items(), key=lambda kv: -kv[1]))
-    return f"pod {pod_key(pod)} does not fit ({parts or 'no nodes'})"
-
-
-def _meta_uid(pod: Any, node: str) -> str:
-    uid = field_of(_object(pod, f"MetaVictims on node {node}: Pods[]"), "UID")
-    if not isinstance(uid, str) or not uid:
-        raise ExtenderError(f"MetaVictims on node {node}: a MetaPod needs a UID")
-    return uid
-
-
-def _pod_uid_of(pod: Any, node: str) -> str:
-    return pod_uid(_object(pod, f"Victims on node {node}: Pods[]"))
 
 
 def _healthy(node: Node) -> Node:

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from octacloud.k8s.api import ApiError, KubeClient, pods_path
 from octacloud.k8s.extender import Extender, ExtenderError
 
 log = logging.getLogger("octacloud.k8s.extender")
@@ -61,7 +62,8 @@ def build_extender_app(extender: Extender, *, max_body_bytes: int = MAX_BODY_BYT
         return handle
 
     async def healthz(_: Request) -> Response:
-        return JSONResponse({"ok": True, "nodes": len(extender.state), "pods": len(extender.state.allocations)})
+        state = extender.state
+        return JSONResponse({"ok": True, "nodes": len(state), "pods": len(state.allocations), "calls": extender.calls})
 
     async def placements(_: Request) -> Response:
         return JSONResponse(
@@ -103,13 +105,15 @@ def _bad(message: str, errors_in_body: bool, status: int = 400) -> Response:
 
 
 async def serve_extender(extender: Extender, host: str, port: int, stop: asyncio.Event) -> None:
-    """Serve until ``stop``; rebuild the state from the API at start and every ``resync_s``."""
+    """Serve until ``stop``: the state is rebuilt from the API at start and every ``resync_s``, and a watch of
+    the pods keeps it current in between."""
     await extender.resync()
     server = uvicorn.Server(
         uvicorn.Config(build_extender_app(extender), host=host, port=port, log_level="warning", lifespan="off")
     )
     server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the CLI owns signals
     task = asyncio.create_task(server.serve())
+    watch = asyncio.create_task(follow_pods(extender, extender.api)) if extender.api is not None else None
     try:
         while not stop.is_set() and not task.done():
             with contextlib.suppress(TimeoutError):
@@ -121,5 +125,39 @@ async def serve_extender(extender: Extender, host: str, port: int, stop: asyncio
             except Exception:  # the API server away for a while: keep serving on what we know
                 log.exception("extender: resync failed; retrying in %.0f s", extender.settings.resync_s)
     finally:
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
         server.should_exit = True
         await task
+
+
+async def follow_pods(extender: Extender, api: KubeClient, retry_s: float = 1.0) -> None:
+    """Watch every pod from the last resync's version and hand each event to :meth:`Extender.observe`. An expired
+    version (410) or a watch the server ended starts again from a fresh list; an API away is retried."""
+    version = ""
+    while True:
+        try:
+            if not version:
+                version = await extender.resync()
+            async for event in api.watch(pods_path(), version):
+                kind, obj = event.get("type"), event.get("object")
+                if not isinstance(obj, dict):
+                    continue
+                if kind == "ERROR":
+                    log.info("extender: the pod watch ended (%s); listing again", obj.get("message", obj))
+                    version = ""
+                    break
+                version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    async with extender.lock:
+                        extender.observe(str(kind), obj)
+        except ApiError as exc:
+            log.warning("extender: the pod watch failed (%s); again in %.0f s", exc, retry_s)
+            version = ""
+            await asyncio.sleep(retry_s)
+        except Exception:  # a bug in one event must not stop following the pods
+            log.exception("extender: the pod watch failed; listing again in %.0f s", retry_s)
+            version = ""
+            await asyncio.sleep(retry_s)

@@ -9,6 +9,9 @@ priorities, milli-GPU evicted. The cheapest set over all nodes wins (ties: the s
 The plan is applied through a :class:`Transaction`: victims are evicted, the request is placed, and only if the
 placement succeeds is it committed; otherwise everything is rolled back. The victims are returned for
 re-placement by the caller (they are *not* re-placed here: that is the caller's policy).
+
+:func:`victims_on_node` is the same search on one node, changing nothing: for a caller that evicts through
+someone else (the Kubernetes extender answers kube-scheduler's preemption with it).
 """
 
 from __future__ import annotations
@@ -60,16 +63,9 @@ def preempt(
     for node in range(len(state)):
         if not state.usable(node):
             continue
-        candidates = _candidates(scheduler, request, node, allow_pinned)
-        if not candidates or _try(scheduler, request, node, candidates) is None:
-            continue
-        for victims in _victim_sets(candidates, max_victims, max_sets_per_node):
-            cost = _cost(victims, scheduler.tie_rank[node])
-            if best is not None and cost >= best[0]:
-                continue
-            if _try(scheduler, request, node, victims) is not None:
-                best = (cost, node, victims)
-                break  # sets come in increasing size, cheapest first within a size
+        victims = _cheapest_on(scheduler, request, node, allow_pinned, max_victims, max_sets_per_node, best)
+        if victims:
+            best = (_cost(victims, scheduler.tie_rank[node]), node, victims)
     if best is None:
         return None
     _, node, victims = best
@@ -81,6 +77,47 @@ def preempt(
         tx.allocate(placed.request, placed.placement)
         operations = tx.commit()
     return Preemption(placed.request, placed.placement, evicted, operations)
+
+
+def victims_on_node(
+    scheduler: Scheduler,
+    request: Request,
+    node: int,
+    *,
+    allow_pinned: bool = False,
+    max_victims: int = DEFAULT_MAX_VICTIMS,
+    max_sets_per_node: int = DEFAULT_MAX_SETS_PER_NODE,
+) -> tuple[Allocation, ...] | None:
+    """The cheapest set of strictly lower-priority allocations on ``node`` whose eviction lets ``request`` fit
+    there, by the same search and cost as :func:`preempt`: ``()`` when it fits without evicting anything, None
+    when no set makes it fit. Changes nothing (for a caller that evicts by other means, such as kube-scheduler).
+    """
+    if not scheduler.state.usable(node):
+        return None
+    if scheduler.decide(request, [node]).placement is not None:
+        return ()
+    return _cheapest_on(scheduler, request, node, allow_pinned, max_victims, max_sets_per_node, None) or None
+
+
+def _cheapest_on(
+    scheduler: Scheduler,
+    request: Request,
+    node: int,
+    allow_pinned: bool,
+    max_victims: int,
+    max_sets: int,
+    best: tuple[_Cost, int, tuple[Allocation, ...]] | None,
+) -> tuple[Allocation, ...]:
+    """The cheapest fitting victim set on ``node`` that costs less than ``best`` (``()``: none)."""
+    candidates = _candidates(scheduler, request, node, allow_pinned)
+    if not candidates or _try(scheduler, request, node, candidates) is None:
+        return ()
+    for victims in _victim_sets(candidates, max_victims, max_sets):
+        if best is not None and _cost(victims, scheduler.tie_rank[node]) >= best[0]:
+            continue
+        if _try(scheduler, request, node, victims) is not None:
+            return victims  # sets come in increasing size, cheapest first within a size
+    return ()
 
 
 def _candidates(scheduler: Scheduler, request: Request, node: int, allow_pinned: bool) -> list[Allocation]:
