@@ -10,7 +10,7 @@ PIP      := $(PY) -m pip
 STAMP    := $(VENV)/.octacloud-installed
 PYTEST_ARGS ?=
 
-.PHONY: up install dev build-tools ray plots k8s postgres pgsql lock browser test lint types layers pytest models gpu-check clean
+.PHONY: up install dev build-tools ray plots k8s k8s-e2e postgres pgsql lock browser test lint types layers pytest models gpu-check clean
 
 # The main job: the cloud on this machine, serving the example models (built once, cached) behind one
 # OIP endpoint on 127.0.0.1:8000 (REST) and :8001 (gRPC). Ctrl-C stops it; replicas keep running until
@@ -89,6 +89,14 @@ browser:
 	else DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; fi
 
+# The Kubernetes end-to-end tests (tests/k8s/test_e2e_*.py) run a real control plane with
+# scripts/k8s-control-plane: its Kubernetes binaries come from OCTACLOUD_K8S_BIN (or the script's cache), etcd
+# from Debian's etcd-server, installed here once as root when absent.
+k8s-e2e:
+	@if command -v etcd >/dev/null; then :; \
+	else DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; fi
+
 # The store tests also run against a real PostgreSQL server that they start on loopback (tests/postgres.py):
 # Debian's postgresql, installed once as root; skipped when its server binary is present.
 pgsql:
@@ -96,7 +104,7 @@ pgsql:
 	else DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; fi
 
-pytest: dev build-tools ray plots k8s postgres models browser pgsql
+pytest: dev build-tools ray plots k8s k8s-e2e postgres models browser pgsql
 	scripts/netns-run $(BIN)/pytest $(PYTEST_ARGS)
 
 # The GPU check (docs/gpu.md): on an NVIDIA machine, the GPU set, the example models, then bench/gpu.py.

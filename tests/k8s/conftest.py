@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -13,6 +13,7 @@ from octacloud.k8s.extender_http import build_extender_app
 from octacloud.k8s.fakeapi import FakeApiServer
 from octacloud.scheduler.policies import cloud_profile
 
+from .cluster import ControlPlane, start_control_plane
 from .wire import node_obj
 
 
@@ -62,3 +63,17 @@ async def http(extender: Extender) -> AsyncIterator[httpx.AsyncClient]:
     app = build_extender_app(extender)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://extender") as client:
         yield client
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """One real control plane for the whole session (etcd, kube-apiserver, kube-controller-manager), with two
+    kube-schedulers running ``deploy/k8s/scheduler-config.yaml``: profile ``octacloud`` as shipped
+    (nodeCacheCapable) and ``octacloud-nodes`` with node objects sent to the extender."""
+    cp = start_control_plane(tmp_path_factory.mktemp("k8s"))
+    try:
+        cp.scheduler("octacloud", cp.scheduler_config("octacloud"))
+        cp.scheduler("octacloud-nodes", cp.scheduler_config("octacloud-nodes", node_cache=False))
+        yield cp
+    finally:
+        cp.stop()
