@@ -17,9 +17,9 @@ from octacloud.control.store import StateStore
 from octacloud.core.clock import Clock, ManualClock
 from octacloud.core.model import Gpu, Node
 from octacloud.gateway.routing import RouteTable
-from octacloud.scheduler.framework.runner import Scheduler
+from octacloud.scheduler.framework.runner import Profile, Scheduler
 from octacloud.scheduler.framework.state import ClusterState
-from octacloud.scheduler.policies import build_profile
+from octacloud.scheduler.policies import build_profile, cloud_profile
 
 
 @dataclass
@@ -81,8 +81,17 @@ def fleet(nodes: int = 2, cards: int = 1) -> list[Node]:
 
 
 class Harness:
-    def __init__(self, tmp: Path, nodes: list[Node] | None = None, store: StateStore | None = None, **settings: float):
+    def __init__(
+        self,
+        tmp: Path,
+        nodes: list[Node] | None = None,
+        store: StateStore | None = None,
+        policy: str = "",
+        **settings: float,
+    ):
+        """``policy``: schedule with the cloud's profile of that name (default: bestfit without the rules)."""
         self.tmp = tmp
+        self.policy = policy
         for model in ("m", "m2"):
             for version in ("1", "2"):
                 (tmp / "models" / model / version).mkdir(parents=True, exist_ok=True)
@@ -110,7 +119,7 @@ class Harness:
         return Controller(
             store=self.wrap(self.backing, self.clock),
             nodes=list(self.nodes),
-            scheduler=Scheduler(ClusterState(self.nodes), build_profile("bestfit", seed=0)),
+            scheduler=Scheduler(ClusterState(self.nodes), self.profile()),
             launcher=self.launcher,
             repository=self.tmp / "models",
             routes=self.routes,
@@ -119,6 +128,9 @@ class Harness:
             footprint=lambda model: ModelFootprint(1 << 20),
             settings=ControllerSettings(drain_timeout_s=1.0),
         )
+
+    def profile(self) -> Profile:
+        return cloud_profile(self.policy) if self.policy else build_profile("bestfit", seed=0)
 
     def deploy(self, name: str, octants: int = 4, replicas: int = 1, **spec: object) -> None:
         self.controller.deploy(

@@ -43,7 +43,8 @@ def test_published_profiles_have_no_product_rules_unless_asked() -> None:
     assert not plain.rewriters and not plain.pre_filters
     ruled = build_profile("fgd", seed=0, workload=WORKLOAD, rules=True)
     assert any(isinstance(p, OctantUnit) for p in ruled.rewriters)
-    assert {p.name for p in ruled.pre_filters} == {"failover-headroom", "model-memory"}
+    assert {p.name for p in ruled.pre_filters} == {"failover-headroom", "model-memory", "replica-spread"}
+    assert ruled.filters[-1].name == "replica-spread"  # last: it keeps the best of what the others left
     product = build_profile("octacloud", seed=0, workload=WORKLOAD)  # rules=False: trace comparability
     assert not product.rewriters
 

@@ -115,6 +115,12 @@ def deploy(
     ),
     tenant: str | None = typer.Option(None, "--tenant", help="Owner (admin keys only; default: the key's)."),
     publish: bool = typer.Option(False, "--publish", help="Let every tenant infer on it."),
+    spread: str = typer.Option(
+        "soft",
+        "--spread",
+        help="Keep replicas apart: soft (other nodes, then racks, where they fit), node or rack (hard: one per "
+        "node or rack; a replica that cannot be kept apart waits).",
+    ),
     url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
@@ -133,6 +139,7 @@ def deploy(
         "target_qps": target_qps,
         "slo_ms": slo_ms,
         "published": publish,
+        "spread": spread,
     }
     if priority_class is not None:
         body["priority_class"] = priority_class

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from octacloud.core import fields
 from octacloud.core.errors import InvalidSpecError
+from octacloud.core.model import SPREAD_MODES, SPREAD_SOFT
 from octacloud.core.units import OCTANTS_PER_GPU
 from octacloud.tenancy.keys import TENANT_NAME, TENANT_RULE
 from octacloud.tenancy.priority import CLASS_NAME, CLASS_RULE, PRIORITY_RANGE
@@ -58,6 +59,8 @@ class DeploymentSpec:
     """The priority class the priority came from ('' = none: priority 0, or an admin's raw priority)."""
     tenant: str = "default"
     published: bool = False
+    spread: str = SPREAD_SOFT
+    """How far apart its replicas are kept (``soft``, or hard: ``node``, ``rack``); see ``Request.spread``."""
 
     def __post_init__(self) -> None:
         """Every field by type and range (a record that fails never reaches the store or the loop)."""
@@ -91,6 +94,10 @@ class DeploymentSpec:
             fields.name(self.priority_class, f"{where}: priority_class", CLASS_NAME, CLASS_RULE)
         fields.name(self.tenant, f"{where}: tenant", TENANT_NAME, TENANT_RULE)
         fields.flag(self.published, f"{where}: published")
+        if self.spread not in SPREAD_MODES:
+            raise InvalidSpecError(
+                f"{where}: spread must be one of {list(SPREAD_MODES)}, got {fields.shown(self.spread)}"
+            )
 
 
 @dataclass(slots=True)

@@ -85,6 +85,13 @@ class Node:
         return len(self.gpus) * MILLI_PER_GPU
 
 
+SPREAD_SOFT = "soft"
+SPREAD_MODES: tuple[str, ...] = (SPREAD_SOFT, "node", "rack")
+"""How a group's replicas are kept apart: ``soft`` prefers other nodes, then other racks, and never puts every
+replica of a group of two or more on one node while another node fits; ``node`` (hard) allows one replica per
+node, ``rack`` (hard) one per rack; a replica that cannot be kept apart so waits."""
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     """A request for GPU capacity: ``num_gpu`` cards of ``gpu_milli`` each.
@@ -108,9 +115,16 @@ class Request:
     """Replacement of work lost to a failure: may use the failover headroom."""
     model: str = ""
     """The model the work runs ('' for none): cache-aware placement prefers nodes that already hold it."""
+    group: str = ""
+    """The deployment whose replica this is ('' for none): the replicas of one group are kept apart."""
+    spread: str = SPREAD_SOFT
+    """How far apart the group's replicas must be (:data:`SPREAD_MODES`)."""
 
     def __post_init__(self) -> None:
         n = self.name or "<unnamed>"
+        _require(
+            self.spread in SPREAD_MODES, f"request {n}: spread must be one of {list(SPREAD_MODES)}, got {self.spread!r}"
+        )
         _require(0 <= self.num_gpu <= 16, f"request {n}: num_gpu must be 0..16, got {self.num_gpu}")
         _require(
             0 <= self.gpu_milli <= MILLI_PER_GPU,

@@ -128,7 +128,10 @@ class PassReport:
 
 
 def _shape(r: Request) -> tuple[object, ...]:
-    return (r.num_gpu, r.gpu_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib, r.gpu_models, r.priority, r.failover)
+    """What decides whether a request fits: requests of one shape fail alike (a group's replicas are kept apart
+    from each other, so the group is part of it)."""
+    return (r.num_gpu, r.gpu_milli, r.gpu_memory_mib, r.cpu_milli, r.memory_mib, r.gpu_models, r.priority, r.failover,
+            r.group, r.spread)  # fmt: skip
 
 
 class ReevaluationLoop:
@@ -409,6 +412,8 @@ class ReevaluationLoop:
                 continue
             j, h = best[1]
             shadow = shadow_of(r)
+            if r.group and scheduler.decide(shadow, [j]).placement is None:
+                continue  # the profile keeps it off that node (its deployment's replicas kept apart)
             with scheduler.transaction() as tx:
                 move = move_to(tx, a, shadow, Placement(shadow.name, state.nodes[j].name, (h,), r.gpu_milli))
                 started = None

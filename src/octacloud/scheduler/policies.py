@@ -24,6 +24,7 @@ from octacloud.scheduler.plugins.headroom import FailoverHeadroom
 from octacloud.scheduler.plugins.model_cache import CachedModels
 from octacloud.scheduler.plugins.model_memory import ModelMemoryLimit
 from octacloud.scheduler.plugins.octant import OctantUnit
+from octacloud.scheduler.plugins.replicas import ReplicaSpread
 from octacloud.scheduler.profiles import builtin_profile_names, builtin_profile_path, load_profile
 from octacloud.scheduler.registry import PluginContext
 from octacloud.scheduler.telemetry import TelemetrySource
@@ -94,7 +95,8 @@ def without_rules(profile: Profile) -> Profile:
 
 
 def with_rules(profile: Profile) -> Profile:
-    """``profile`` with each of the product's rules it lacks, with default settings."""
+    """``profile`` with each of the product's rules it lacks, with default settings, and a deployment's replicas
+    kept apart (``replica-spread``; it only looks at requests of a group, so ``without_rules`` keeps it)."""
     if not any(isinstance(p, OctantUnit) for p in profile.rewriters):
         profile.rewriters.insert(0, OctantUnit())
     if not any(isinstance(p, FailoverHeadroom) for p in profile.pre_filters):
@@ -103,6 +105,10 @@ def with_rules(profile: Profile) -> Profile:
         rule = ModelMemoryLimit()
         profile.pre_filters.append(rule)
         profile.filters.insert(0, rule)
+    if not any(isinstance(p, ReplicaSpread) for p in profile.filters):
+        spread = ReplicaSpread()
+        profile.pre_filters.append(spread)
+        profile.filters.append(spread)  # last: it keeps the best of what the other filters left
     return profile
 
 

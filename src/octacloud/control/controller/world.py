@@ -169,6 +169,8 @@ class World:
             pinned=bool(r.replaces) or r.state is ReplicaState.STOPPING or r.id in self.transitions,
             failover=r.failover,
             model=model,
+            group=d.spec.name,
+            spread=d.spec.spread,
         )
 
     @staticmethod

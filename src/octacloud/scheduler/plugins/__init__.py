@@ -17,6 +17,7 @@ from octacloud.scheduler.plugins import (
     octant,
     packing,
     random,
+    replicas,
     spread,
     telemetry,
     topology,
@@ -34,6 +35,11 @@ def builtin_registry() -> PluginRegistry:
     reg.register("octant-unit", octant.build, "rule: round GPU shares up to whole octants (125 milli)")
     reg.register("model-memory", model_memory.build, "rule: a model uses at most 80 % of one card's memory")
     reg.register("failover-headroom", headroom.build, "rule: keep 20 % of fleet GPU for failover/high priority")
+    reg.register(
+        "replica-spread",
+        replicas.build,
+        "filter: a deployment's replicas on different nodes, then racks (soft, or hard per node or rack)",
+    )
     reg.register("random-card", random.build, "cards: a random fitting card (published Random baseline)")
     reg.register("dotprod", dotprod.build, "score: published DotProd baseline")
     reg.register("gpu-clustering", clustering.build, "score: published GpuClustering baseline")
