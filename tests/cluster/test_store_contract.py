@@ -89,3 +89,14 @@ def test_events_are_stamped_with_their_owner_and_heard_by_subscribers(store: Sto
     store.add_event("node", "a", "a node named like a deployment")
     assert [(e["deployment"], e["tenant"]) for e in heard] == [("a", "acme"), ("", "")]
     assert [e["message"] for e in store.events(tenant="acme")] == ["serving"]
+
+
+def test_a_deployments_replicas_are_its_own_in_id_order(store: Store) -> None:
+    for name in ("a", "b"):
+        store.put_deployment(deployment(name, 1.0))
+    for rid in ("a-3", "b-1", "a-1", "a-2"):
+        store.put_replica(Replica(rid, rid[0]))
+    store.put_replica(Replica("a-1", "a", node="n0"))  # replaced, not added
+    store.delete_replica("a-2")
+    assert [r.id for r in store.replicas("a")] == ["a-1", "a-3"] and store.replicas("a")[0].node == "n0"
+    assert [r.id for r in store.replicas("b")] == ["b-1"] and store.replicas("nope") == []

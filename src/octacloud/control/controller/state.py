@@ -59,7 +59,11 @@ class ControllerStore:
         self.engine = backing.engine
         self._clock = clock or SystemClock()
         self._deployments = {d.spec.name: d for d in backing.deployments()}
-        self._replicas = {r.id: r for r in backing.replicas()}
+        self._replicas: dict[str, Replica] = {}
+        self._of_deployment: dict[str, set[str]] = {}
+        """Replica ids by deployment (an index of ``_replicas``)."""
+        for r in backing.replicas():
+            self._index(r)
         self._transitions = {t.replacement: t for t in backing.transitions()}
         self._revisions = {name: backing.revisions(name) for name in self._deployments}
         self._events: collections.deque[dict[str, object]] = collections.deque(
@@ -189,23 +193,45 @@ class ControllerStore:
 
     def put_replica(self, r: Replica) -> None:
         r = _copy(r)
-        self._replicas[r.id] = r
+        self._index(r)
         self._write(lambda: self.backing.put_replica(r))
+
+    def _index(self, r: Replica) -> None:
+        old = self._replicas.get(r.id)
+        if old is not None and old.deployment != r.deployment:
+            self._of_deployment.get(old.deployment, set()).discard(r.id)
+        self._replicas[r.id] = r
+        self._of_deployment.setdefault(r.deployment, set()).add(r.id)
 
     def delete_replica(self, replica_id: str) -> None:
         """As :meth:`StateStore.delete_replica`: the replacement it was the surge replica of goes with it."""
         replacing = self._transitions.pop(replica_id, None) is not None
-        if self._replicas.pop(replica_id, None) is not None or replacing:
+        r = self._replicas.pop(replica_id, None)
+        if r is not None:
+            self._of_deployment.get(r.deployment, set()).discard(replica_id)
+        if r is not None or replacing:
             self._write(lambda: self.backing.delete_replica(replica_id))
 
     def replicas(self, deployment: str | None = None) -> list[Replica]:
-        return [_copy(r) for _, r in sorted(self._replicas.items()) if deployment is None or r.deployment == deployment]
+        """Every replica (of ``deployment``), in id order; a deployment's are found by its own index, so that asking
+        for one deployment's replicas costs what it has, not what the fleet has."""
+        if deployment is None:
+            return [_copy(r) for _, r in sorted(self._replicas.items())]
+        return [_copy(self._replicas[i]) for i in sorted(self._of_deployment.get(deployment, ()))]
+
+    def has_replica(self, replica_id: str) -> bool:
+        return replica_id in self._replicas
+
+    def peek_replicas(self, deployment: str) -> list[Replica]:
+        """``deployment``'s replicas as stored, not copied, for readers that only look (routing reads them at every
+        change of a replica's state: copies would make a change cost what the deployment has). Never modify them."""
+        return [self._replicas[i] for i in self._of_deployment.get(deployment, ())]
 
     # ---- replacements in flight ------------------------------------------------------------------------
 
     def begin_replacement(self, surge: Replica, t: Transition) -> None:
         surge, t = _copy(surge), dataclasses.replace(t)
-        self._replicas[surge.id] = surge
+        self._index(surge)
         self._transitions[t.replacement] = t
         self._write(lambda: self.backing.begin_replacement(surge, t))
 
