@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
@@ -27,6 +26,7 @@ from octacloud.control.controller import Controller
 from octacloud.control.deployments import ReplicaState
 from octacloud.core.errors import NotFoundError
 from octacloud.metering import Allocation, Stored, Traffic, Work
+from octacloud.observability.replicas import bounded_gather
 from octacloud.security.internal_auth import REPLICA_HEADER
 from octacloud.storage.store import FsspecStore, StoreUnavailableError
 
@@ -128,15 +128,12 @@ class ClusterUsage:
             for r in self.controller.store.replicas()
             if r.state in (ReplicaState.READY, ReplicaState.STARTING) and r.metrics_port and r.id in owners
         ]
-        texts = await asyncio.gather(
-            *(
-                self._client.get(
-                    f"{scheme}://{getattr(r, 'host', '') or '127.0.0.1'}:{r.metrics_port}/metrics",
-                    headers={REPLICA_HEADER: r.id},  # another replica at a dead one's port answers 421, not its work
-                )
-                for r in live
-            ),
-            return_exceptions=True,
+        texts = await bounded_gather(  # (a fleet's worth at once is quadratic)
+            self._client.get(
+                f"{scheme}://{getattr(r, 'host', '') or '127.0.0.1'}:{r.metrics_port}/metrics",
+                headers={REPLICA_HEADER: r.id},  # another replica at a dead one's port answers 421, not its work
+            )
+            for r in live
         )
         out: dict[str, Work] = {}
         for r, response in zip(live, texts, strict=True):

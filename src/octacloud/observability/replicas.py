@@ -16,10 +16,10 @@ import asyncio
 import logging
 import os
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 from prometheus_client.metrics_core import Metric
@@ -148,6 +148,29 @@ def parse_statistics(payload: Any) -> ReplicaServing:
     return out
 
 
+T = TypeVar("T")
+
+FAN_OUT = 32
+"""How many requests to replicas one scrape keeps in flight at once (see :func:`bounded_gather`)."""
+
+
+async def bounded_gather(awaitables: Iterable[Awaitable[T]], limit: int = FAN_OUT) -> list[T | BaseException]:
+    """``asyncio.gather(..., return_exceptions=True)`` with at most ``limit`` awaited at once, results in order.
+
+    One HTTP client asked for thousands of replicas at once costs the square of their number: httpx's pool looks
+    through every waiting request each time a connection frees up. Queued here, a fleet-wide scrape costs its size.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
+    gate = asyncio.Semaphore(limit)
+
+    async def one(a: Awaitable[T]) -> T:
+        async with gate:
+            return await a
+
+    return await asyncio.gather(*(one(a) for a in awaitables), return_exceptions=True)
+
+
 class Scraper(Protocol):
     """Fetches what ready replicas measured. ``scrape`` returns within its timeout and never raises: a replica
     that does not answer is missing from the result."""
@@ -180,8 +203,8 @@ class ReplicaScraper:
 
     async def scrape(self, replicas: Sequence[ReplicaInfo]) -> dict[str, ReplicaServing]:
         ready = [r for r in replicas if r.ready and r.http_port]
-        results = await asyncio.gather(*(self._one(r) for r in ready))
-        return {r.id: s for r, s in zip(ready, results, strict=True) if s is not None}
+        results = await bounded_gather(self._one(r) for r in ready)  # (a fleet's worth at once is quadratic)
+        return {r.id: s for r, s in zip(ready, results, strict=True) if isinstance(s, ReplicaServing)}
 
     async def _one(self, r: ReplicaInfo) -> ReplicaServing | None:
         named = {self.naming: r.id} if self.naming else None
