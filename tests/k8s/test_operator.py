@@ -201,3 +201,25 @@ async def test_two_tenants_and_a_foreign_deployment(cluster: tuple[FakeApiServer
         await reconcile(api, web)
     assert server.get("/apis/apps/v1", "deployments", "ml", "web")["spec"] == {"replicas": 9}
     assert not server.sent("PATCH", "/deployments/web")
+
+
+async def test_a_model_the_repository_lacks_is_a_condition_and_asked_again(
+    cluster: tuple[FakeApiServer, KubeClient],
+) -> None:
+    server, _ = cluster
+
+    def footprint(model: str) -> ModelFootprint:
+        raise NotFoundError(f"model {model!r} is not in the model storage file:///repo")
+
+    registry = kopf.OperatorRegistry()
+    register_handlers(lambda: KubeClient("https://k8s", transport=server.transport), footprint, registry=registry)
+    on_change: Any = next(iter(registry._changing.get_all_handlers())).fn
+    with pytest.raises(kopf.TemporaryError, match="'bert' is not in the model storage"):  # retried, not given up
+        await on_change(body=inference(), patch=(p := kopf.Patch()))
+    (valid, ready) = p["status"]["conditions"]
+    assert (valid["type"], valid["status"], valid["reason"]) == ("Valid", "False", "ModelNotFound")
+    assert "bert" in valid["message"] and ready["status"] == "False"
+    assert not server.sent("POST", "/deployments")
+    with pytest.raises(kopf.PermanentError):
+        await on_change(body=inference("bad", octants=0), patch=(q := kopf.Patch()))
+    assert q["status"]["conditions"][0]["reason"] == "InvalidSpec"

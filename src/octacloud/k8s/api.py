@@ -91,6 +91,12 @@ class KubeClient:
         host = f"[{host}]" if ":" in host else host
         return cls(f"https://{host}:{port}", token=token, verify=str(account / "ca.crt"))
 
+    async def __aenter__(self) -> KubeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     async def close(self) -> None:
         await self._http.aclose()
 

@@ -19,6 +19,7 @@ hands it to kopf, which watches the resources and retries failures with back-off
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -139,13 +140,14 @@ def parse(obj: Mapping[str, Any], footprint: FootprintSource | None, card_memory
         raise InvalidSpecError(f"{where}: {exc}") from None
     memory = 0
     fp: ModelFootprint | None = None
-    if footprint is not None:
+    if footprint is not None:  # with a repository the model must be in it (NotFoundError: asked again later)
         try:
             fp = footprint(model)
             memory = fp.memory_mib
-        except (NotFoundError, InvalidSpecError) as exc:
-            if ds.octants is None or target is not None:
-                raise InvalidSpecError(f"{where}: {exc}") from None
+        except NotFoundError as exc:
+            raise NotFoundError(f"{where}: {exc}") from None
+        except InvalidSpecError as exc:
+            raise InvalidSpecError(f"{where}: {exc}") from None
     octants = ds.octants
     count = replicas if replicas is not None else lo
     if ds.octants is None or target is not None:
@@ -341,7 +343,8 @@ async def card_memory(api: KubeClient) -> int | None:
 
 async def reconcile(api: KubeClient, obj: Mapping[str, Any], footprint: FootprintSource | None = None) -> Obj:
     """Make the Deployment and Service match ``obj``; return its new ``status``. Raises InvalidSpecError for a
-    spec that can never work (kopf reports it without retrying) and ApiError for the API (kopf retries)."""
+    spec that can never work (kopf reports it without retrying), NotFoundError for a model the repository does
+    not hold (reported and asked again) and ApiError for the API (kopf retries)."""
     d = parse(obj, footprint, await card_memory(api) if footprint is not None else None)
     owner = owner_reference(obj)
     deployment = await apply(api, f"/apis/apps/v1/namespaces/{d.namespace}/deployments", deployment_for(d, owner))
@@ -383,7 +386,23 @@ async def observe(api: KubeClient, d: Desired, obj: Mapping[str, Any]) -> Obj:
         "observedGeneration": (obj.get("metadata") or {}).get("generation", 0),
         "phase": "Ready" if ready >= d.replicas else "Progressing",
         "message": "",
+        "conditions": [
+            condition("Valid", True, "Reconciled", f"a Deployment of {d.replicas} x {d.octants} octants"),
+            condition("Ready", ready >= d.replicas, "ReplicasReady", f"{ready} of {d.replicas} replicas ready"),
+        ],
     }
+
+
+def condition(kind: str, ok: bool, reason: str, message: str) -> Obj:
+    """A status condition as Kubernetes objects carry them (``kubectl wait --for=condition=Ready`` reads it)."""
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"type": kind, "status": "True" if ok else "False", "reason": reason, "message": message,
+            "lastTransitionTime": now}  # fmt: skip
+
+
+def _refused(patch: Any, reason: str, message: str) -> None:
+    patch.status["phase"], patch.status["message"] = "Invalid", message
+    patch.status["conditions"] = [condition("Valid", False, reason, message), condition("Ready", False, reason, "")]
 
 
 def register_handlers(
@@ -399,9 +418,12 @@ def register_handlers(
         api = api_factory()
         try:
             status = await reconcile(api, body, footprint)
-        except InvalidSpecError as exc:
-            patch.status["phase"], patch.status["message"] = "Invalid", str(exc)
+        except InvalidSpecError as exc:  # never works as written: said once, until the spec changes
+            _refused(patch, "InvalidSpec", str(exc))
             raise kopf.PermanentError(str(exc)) from None
+        except NotFoundError as exc:  # the model may be published later: said, and asked again
+            _refused(patch, "ModelNotFound", str(exc))
+            raise kopf.TemporaryError(str(exc), delay=30) from None
         except ApiError as exc:
             raise kopf.TemporaryError(str(exc), delay=5) from None
         finally:
