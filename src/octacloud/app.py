@@ -51,7 +51,7 @@ from octacloud.security.internal_tls import RENEW_INTERVAL_S, InternalCa, Intern
 from octacloud.security.tls import TlsConfig, check_exposure
 from octacloud.storage.stats import FleetCacheStats, ModelCacheCollector
 from octacloud.storage.store import StoreUnavailableError, open_store
-from octacloud.tenancy import Guard, KeyStore, server_secret
+from octacloud.tenancy import Guard, KeyStore, TenantQuotas, server_secret
 
 log = logging.getLogger("octacloud")
 
@@ -187,6 +187,7 @@ class Cloud:
             on_ready=self._readmit,
             tls=self.internal_tls,
         )
+        self.keys = KeyStore(self.store.engine, server_secret(config.state_dir / "server.secret"), clock)
         self.controller = Controller(
             store=self.store,
             nodes=self.nodes,
@@ -199,6 +200,7 @@ class Cloud:
             footprint=RepositoryFootprints(self.models),
             settings=config.controller,
             models=self.models,
+            admission=TenantQuotas(self.keys),  # every deploy is held to its tenant's quota, whoever asks
         )
         self._started = False
         self._stop = asyncio.Event()
@@ -206,7 +208,6 @@ class Cloud:
         self._fronts: Fronts | None = None
         self.gateway_workers: GatewayWorkers | None = None
         """With ``gateway_workers`` ≥ 2: the worker processes (made at start)."""
-        self.keys = KeyStore(self.store.engine, server_secret(config.state_dir / "server.secret"), clock)
         self.guard = Guard(self.keys)
         """``guard.authorize(headers)`` → the caller's Principal, or AuthError: for every front end."""
         self.admin_key = bootstrap_admin_key(self.keys, config.state_dir / "admin.key")

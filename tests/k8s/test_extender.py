@@ -135,7 +135,7 @@ async def test_decisions_equal_octacloud_up(tmp_path: Path, http: httpx.AsyncCli
     )
     theirs = []
     for k, s in enumerate(sizes):
-        cloud.controller.deploy(DeploymentSpec(f"d{k}", "m", octants=s))
+        cloud.controller.deploy(DeploymentSpec(f"d{k}", "m", octants=s, tenant="admin"))
         await cloud.controller.reconcile()
         (r,) = cloud.store.replicas(f"d{k}")
         theirs.append((r.node, list(r.gpus)))

@@ -13,6 +13,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from octacloud.control.deploy_request import DEFAULT_MAX_REPLICAS
 from tests.cluster.conftest import IN, expected_output
 from tests.cluster.test_cloud_e2e import CloudThread, ready_ids, wait_until
 
@@ -172,7 +173,7 @@ def test_keys_tenants_isolation_quotas_and_rates(cloud: CloudThread, caplog: pyt
     assert third.status_code == 403 and "may have 2 deployment(s)" in third.json()["error"]
     names = sorted(d["spec"]["name"] for d in call(cloud, key_a, "GET", "/admin/deployments").json()["deployments"])
     assert names == ["a-2", "a-lin"]
-    assert cloud.deployment("a-lin")["spec"]["max_replicas"] == 1
+    assert cloud.deployment("a-lin")["spec"]["max_replicas"] == DEFAULT_MAX_REPLICAS  # refused: left as it was
     assert call(cloud, key_a, "POST", "/admin/tenants/a/quota", {"octants": 64}).status_code == 403
     raised = call(cloud, cloud.key, "POST", "/admin/tenants/a/quota", {"octants": 12})
     assert raised.status_code == 200 and raised.json()["quota"] == {

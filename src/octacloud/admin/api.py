@@ -20,16 +20,16 @@ from starlette.routing import Route
 
 from octacloud.admin.rollouts import rollout_routes
 from octacloud.control.controller import Controller
-from octacloud.control.deployments import MAX_REPLICAS, Deployment, DeploymentSpec, Replica
+from octacloud.control.deploy_request import DeployRequest
+from octacloud.control.deployments import MAX_REPLICAS, Deployment, Replica
 from octacloud.core import fields
 from octacloud.core.domains import domain_dict
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.metering import Ledger, PriceSheet
 from octacloud.serving import is_model_name
-from octacloud.tenancy import ANONYMOUS_ADMIN, Holding, KeyStore, Principal, check_quota
+from octacloud.tenancy import ANONYMOUS_ADMIN, KeyStore, Principal
 from octacloud.tenancy.api import (
     EXCEPTION_HANDLERS,
-    ConflictError,
     ForbiddenError,
     json_object,
     query_whole,
@@ -38,7 +38,6 @@ from octacloud.tenancy.api import (
 )
 from octacloud.tenancy.priority import PriorityClasses
 
-_SPEC_FIELDS = {f.name for f in dataclasses.fields(DeploymentSpec)}
 MAX_EVENTS = 10_000
 """The most events one ``GET /admin/events`` returns."""
 
@@ -94,14 +93,6 @@ def build_admin_app(
             raise NotFoundError(f"no deployment named {name!r}")
         return d
 
-    def admit(spec: DeploymentSpec, octants: int) -> None:
-        if keys is None:
-            return
-        quota = keys.tenant(spec.tenant).quota
-        held = [Holding(d.spec.name, d.octants, d.spec.max_replicas)
-                for d in controller.store.deployments() if d.spec.tenant == spec.tenant]  # fmt: skip
-        check_quota(spec.tenant, quota, held, Holding(spec.name, octants, spec.max_replicas))
-
     async def list_deployments(request: Request) -> JSONResponse:
         p = caller(request)
         rows = [
@@ -110,37 +101,31 @@ def build_admin_app(
         return JSONResponse({"deployments": rows})
 
     async def create_deployment(request: Request) -> JSONResponse:
+        """Create or update: the body's fields over the defaults or the deployment's own (``deploy_request``);
+        the answer says what a redeploy kept and changed. Checks and quotas are the controller's deploy's."""
         p = caller(request)
         body = await json_object(request)
-        unknown = sorted(set(body) - _SPEC_FIELDS)
-        if unknown:
-            raise InvalidSpecError(f"unknown deployment field(s) {unknown}; allowed: {sorted(_SPEC_FIELDS)}")
+        DeployRequest(body)  # unknown fields, no name: 400 before anything else is asked
         tenant = body.setdefault("tenant", p.tenant)
         if not p.is_admin and tenant != p.tenant:
             raise ForbiddenError("a tenant may only deploy for itself (leave 'tenant' out)")
-        model = body.get("model")
-        if not isinstance(model, str) or not is_model_name(model) or not controller.has_model(model):
+        model = body.get("model", "")
+        if "model" in body and (not isinstance(model, str) or not is_model_name(model)
+                                or not controller.has_model(model)):  # fmt: skip
             raise NotFoundError(f"model {str(model)[:64]!r} is not in the repository")
-        if priorities is not None:
+        try:
+            existing: Deployment | None = controller.store.get_deployment(str(body["name"]))
+        except NotFoundError:
+            existing = None
+        named = "priority_class" in body or "priority" in body
+        if priorities is not None and (existing is None or named or existing.spec.tenant != tenant):
             body["priority_class"], body["priority"] = priorities.resolve(
                 p, str(tenant), body.get("priority_class"), body.get("priority")
             )
-        try:
-            spec = DeploymentSpec(**body)
-        except TypeError as exc:
-            raise InvalidSpecError(f"bad deployment: {exc}") from None
-        try:
-            existing = controller.store.get_deployment(spec.name)
-        except NotFoundError:
-            pass
-        else:
-            if existing.spec.tenant != spec.tenant:
-                raise ConflictError(f"deployment name {spec.name!r} is taken; choose another")
-        if keys is not None:
-            admit(spec, spec.octants if spec.octants is not None else controller.resolve_size(spec)[0])
-        d = controller.deploy(spec)
+        done = controller.apply(DeployRequest(body))
+        d = done.deployment
         created = deployment_json(d, controller.store.replicas(d.spec.name), internal=p.is_admin)
-        created["sizing"] = controller.sizing(d.spec).reason  # how the size was chosen, for the operator
+        created.update({"sizing": done.sizing, "changes": done.changes, "kept": done.kept})
         return JSONResponse(created, status_code=201)
 
     async def get_deployment(request: Request) -> JSONResponse:

@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from octacloud.control.deploy_request import DEFAULT_MAX_REPLICAS, summary
 from octacloud.core.units import MILLI_PER_OCTANT, OCTANTS_PER_GPU
 
 
@@ -88,15 +89,21 @@ def _call(
 
 
 def deploy(
-    model: str = typer.Argument(..., help="Model name in the repository."),
+    model: str = typer.Argument(..., help="Model name in the repository (octacloud models list)."),
     name: str | None = typer.Option(None, "--name", help="Deployment name (default: the model's)."),
-    version: str = typer.Option("", "--version", help="Model version (default: latest)."),
-    octants: str = typer.Option(
-        "1", "--octants", help="Octants per replica (1-8; multiples of 8: whole cards) or auto."
+    version: str | None = typer.Option(None, "--version", help="Model version (new: the latest)."),
+    octants: str | None = typer.Option(
+        None,
+        "--octants",
+        help="Octants per replica: 1-8, a multiple of 8 (whole cards), or auto (new: auto, sized to the model).",
     ),
-    min_replicas: int = typer.Option(1, "--min-replicas", help="Fewest replicas (also the autoscaler's floor)."),
+    min_replicas: int | None = typer.Option(
+        None, "--min-replicas", help="Fewest replicas, also the autoscaler's floor (new: 1)."
+    ),
     max_replicas: int | None = typer.Option(
-        None, "--max-replicas", help="Most replicas `scale` and the autoscaler may reach (default: --min-replicas)."
+        None,
+        "--max-replicas",
+        help=f"Most replicas `scale` and the autoscaler may reach (new: {DEFAULT_MAX_REPLICAS}, or --min-replicas).",
     ),
     target_qps: float | None = typer.Option(
         None, "--target-qps", help="Requests/s to size for (with --octants auto) and to autoscale towards."
@@ -105,7 +112,7 @@ def deploy(
         None, "--slo-ms", help="Latency objective (ms): the autoscaler adds a replica while it is broken."
     ),
     priority_class: str | None = typer.Option(
-        None, "--priority-class", help="A priority class granted to the tenant (default: the tenant's default)."
+        None, "--priority-class", help="A priority class granted to the tenant (new: the tenant's default)."
     ),
     priority: int | None = typer.Option(
         None,
@@ -114,42 +121,50 @@ def deploy(
         "failover reserve.",
     ),
     tenant: str | None = typer.Option(None, "--tenant", help="Owner (admin keys only; default: the key's)."),
-    publish: bool = typer.Option(False, "--publish", help="Let every tenant infer on it."),
-    spread: str = typer.Option(
-        "soft",
+    publish: bool | None = typer.Option(
+        None, "--publish/--no-publish", help="Let every tenant infer on it (new: not published)."
+    ),
+    spread: str | None = typer.Option(
+        None,
         "--spread",
         help="Keep replicas apart: soft (other nodes, then racks, where they fit), node or rack (hard: one per "
-        "node or rack; a replica that cannot be kept apart waits).",
+        "node or rack; a replica that cannot be kept apart waits) (new: soft).",
     ),
     url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
-    """Deploy (or update) a model."""
-    if octants != "auto" and not octants.isdigit():
+    """Deploy a model, or update a deployment of that name.
+
+    A redeploy changes only what the command names: the replica count, min/max replicas, octants, version,
+    target, publication and spread stay as the operator set them, and the answer says what was kept and what
+    changed.
+    """
+    if octants is not None and octants != "auto" and not (octants.isascii() and octants.isdigit()):
         err.print(f"[red]error:[/] --octants must be a whole number or 'auto', got {octants!r}")
         raise typer.Exit(2)
-    body = {
-        "name": name or model,
-        "model": model,
+    given = {
         "version": version,
-        "octants": None if octants == "auto" else int(octants),
+        "octants": octants,
         "min_replicas": min_replicas,
-        "max_replicas": max(min_replicas, 1) if max_replicas is None else max_replicas,
+        "max_replicas": max_replicas,
         "target_qps": target_qps,
         "slo_ms": slo_ms,
+        "priority_class": priority_class,
+        "priority": priority,
+        "tenant": tenant,
         "published": publish,
         "spread": spread,
     }
-    if priority_class is not None:
-        body["priority_class"] = priority_class
-    if priority is not None:
-        body["priority"] = priority
-    if tenant is not None:
-        body["tenant"] = tenant
+    body: dict[str, Any] = {"name": name or model, "model": model}
+    body.update({k: v for k, v in given.items() if v is not None})
+    if octants is not None:
+        body["octants"] = None if octants == "auto" else int(octants)
     data = _call("POST", _url(url), "/admin/deployments", body, key, cacert)
     spec = data["spec"]
     console.print(f"deployed [bold]{spec['name']}[/]: {data['replicas']} replica(s) × {data['octants']} octant(s)")
+    if data.get("kept") or data.get("changes"):
+        console.print(f"  {summary(data.get('changes') or {}, data.get('kept') or {})}", soft_wrap=True)
     if data.get("sizing"):
         console.print(f"  sizing: {data['sizing']}", soft_wrap=True, highlight=False)
 

@@ -26,14 +26,13 @@ import typer
 from rich.table import Table
 
 from octacloud.cli.cloud import console, err
+from octacloud.control.deploy_request import DEFAULT_MAX_REPLICAS
 
 if TYPE_CHECKING:
     from octacloud.control.store import Store
 
 LOCK_FILE = "up.lock"
 EVENTS_LOGGER = "octacloud.events"
-DEFAULT_MAX_REPLICAS = 4
-"""The most replicas a model deployed by ``up --deploy`` may be scaled to (``--deploy-max-replicas``)."""
 
 
 # ---- the lock that says `up` runs on a state dir --------------------------------------------------------
@@ -214,7 +213,9 @@ def up(
         "exists.",
     ),
     deploy_max_replicas: int = typer.Option(
-        DEFAULT_MAX_REPLICAS, "--deploy-max-replicas", help="How far `scale` may take a model deployed by --deploy."
+        DEFAULT_MAX_REPLICAS,
+        "--deploy-max-replicas",
+        help="How far `scale` may take a model deployed by --deploy (the default is `deploy`'s too).",
     ),
     tls_cert: Path | None = typer.Option(None, "--tls-cert", help="Serve REST and gRPC over TLS with this cert."),
     tls_key: Path | None = typer.Option(None, "--tls-key", help="The TLS certificate's private key."),
@@ -411,8 +412,10 @@ def up(
 
 
 def _deploy_once(cloud: Any, model: str, max_replicas: int) -> None:
-    """``--deploy MODEL``: create the deployment when it is absent; leave an existing one as the operator set it."""
-    from octacloud.control.deployments import DeploymentSpec
+    """``--deploy MODEL``: create the deployment when it is absent (with ``deploy``'s defaults: octants sized to the
+    model, 1 replica, up to ``max_replicas``; held to the same checks); leave an existing one as the operator set
+    it."""
+    from octacloud.control.deploy_request import DeployRequest
     from octacloud.core.errors import NotFoundError, OctacloudError
 
     log = logging.getLogger("octacloud.up")
@@ -424,8 +427,8 @@ def _deploy_once(cloud: Any, model: str, max_replicas: int) -> None:
         log.info("deployment %s exists (%d replica(s)): left as it is", model, existing.replicas)
         return
     try:
-        spec = DeploymentSpec(name=model, model=model, octants=None, tenant="admin", max_replicas=max_replicas)
-        cloud.controller.deploy(spec)
+        cloud.controller.apply(DeployRequest({"name": model, "model": model, "tenant": "admin",
+                                              "max_replicas": max_replicas}))  # fmt: skip
     except OctacloudError as exc:
         err.print(f"[red]cannot deploy {model}:[/] {exc}")
 

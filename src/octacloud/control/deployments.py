@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 from octacloud.core import fields
 from octacloud.core.errors import InvalidSpecError
+from octacloud.core.fields import CLASS_NAME, CLASS_RULE, PRIORITY_RANGE, TENANT_NAME, TENANT_RULE
 from octacloud.core.model import SPREAD_MODES, SPREAD_SOFT
 from octacloud.core.units import OCTANTS_PER_GPU
-from octacloud.tenancy.keys import TENANT_NAME, TENANT_RULE
-from octacloud.tenancy.priority import CLASS_NAME, CLASS_RULE, PRIORITY_RANGE
 
 _NAME = re.compile(r"[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?")
 NAME_RULE = "1-63 lowercase letters, digits, '-', '_' or '.', starting and ending with a letter or digit"

@@ -17,3 +17,7 @@ class NotFoundError(OctacloudError, LookupError):
 
 class UnschedulableError(OctacloudError):
     """A request fits nowhere in the fleet, even after preemption and defragmentation were considered."""
+
+
+class ConflictError(OctacloudError):
+    """A name is taken (by another tenant's deployment, say): choose another (409)."""

@@ -17,6 +17,14 @@ from octacloud.core.errors import InvalidSpecError
 _SHOWN = 64
 """At most this many characters of a rejected value appear in a message."""
 
+TENANT_NAME = re.compile(r"[a-z0-9]([a-z0-9_-]{0,30}[a-z0-9])?")
+TENANT_RULE = "1-32 lowercase letters, digits, '-' or '_', starting and ending with a letter or digit"
+CLASS_NAME = TENANT_NAME
+"""A priority class's name: the same rule as a tenant's."""
+CLASS_RULE = TENANT_RULE
+PRIORITY_RANGE = (-1_000_000, 1_000_000)
+"""The scheduling priorities a deployment or a priority class may have."""
+
 
 def shown(value: object) -> str:
     """``value`` as JSON would spell it, shortened: what an error message quotes of the input."""

@@ -22,7 +22,7 @@ from octacloud.tenancy.keys import (
     default_burst,
     server_secret,
 )
-from octacloud.tenancy.limits import Holding, QuotaExceededError, RateLimiter, check_quota
+from octacloud.tenancy.limits import Holding, QuotaExceededError, RateLimiter, TenantQuotas, check_quota
 from octacloud.tenancy.priority import Grant, PriorityClass, PriorityClasses, PriorityNotGrantedError
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "RateLimiter",
     "Role",
     "Tenant",
+    "TenantQuotas",
     "bearer",
     "bearer_key",
     "check_quota",

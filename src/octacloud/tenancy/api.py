@@ -20,13 +20,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from octacloud.core import fields
-from octacloud.core.errors import InvalidSpecError, NotFoundError, OctacloudError
+from octacloud.core.errors import ConflictError, InvalidSpecError, NotFoundError, OctacloudError
+from octacloud.core.fields import TENANT_NAME, TENANT_RULE
 from octacloud.metering import GROUPS, Ledger, PriceSheet, report_totals
 from octacloud.storage.store import StoreUnavailableError
 from octacloud.tenancy.keys import (
     MAX_RATE,
-    TENANT_NAME,
-    TENANT_RULE,
     AuthError,
     KeyInfo,
     KeyStore,
@@ -43,10 +42,6 @@ from octacloud.tenancy.priority import PriorityClass, PriorityClasses, PriorityN
 
 class ForbiddenError(OctacloudError):
     """The caller is known but may not do this (403)."""
-
-
-class ConflictError(OctacloudError):
-    """The name is taken (409)."""
 
 
 ADMIN_ONLY = "this needs an admin key"

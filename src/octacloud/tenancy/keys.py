@@ -34,10 +34,9 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from octacloud.core import fields
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError, OctacloudError
+from octacloud.core.fields import TENANT_NAME, TENANT_RULE
 
 ADMIN_TENANT = "admin"
-TENANT_NAME = re.compile(r"[a-z0-9]([a-z0-9_-]{0,30}[a-z0-9])?")
-TENANT_RULE = "1-32 lowercase letters, digits, '-' or '_', starting and ending with a letter or digit"
 _KEY = re.compile(r"oc_([0-9a-f]{12})_([A-Za-z0-9_-]{20,128})")
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9._~+-]{0,19}")
 MAX_QUOTA_OCTANTS = 1_000_000

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from octacloud.core.clock import Clock
 from octacloud.core.errors import OctacloudError
-from octacloud.tenancy.keys import Quota
+from octacloud.tenancy.keys import KeyStore, Quota
 
 
 class QuotaExceededError(OctacloudError):
@@ -87,3 +87,14 @@ def check_quota(tenant: str, quota: Quota, existing: Iterable[Holding], new: Hol
                 f"{new.name!r} asks for {new.octants} × {new.max_replicas} replica(s) = {wanted}; "
                 "lower --octants or --max-replicas, or ask an admin to raise the quota"
             )
+
+
+class TenantQuotas:
+    """Deploy admission by the quotas of the key store's tenants: what the controller asks before it stores a
+    deployment, for every caller. A tenant the store does not know is refused (404)."""
+
+    def __init__(self, keys: KeyStore) -> None:
+        self.keys = keys
+
+    def admit(self, tenant: str, new: Holding, others: list[Holding]) -> None:
+        check_quota(tenant, self.keys.tenant(tenant).quota, others, new)

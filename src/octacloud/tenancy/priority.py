@@ -14,7 +14,6 @@ Classes and grants live in the state database beside the tenants (:mod:`.keys`).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,11 +25,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from octacloud.core import fields
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError, OctacloudError
+from octacloud.core.fields import CLASS_NAME, CLASS_RULE, PRIORITY_RANGE
 from octacloud.tenancy.keys import Principal
-
-CLASS_NAME = re.compile(r"[a-z0-9]([a-z0-9_-]{0,30}[a-z0-9])?")
-CLASS_RULE = "1-32 lowercase letters, digits, '-' or '_', starting and ending with a letter or digit"
-PRIORITY_RANGE = (-1_000_000, 1_000_000)
 
 
 class PriorityNotGrantedError(OctacloudError):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from octacloud.control.controller.deploys import DeployAdmission, Deployed, Deployer
 from octacloud.control.controller.executor import Executor
 from octacloud.control.controller.health import HealthChecker
 from octacloud.control.controller.reconcile import Reconciler
@@ -32,11 +33,11 @@ from octacloud.control.controller.world import (
     World,
     log,
 )
+from octacloud.control.deploy_request import DeployRequest
 from octacloud.control.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.control.launcher import ReplicaLauncher
-from octacloud.control.models import check_model
-from octacloud.control.sizing import Autoscaler, FleetCapacity, Sizing, plan_size, reserve_percent
+from octacloud.control.sizing import Autoscaler, FleetCapacity, Sizing
 from octacloud.control.store import StateStore, Transition
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError
@@ -78,6 +79,7 @@ class Controller:
         autoscaler: Autoscaler | None = None,
         scheduling: SchedulingStats | None = None,
         models: ModelStore | None = None,
+        admission: DeployAdmission | None = None,
     ) -> None:
         self.models: ModelStore = models if models is not None else FsspecStore(str(repository))
         """Where configs, versions and sizes are read (``--model-storage``; default: the repository folder)."""
@@ -87,6 +89,8 @@ class Controller:
         )  # fmt: skip
         self.loop = ReevaluationLoop(scheduler, loop)
         self.executor = Executor(self.w)
+        self.deployer = Deployer(self.w, self.models, admission)
+        """Every deploy's checks, quota (``admission``: None, none) and event (:mod:`.deploys`)."""
         self.health = HealthChecker(self.w, self.executor)
         self.reconciler = Reconciler(self.w, self.executor, self.loop, autoscaler or Autoscaler())
         self.loop_health = LoopHealth()
@@ -130,35 +134,14 @@ class Controller:
     # ---- the operator's API ----------------------------------------------------------------------------
 
     def deploy(self, spec: DeploymentSpec) -> Deployment:
-        """Create or update a deployment. Validates against the repository and the fleet before accepting. A new
-        model, version or size is rolled out replica by replica (the old ones serve until their successor does)."""
-        w = self.w
-        check_model(self.models, spec.model, spec.version)
-        sizing = self.sizing(spec)
-        octants, replicas = sizing.octants, sizing.replicas
-        try:
-            old: Deployment | None = w.store.get_deployment(spec.name)
-        except NotFoundError:
-            old = None
-        if old is None:
-            d = Deployment(spec, replicas, octants, created_at=w.clock.time())
-        else:
-            if old.spec.tenant != spec.tenant:
-                raise InvalidSpecError(f"deployment {spec.name!r} belongs to another tenant")
-            if spec.target_qps is None:  # an operator's (or the autoscaler's) count survives a redeploy, within bounds
-                replicas = min(max(old.replicas, spec.min_replicas), spec.max_replicas)
-            d = Deployment(spec, replicas, octants, old.created_at, old.generation + 1)
-        w.store.put_deployment(d)
-        what = f"{spec.model} × {replicas} on {octants} octant(s)" + (f": {sizing.reason}" if sizing.reason else "")
-        if old is None or old.template() != d.template():  # a new revision: what each replica runs changed
-            revision = w.store.add_revision(d, w.clock.time())
-            what += f", revision {revision}"
-            if old is not None:
-                what += f" (rolling update from {old.spec.model} {old.spec.version or 'latest'} × {old.octants})"
-        w.routes.owners[spec.name] = Owner(spec.tenant, spec.published)
-        w.store.add_event("deploy", spec.name, what, deployment=spec.name, tenant=spec.tenant)
-        w.poke()
-        return d
+        """Create a deployment, or replace one's spec as a whole (:meth:`apply` with every field set)."""
+        return self.deployer.apply(DeployRequest.of(spec)).deployment
+
+    def apply(self, request: DeployRequest) -> Deployed:
+        """Create or update a deployment from the fields ``request`` sets (the others: the defaults, or what the
+        operator set before), checked and admitted before anything is stored (:mod:`.deploys`). A new model,
+        version or size is rolled out replica by replica (the old ones serve until their successor does)."""
+        return self.deployer.apply(request)
 
     def has_model(self, model: str) -> bool:
         """Whether the model store holds ``model`` (raises StoreUnavailableError when it cannot tell now)."""
@@ -168,18 +151,13 @@ class Controller:
             return False
         return True
 
-    def resolve_size(self, spec: DeploymentSpec) -> tuple[int, int]:
-        """Octants per replica and replica count ``spec`` resolves to (auto-sizing done); raises as deploy does."""
-        sizing = self.sizing(spec)
-        return sizing.octants, sizing.replicas
-
     def sizing(self, spec: DeploymentSpec) -> Sizing:
         """The size ``spec`` resolves to and why; raises when it could never be placed on this fleet."""
-        return plan_size(spec, lambda: self.w.footprint(spec.model), self.capacity(spec.priority))
+        return self.deployer.sizing(spec)
 
     def capacity(self, priority: int = 0) -> FleetCapacity:
         """What the fleet could ever give a deployment of ``priority`` (the failover reserve kept from it)."""
-        return FleetCapacity.of(self.w.nodes, reserve_percent(self.w.scheduler.profile, priority))
+        return self.deployer.capacity(priority)
 
     def scale(self, name: str, replicas: int) -> Deployment:
         d = self.w.store.get_deployment(name)

@@ -1,0 +1,110 @@
+"""Deploy: the one path every deployment takes, whoever asks (the admin API and the CLI through it,
+``octacloud up --deploy``, ``rollout undo``).
+
+In order, before anything is stored: the request's fields over the defaults or over the existing deployment
+(:mod:`octacloud.control.deploy_request`), each checked by type and range; the name free, or the caller's own;
+the model and version found in the repository; the size resolved and checked against what the fleet could ever
+place; the tenant's quota (:class:`DeployAdmission`). Then the deployment is stored, a new revision recorded
+when what each replica runs changed (it is rolled out replica by replica), and one event says what was asked,
+what the redeploy kept and what it changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from octacloud.control.controller.world import World
+from octacloud.control.deploy_request import DeployRequest, compare, resolve, summary
+from octacloud.control.deployments import Deployment, DeploymentSpec, ReplicaState
+from octacloud.control.models import check_model
+from octacloud.control.sizing import FleetCapacity, Sizing, plan_size, reserve_percent
+from octacloud.core.errors import ConflictError, NotFoundError
+from octacloud.gateway.routing import Owner
+from octacloud.serving import is_model_name
+from octacloud.storage.store import ModelStore
+from octacloud.tenancy import Holding
+
+
+class DeployAdmission(Protocol):
+    """Whether ``tenant`` may hold a deployment of ``new``'s size (its quota: :class:`~octacloud.tenancy.limits.
+    TenantQuotas`). ``admit`` raises to refuse, with a message that says what to change, and changes nothing;
+    ``others`` are what the tenant's other deployments may hold now."""
+
+    def admit(self, tenant: str, new: Holding, others: list[Holding]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Deployed:
+    """What a deploy stored, how its size was chosen, and (for a redeploy) what changed and what was kept."""
+
+    deployment: Deployment
+    sizing: str
+    changes: dict[str, Any]
+    """Field → ``[before, after]`` (``replicas`` and the resolved ``octants`` included)."""
+    kept: dict[str, Any]
+    """What the operator had set that this request left out, as it stays."""
+
+
+class Deployer:
+    """Carries out :meth:`apply` on the controller's world; ``admission`` (None: no quotas) is asked last."""
+
+    def __init__(self, world: World, models: ModelStore, admission: DeployAdmission | None = None) -> None:
+        self.w = world
+        self.models = models
+        self.admission = admission
+
+    def apply(self, request: DeployRequest) -> Deployed:
+        w = self.w
+        try:
+            old: Deployment | None = w.store.get_deployment(request.name)
+        except NotFoundError:
+            old = None
+        spec = resolve(request, old.spec if old is not None else None)
+        if old is not None and old.spec.tenant != spec.tenant:
+            raise ConflictError(f"deployment name {spec.name!r} is taken; choose another")
+        if not is_model_name(spec.model):
+            raise NotFoundError(f"model {spec.model!r} is not in the repository")
+        check_model(self.models, spec.model, spec.version)
+        sizing = self.sizing(spec)
+        replicas = sizing.replicas
+        if old is not None and spec.target_qps is None:  # an operator's (or the autoscaler's) count stays, in bounds
+            replicas = min(max(old.replicas, spec.min_replicas), spec.max_replicas)
+        if self.admission is not None:
+            others = [Holding(d.spec.name, d.octants, d.spec.max_replicas) for d in w.store.deployments()
+                      if d.spec.tenant == spec.tenant and d.spec.name != spec.name]  # fmt: skip
+            self.admission.admit(spec.tenant, Holding(spec.name, sizing.octants, spec.max_replicas), others)
+        if old is None:
+            d = Deployment(spec, replicas, sizing.octants, created_at=w.clock.time())
+        else:
+            d = Deployment(spec, replicas, sizing.octants, old.created_at, old.generation + 1)
+        running = self._running(spec.name)
+        w.store.put_deployment(d)
+        changes, kept = compare(request, old, d)
+        what = f"{spec.model} × {replicas} on {d.octants} octant(s)" + (f": {sizing.reason}" if sizing.reason else "")
+        if old is None or old.template() != d.template():  # a new revision: what each replica runs changed
+            what += f", revision {w.store.add_revision(d, w.clock.time())}"
+            if old is not None:
+                model, version, octants = old.template()
+                what += (
+                    f" (rolling update of {running} replica(s) from {model} {version or 'latest'} "
+                    f"on {octants} octant(s))"
+                )
+        if old is not None:
+            what += f"; {summary(changes, kept)}"
+        w.routes.owners[spec.name] = Owner(spec.tenant, spec.published)
+        w.store.add_event("deploy", spec.name, what, deployment=spec.name, tenant=spec.tenant)
+        w.poke()
+        return Deployed(d, sizing.reason, changes, kept)
+
+    def _running(self, name: str) -> int:
+        """Replicas of ``name`` that serve or are on their way to (what a rolling update replaces)."""
+        return sum(1 for r in self.w.store.replicas(name) if not r.replaces and r.state is not ReplicaState.STOPPING)
+
+    def sizing(self, spec: DeploymentSpec) -> Sizing:
+        """The size ``spec`` resolves to and why; raises when it could never be placed on this fleet."""
+        return plan_size(spec, lambda: self.w.footprint(spec.model), self.capacity(spec.priority))
+
+    def capacity(self, priority: int = 0) -> FleetCapacity:
+        """What the fleet could ever give a deployment of ``priority`` (the failover reserve kept from it)."""
+        return FleetCapacity.of(self.w.nodes, reserve_percent(self.w.scheduler.profile, priority))
