@@ -32,6 +32,7 @@ from octacloud.control.warm import keep_warm_copies
 from octacloud.core.clock import Clock, SystemClock
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node
+from octacloud.database import private_folder
 from octacloud.gateway.fronts import Fronts, gateway_fronts
 from octacloud.gateway.grpc_proxy import GrpcGateway
 from octacloud.gateway.limits import GatewayLimits
@@ -129,7 +130,7 @@ class Cloud:
         if config.tls is not None:
             config.tls.check()
         prices = PriceSheet.load(config.prices) if config.prices is not None else None
-        config.state_dir.mkdir(parents=True, exist_ok=True)
+        private_folder(config.state_dir)  # keys, secrets, the database: its owner's alone
         clock = clock or SystemClock()
         self.nodes = (
             nodes
@@ -259,7 +260,7 @@ class Cloud:
         return (self.config.model_cache or self.config.state_dir / "model-cache").resolve()
 
     def _local_launcher(self) -> ReplicaLauncher:
-        workdir = self.config.state_dir / "replicas"
+        workdir = private_folder(self.config.state_dir / "replicas")  # their logs and environments
         if self.config.emulation is not None:
             return EmulatedLauncher(
                 workdir, self.config.emulation, environment=self._node_environment, internal_ca=self.internal_ca

@@ -27,6 +27,7 @@ from rich.table import Table
 
 from octacloud.cli.cloud import console, err
 from octacloud.control.deploy_request import DEFAULT_MAX_REPLICAS
+from octacloud.database import private_folder
 
 if TYPE_CHECKING:
     from octacloud.control.store import Store
@@ -50,7 +51,7 @@ class CloudRunningError(RuntimeError):
 def hold_up_lock(state_dir: Path, info: dict[str, Any]) -> Iterator[None]:
     """Hold ``<state_dir>/up.lock`` while the block runs, recording ``info`` in it; raises
     :class:`CloudRunningError` when another ``up`` holds it. The lock dies with the process (even kill -9)."""
-    state_dir.mkdir(parents=True, exist_ok=True)
+    private_folder(state_dir)
     path = state_dir / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     f: IO[str] = os.fdopen(fd, "r+")

@@ -28,7 +28,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 
 from octacloud.control.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.core.errors import NotFoundError
-from octacloud.database import open_engine, sqlite_url
+from octacloud.database import open_engine, private_folder, sqlite_url
 
 log = logging.getLogger("octacloud.store")
 
@@ -183,7 +183,7 @@ class StateStore:
 
     @classmethod
     def at(cls, path: Path) -> StateStore:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_folder(path.parent)
         return cls(sqlite_url(path))
 
     @contextmanager
