@@ -111,6 +111,14 @@ class Deployment:
     created_at: float = 0.0
     generation: int = 1
 
+    def __post_init__(self) -> None:
+        """The controller's fields by type and range (a stored record that fails is set aside, not run)."""
+        where = f"deployment {self.spec.name!r}"
+        fields.whole(self.replicas, f"{where}: replicas", 0, MAX_REPLICAS)
+        fields.whole(self.octants, f"{where}: octants", 1, MAX_OCTANTS)
+        fields.whole(self.generation, f"{where}: generation", 0, 2**62)
+        fields.number(self.created_at, f"{where}: created_at", 1e12, above_low=False)
+
     def template(self) -> tuple[str, str, int]:
         """What each replica runs: model, version, octants (a change is rolled out replica by replica)."""
         return (self.spec.model, self.spec.version, self.octants)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -27,6 +28,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from octacloud.control.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
+from octacloud.control.records import Quarantine, Unreadable, tenant_in
 from octacloud.core.errors import NotFoundError
 from octacloud.database import open_engine, private_folder, sqlite_url
 
@@ -141,7 +143,10 @@ class Store(Protocol):
     * **events**: ``add_event`` stamps an event with the deployment and tenant it concerns (as
       :meth:`StateStore.add_event` says) and tells every subscriber; ``events(tenant=...)`` selects by that stamp;
     * **read your writes**: what a writer puts it reads back at once, and the database receives its writes in the
-      order they were made (an implementation may store them a moment later, never out of order or not at all).
+      order they were made (an implementation may store them a moment later, never out of order or not at all);
+    * **unreadable records**: a stored record that no longer passes its checks is skipped by every read (a
+      ``get_deployment`` of it raises NotFoundError saying so) and listed by ``unreadable()``; it stays stored
+      until a ``put_*`` or delete with its key replaces or removes it (:mod:`octacloud.control.records`).
     """
 
     url: str
@@ -166,6 +171,7 @@ class Store(Protocol):
     def add_revision(self, d: Deployment, at: float) -> int: ...
     def revisions(self, name: str) -> list[tuple[int, DeploymentSpec, int, float]]: ...
     def delete_revisions(self, name: str) -> None: ...
+    def unreadable(self) -> list[Unreadable]: ...
 
 
 class StateStore:
@@ -180,6 +186,7 @@ class StateStore:
         self._removed: dict[str, str] = {}  # deployment → tenant, for the events of its removal
         self._listeners: list[EventListener] = []
         self._batch = threading.local()  # .session: the transaction of this thread's batch(), if one is open
+        self._quarantine = Quarantine()
 
     @classmethod
     def at(cls, path: Path) -> StateStore:
@@ -220,25 +227,32 @@ class StateStore:
                     generation=d.generation,
                 )
             )
+        self._quarantine.forget("deployment", d.spec.name)
 
     def get_deployment(self, name: str) -> Deployment:
         with self._tx() as s:
             row = s.get(_DeploymentRow, name)
-            if row is None:
-                raise NotFoundError(f"no deployment named {name!r}")
-            return _deployment(row)
+            d = None if row is None else self._deployment(row)
+        if d is None:
+            raise NotFoundError(unknown_deployment(name, self._quarantine.get("deployment", name)))
+        return d
 
     def deployments(self) -> list[Deployment]:
         with self._tx() as s:
-            return [_deployment(r) for r in s.scalars(select(_DeploymentRow).order_by(_DeploymentRow.created_at))]
+            rows = s.scalars(select(_DeploymentRow).order_by(_DeploymentRow.created_at))
+            return [d for d in map(self._deployment, rows) if d is not None]
 
     def delete_deployment(self, name: str) -> None:
         with self._tx() as s:
             row = s.get(_DeploymentRow, name)
             if row is None:
                 raise NotFoundError(f"no deployment named {name!r}")
-            self._removed[name] = _deployment(row).spec.tenant
+            self._removed[name] = tenant_in(row.spec)
             s.delete(row)
+        self._quarantine.forget("deployment", name)
+
+    def _deployment(self, row: _DeploymentRow) -> Deployment | None:
+        return self._quarantine.read("deployment", row.name, row.name, row.spec, lambda: _deployment(row))
 
     # ---- replicas ----------------------------------------------------------------------------------------
 
@@ -247,6 +261,7 @@ class StateStore:
         data["state"] = r.state.value
         with self._tx() as s:
             s.merge(_ReplicaRow(id=r.id, deployment=r.deployment, data=json.dumps(data)))
+        self._quarantine.forget("replica", r.id)
 
     def delete_replica(self, replica_id: str) -> None:
         """Forget a replica, and the replacement it was the surge replica of (one transaction)."""
@@ -254,13 +269,17 @@ class StateStore:
             for row in (s.get(_ReplicaRow, replica_id), s.get(_TransitionRow, replica_id)):
                 if row is not None:
                     s.delete(row)
+        self._quarantine.forget("replica", replica_id)
+        self._quarantine.forget("transition", replica_id)
 
     def replicas(self, deployment: str | None = None) -> list[Replica]:
         with self._tx() as s:
             q = select(_ReplicaRow).order_by(_ReplicaRow.id)
             if deployment is not None:
                 q = q.where(_ReplicaRow.deployment == deployment)
-            return [_replica(r) for r in s.scalars(q)]
+            read = (self._quarantine.read("replica", row.id, row.deployment, row.data, partial(_replica, row))
+                    for row in s.scalars(q))  # fmt: skip
+            return [r for r in read if r is not None]
 
     # ---- replacements in flight ------------------------------------------------------------------------
 
@@ -271,25 +290,34 @@ class StateStore:
         with self._tx() as s:
             s.merge(_ReplicaRow(id=surge.id, deployment=surge.deployment, data=json.dumps(data)))
             s.merge(_transition_row(t))
+        self._quarantine.forget("replica", surge.id)
+        self._quarantine.forget("transition", t.replacement)
 
     def put_transition(self, t: Transition) -> None:
         with self._tx() as s:
             s.merge(_transition_row(t))
+        self._quarantine.forget("transition", t.replacement)
 
     def delete_transition(self, replacement: str) -> None:
         with self._tx() as s:
             row = s.get(_TransitionRow, replacement)
             if row is not None:
                 s.delete(row)
+        self._quarantine.forget("transition", replacement)
 
     def transition(self, replacement: str) -> Transition | None:
         with self._tx() as s:
             row = s.get(_TransitionRow, replacement)
-            return None if row is None else _transition(row)
+            return None if row is None else self._transition(row)
 
     def transitions(self) -> list[Transition]:
         with self._tx() as s:
-            return [_transition(r) for r in s.scalars(select(_TransitionRow).order_by(_TransitionRow.replacement))]
+            rows = s.scalars(select(_TransitionRow).order_by(_TransitionRow.replacement))
+            return [t for t in map(self._transition, rows) if t is not None]
+
+    def _transition(self, row: _TransitionRow) -> Transition | None:
+        return self._quarantine.read("transition", row.replacement, row.deployment, row.data,
+                                     lambda: _transition(row))  # fmt: skip
 
     # ---- events ------------------------------------------------------------------------------------------
 
@@ -324,7 +352,7 @@ class StateStore:
                     deployment = subject
             if deployment and not tenant:
                 owner = s.get(_DeploymentRow, deployment)
-                tenant = _deployment(owner).spec.tenant if owner is not None else self._removed.get(deployment, "")
+                tenant = tenant_in(owner.spec) if owner is not None else self._removed.get(deployment, "")
             s.add(_EventRow(at=at, kind=kind, subject=subject, message=message, deployment=deployment, tenant=tenant))
         return {"at": at, "kind": kind, "subject": subject, "message": message, "deployment": deployment,
                 "tenant": tenant}  # fmt: skip
@@ -385,12 +413,19 @@ class StateStore:
             rows = s.scalars(
                 select(_RevisionRow).where(_RevisionRow.deployment == name).order_by(_RevisionRow.revision)
             )
-            return [(r.revision, DeploymentSpec(**json.loads(r.spec)), r.octants, r.at) for r in rows]
+            read = (self._quarantine.read("revision", f"{name} revision {row.revision}", name, row.spec,
+                                          partial(_revision, row)) for row in rows)  # fmt: skip
+            return [r for r in read if r is not None]
 
     def delete_revisions(self, name: str) -> None:
         with self._tx() as s:
             for row in s.scalars(select(_RevisionRow).where(_RevisionRow.deployment == name)):
                 s.delete(row)
+                self._quarantine.forget("revision", f"{name} revision {row.revision}")
+
+    def unreadable(self) -> list[Unreadable]:
+        """The records the reads so far have set aside (:mod:`octacloud.control.records`)."""
+        return self._quarantine.found()
 
     def close(self) -> None:
         self.engine.dispose()
@@ -405,6 +440,13 @@ def _add_missing_columns(engine: Engine) -> None:
                 connection.execute(text(f"ALTER TABLE events ADD COLUMN {column} VARCHAR(64) DEFAULT ''"))
 
 
+def unknown_deployment(name: str, unreadable: Unreadable | None) -> str:
+    """What a lookup of a deployment that is not there says (one that is set aside: why, and what to do)."""
+    if unreadable is None:
+        return f"no deployment named {name!r}"
+    return f"deployment {name!r} is set aside: {unreadable.message()}"
+
+
 def _deployment(row: _DeploymentRow) -> Deployment:
     return Deployment(
         spec=DeploymentSpec(**json.loads(row.spec)),
@@ -413,6 +455,10 @@ def _deployment(row: _DeploymentRow) -> Deployment:
         created_at=row.created_at,
         generation=row.generation,
     )
+
+
+def _revision(row: _RevisionRow) -> tuple[int, DeploymentSpec, int, float]:
+    return row.revision, DeploymentSpec(**json.loads(row.spec)), row.octants, row.at
 
 
 def _transition_row(t: Transition) -> _TransitionRow:

@@ -179,13 +179,13 @@ class Controller:
         return d
 
     def undeploy(self, name: str) -> None:
-        """Remove a deployment; its replicas are drained and stopped in the background."""
+        """Remove a deployment (one set aside as unreadable too); its replicas are drained and stopped in the
+        background."""
         w = self.w
-        d = w.store.get_deployment(name)
+        w.store.delete_deployment(name)  # NotFoundError when there is none
         w.routes.remove(name)
-        w.store.delete_deployment(name)
         w.store.delete_revisions(name)
-        w.store.add_event("undeploy", name, "removed", deployment=name, tenant=d.spec.tenant)
+        w.store.add_event("undeploy", name, "removed", deployment=name)  # stamped with the tenant it had
         for r in w.store.replicas(name):
             self.executor.retire(r, "undeployed")
         w.poke()

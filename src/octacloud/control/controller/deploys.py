@@ -61,7 +61,8 @@ class Deployer:
         except NotFoundError:
             old = None
         spec = resolve(request, old.spec if old is not None else None)
-        if old is not None and old.spec.tenant != spec.tenant:
+        owner = old.spec.tenant if old is not None else self._set_aside_owner(spec.name)
+        if owner is not None and owner != spec.tenant:
             raise ConflictError(f"deployment name {spec.name!r} is taken; choose another")
         if not is_model_name(spec.model):
             raise NotFoundError(f"model {spec.model!r} is not in the repository")
@@ -96,6 +97,14 @@ class Deployer:
         w.store.add_event("deploy", spec.name, what, deployment=spec.name, tenant=spec.tenant)
         w.poke()
         return Deployed(d, sizing.reason, changes, kept)
+
+    def _set_aside_owner(self, name: str) -> str | None:
+        """The tenant of the stored deployment ``name`` that could not be read (None: there is none, or its record
+        names no tenant); deploying that name again replaces it, for that tenant only."""
+        for u in self.w.store.unreadable():
+            if u.kind == "deployment" and u.key == name:
+                return u.tenant or None
+        return None
 
     def _running(self, name: str) -> int:
         """Replicas of ``name`` that serve or are on their way to (what a rolling update replaces)."""

@@ -9,18 +9,25 @@ One full pass (every ``interval_s``, and at once after a change):
    at a time (surge 1, none unavailable) by make-before-break; one that is not running is updated in place;
 4. **place**: the pending replicas go to :meth:`ReevaluationLoop.run_pass` (place by priority → preempt →
    defragment) and the executor carries out the operations it returns.
+
+A deployment whose steps raise (its model's footprint cannot be read, say) is left out of the pass, with a
+``quarantine`` event the first time it fails that way; the other deployments are reconciled and placed as usual,
+and it is tried again on the next pass.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 from octacloud.control.controller.executor import Executor, new_replica_id
-from octacloud.control.controller.world import World
+from octacloud.control.controller.world import World, log
 from octacloud.control.deployments import Deployment, Replica, ReplicaState
 from octacloud.control.sizing import Autoscaler, LoadSample
 from octacloud.control.store import Transition
 from octacloud.core.errors import InvalidSpecError, NotFoundError
+from octacloud.core.model import Request
 from octacloud.core.units import OCTANTS_PER_GPU
 from octacloud.observability.scheduling import Outcome
 from octacloud.scheduler.loop import Evict, PassReport, ReevaluationLoop, Start
@@ -35,25 +42,53 @@ class Reconciler:
         self._load: dict[str, tuple[float, int, int]] = {}
         self.last: PassReport | None = None
         """The latest pass's report (what the executor was asked to carry out)."""
+        self._failing: dict[str, tuple[int, str]] = {}
+        """Deployments left out of the latest pass → (generation, error): their event is not repeated."""
+        self._failed: set[str] = set()
+
+    def _guard(self, deployments: dict[str, Deployment], name: str, step: Callable[[], object]) -> None:
+        """Run one deployment's ``step``; when it raises, leave that deployment out of this pass (the rest goes
+        on), and say so once per generation and error."""
+        try:
+            step()
+        except Exception as exc:
+            d = deployments.pop(name)
+            self._failed.add(name)
+            why = f"{type(exc).__name__}: {exc}"[:300]
+            if self._failing.get(name) != (d.generation, why):
+                self._failing[name] = (d.generation, why)
+                log.exception("deployment %s cannot be reconciled; left out of this pass", name)
+                self.w.event(
+                    "quarantine", name, f"cannot be reconciled ({why}): left out of scheduling while it fails, "
+                    "the rest of the cloud carries on", name,
+                )  # fmt: skip
 
     async def reconcile(self) -> None:
         w = self.w
         deployments = {d.spec.name: d for d in w.store.deployments()}
-        self.autoscale(deployments)
+        stored = set(deployments)  # (one left out of this pass keeps its replicas)
+        self._failed = set()
+        for name in list(deployments):
+            self._guard(deployments, name, partial(self.autoscale, {name: deployments[name]}))
         revisions = {name: self._revision(name) for name in deployments}
         for r in w.store.replicas():
             if r.id in w.stopping:
                 continue
             if r.state is ReplicaState.STOPPING:  # its stop was interrupted (a restart, a store error): finish it
                 self.x.retire(r, "stopping")
-            elif r.deployment not in deployments:
+            elif r.deployment not in stored:
                 self.x.retire(r, "deployment removed")
-        for name, d in deployments.items():
-            self._count(d, revisions[name])
-            self._roll_out(d, revisions[name])
+        for name, d in list(deployments.items()):
+            self._guard(deployments, name, partial(self._update, d, revisions[name]))
         await self.place(deployments)
         for name in deployments:
             w.route(name)
+        for name in set(self._failing) - self._failed:  # it works again
+            del self._failing[name]
+
+    def _update(self, d: Deployment, revision: int) -> None:
+        self._count(d, revision)
+        self._roll_out(d, revision)
 
     def _live(self, name: str) -> list[Replica]:
         w = self.w
@@ -113,12 +148,17 @@ class Reconciler:
     async def place(self, deployments: dict[str, Deployment]) -> None:
         """Hand the pending replicas to the loop's pass and carry out what it decides."""
         w = self.w
-        waiting = [
-            r
-            for r in w.store.replicas()
-            if r.state is ReplicaState.PENDING and not r.placed and r.deployment in deployments
-        ]
-        requests = {r.id: w.request(r, deployments[r.deployment]) for r in waiting}
+        asked: dict[str, Request] = {}
+
+        def ask(r: Replica) -> None:
+            asked[r.id] = w.request(r, deployments[r.deployment])
+
+        pending = [r for r in w.store.replicas() if r.state is ReplicaState.PENDING and not r.placed]
+        for r in pending:
+            if r.deployment in deployments:
+                self._guard(deployments, r.deployment, partial(ask, r))
+        waiting = [r for r in pending if r.id in asked and r.deployment in deployments]
+        requests = {r.id: asked[r.id] for r in waiting}
         report = self.last = self.loop.run_pass(w.clock.monotonic(), list(requests.values()))
         w.waiting = sum(1 for r in report.pending if r.name in requests)
         per_decision = report.seconds / max(1, len(requests))

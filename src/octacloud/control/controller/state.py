@@ -19,6 +19,10 @@ request the gateway is serving. :class:`ControllerStore` keeps the same contract
   behind what runs.
 
 :attr:`failing` says since when the thread has failed to store the head of its queue (readiness reports it).
+
+A record the database holds but that cannot be read back is set aside when the copy is loaded, with a
+``quarantine`` event each (:mod:`octacloud.control.records`): a deployment's stays stored, as the operator's
+input, until that name is deployed again or undeployed; a replica's or a replacement's is dropped.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import asyncio
 import collections
 import copy
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -36,7 +41,8 @@ from collections.abc import Callable
 from sqlalchemy.exc import OperationalError
 
 from octacloud.control.deployments import Deployment, DeploymentSpec, Replica
-from octacloud.control.store import EventListener, StateStore, Transition
+from octacloud.control.records import OPERATORS, Unreadable
+from octacloud.control.store import EventListener, StateStore, Transition, unknown_deployment
 from octacloud.core.clock import Clock, SystemClock
 from octacloud.core.errors import NotFoundError
 
@@ -65,7 +71,10 @@ class ControllerStore:
         for r in backing.replicas():
             self._index(r)
         self._transitions = {t.replacement: t for t in backing.transitions()}
-        self._revisions = {name: backing.revisions(name) for name in self._deployments}
+        set_aside = [u.key for u in backing.unreadable() if u.kind == "deployment"]
+        self._revisions = {name: backing.revisions(name) for name in [*self._deployments, *set_aside]}
+        self._unreadable = {(u.kind, u.key): u for u in backing.unreadable()}  # (the revisions' too, now)
+        """What the load set aside, by (kind, key): see :mod:`octacloud.control.records`."""
         self._events: collections.deque[dict[str, object]] = collections.deque(
             reversed(backing.events(RECENT_EVENTS)), maxlen=RECENT_EVENTS
         )
@@ -83,6 +92,20 @@ class ControllerStore:
         """(since, error) while the thread fails to store the head of its queue; None when it stores."""
         self._thread = threading.Thread(target=self._run, name="octacloud-store", daemon=True)
         self._thread.start()
+        self._quarantine()
+
+    def _quarantine(self) -> None:
+        """One event for each record the load set aside; the controller's own (replicas, replacements) dropped."""
+        for u in list(self._unreadable.values()):
+            self.add_event("quarantine", u.key, u.message(), deployment=u.deployment, tenant=u.tenant)
+            if u.kind not in OPERATORS:
+                del self._unreadable[(u.kind, u.key)]
+                drop = self.backing.delete_replica if u.kind == "replica" else self.backing.delete_transition
+                self._write(functools.partial(drop, u.key))
+
+    def unreadable(self) -> list[Unreadable]:
+        """The stored records set aside at load that are still stored (deployments' and revisions')."""
+        return sorted(self._unreadable.values(), key=lambda u: (u.kind, u.key))
 
     # ---- the writing thread ------------------------------------------------------------------------------
 
@@ -170,13 +193,14 @@ class ControllerStore:
         d = copy.deepcopy(d)
         self._deployments[d.spec.name] = d
         self._removed.pop(d.spec.name, None)
+        self._unreadable.pop(("deployment", d.spec.name), None)
         self._revisions.setdefault(d.spec.name, [])
         self._write(lambda: self.backing.put_deployment(d))
 
     def get_deployment(self, name: str) -> Deployment:
         d = self._deployments.get(name)
         if d is None:
-            raise NotFoundError(f"no deployment named {name!r}")
+            raise NotFoundError(unknown_deployment(name, self._unreadable.get(("deployment", name))))
         return copy.deepcopy(d)
 
     def deployments(self) -> list[Deployment]:
@@ -184,9 +208,13 @@ class ControllerStore:
 
     def delete_deployment(self, name: str) -> None:
         d = self._deployments.pop(name, None)
-        if d is None:
+        unreadable = self._unreadable.pop(("deployment", name), None)
+        if d is not None:
+            self._removed[name] = d.spec.tenant
+        elif unreadable is not None:
+            self._removed[name] = unreadable.tenant
+        else:
             raise NotFoundError(f"no deployment named {name!r}")
-        self._removed[name] = d.spec.tenant
         self._write(lambda: self.backing.delete_deployment(name))
 
     # ---- replicas ----------------------------------------------------------------------------------------
@@ -303,7 +331,12 @@ class ControllerStore:
 
     def add_revision(self, d: Deployment, at: float) -> int:
         history = self._revisions.setdefault(d.spec.name, [])
-        number = (history[-1][0] if history else 0) + 1
+        unread = [
+            int(u.key.rsplit(" ", 1)[1])
+            for u in self._unreadable.values()
+            if u.kind == "revision" and u.deployment == d.spec.name
+        ]  # numbered as the database numbers them
+        number = max([history[-1][0] if history else 0, *unread]) + 1
         spec = copy.deepcopy(d.spec)
         history.append((number, spec, d.octants, at))
         d = copy.deepcopy(d)
@@ -315,6 +348,8 @@ class ControllerStore:
 
     def delete_revisions(self, name: str) -> None:
         self._revisions.pop(name, None)
+        for kind, key in [k for k, u in self._unreadable.items() if k[0] == "revision" and u.deployment == name]:
+            del self._unreadable[(kind, key)]
         self._write(lambda: self.backing.delete_revisions(name))
 
 
