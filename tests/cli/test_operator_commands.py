@@ -128,3 +128,51 @@ def test_deploy_prints_how_auto_sizing_chose(admin: FakeAdmin) -> None:
     assert "deployed bert: 2 replica(s) × 3 octant(s)" in result.output
     assert "sizing: needs 420 MiB" in result.output and "per octant" in result.output
     assert admin.sent[0][3]["octants"] is None and admin.sent[0][3]["target_qps"] == 10
+
+
+def _fleet(nodes: int, replicas: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A fleet of ``nodes`` 8-card nodes in racks of 25, and two tenants' deployments over ``replicas``."""
+    fleet = {"nodes": [
+        {"name": f"r{k // 25:02d}-n{k % 25:02d}", "health": "failed" if k == 3 else "healthy",
+         "domains": {"zone": "eu-1", "rack": f"r{k // 25:02d}", "power_feed": ""},
+         "cards": [{"index": g, "free_milli": 500 if g == 0 else 0} for g in range(8)]}
+        for k in range(nodes)
+    ]}  # fmt: skip
+    deployments = []
+    for name, tenant, n in (("web", "acme", replicas // 2), ("batch", "beta", replicas - replicas // 2)):
+        instances = [{"id": f"{name}-{k:04d}", "state": "failed" if k == 1 else "ready",
+                      "node": fleet["nodes"][k % nodes]["name"], "gpus": [k % 8], "milli_per_gpu": 250,
+                      "message": "launch failed: no room" if k == 1 else ""} for k in range(n)]  # fmt: skip
+        deployments.append({"spec": {"name": name, "model": "mlp", "tenant": tenant}, "replicas": n, "octants": 2,
+                            "instances": instances})  # fmt: skip
+    return {"deployments": deployments}, fleet
+
+
+def test_status_of_a_thousand_cards_is_summarised_by_rack_and_deployment(admin: FakeAdmin) -> None:
+    admin.answers["/admin/deployments"], admin.answers["/admin/fleet"] = _fleet(125, 4000)
+    result = CliRunner().invoke(app, ["status"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) < 40 and "nodes by rack (125 nodes" in result.output and "4000 replicas" in result.output
+    row = next(line for line in lines if line.strip("│ ").startswith("r00 ")).split()
+    assert [w for w in row if w not in "│┃"] == ["r00", "eu-1", "25", "24", "failed", "1", "200", "100/1600"]
+    row = [w for w in next(line for line in lines if "web" in line).split() if w not in "│┃"]
+    assert row[:10] == ["web", "acme", "mlp", "2000", "2", "1999", "0", "0", "1", "0"] and row[10] == "125"
+    assert "launch failed: no room" in result.output
+
+
+def test_status_filters_by_node_deployment_and_tenant(admin: FakeAdmin) -> None:
+    admin.answers["/admin/deployments"], admin.answers["/admin/fleet"] = _fleet(125, 4000)
+    on_node = CliRunner().invoke(app, ["status", "--node", "r01-n07"])
+    assert on_node.exit_code == 0, on_node.output
+    shown = {w for line in on_node.output.splitlines() for w in line.split() if w.startswith(("web-", "batch-"))}
+    assert len(shown) == 32 and all(
+        int(r.split("-")[1]) % 125 == 32 for r in shown
+    )  # the 16 replicas of each deployment on node 32, listed
+    assert "r01-n08" not in on_node.output
+    beta = CliRunner().invoke(app, ["status", "--tenant", "beta", "--json"])
+    assert '"name": "batch"' in beta.output and '"name": "web"' not in beta.output
+    one = CliRunner().invoke(app, ["status", "--deployment", "w*", "--node", "r00-*"])
+    assert "web-0000" in one.output and "batch-" not in one.output and "r01-" not in one.output
+    none = CliRunner().invoke(app, ["status", "--deployment", "nope"])
+    assert none.exit_code == 0 and "web" not in none.output

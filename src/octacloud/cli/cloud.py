@@ -19,8 +19,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from octacloud.cli.status_view import Filters, status_tables
 from octacloud.control.deploy_request import DEFAULT_MAX_REPLICAS, summary
-from octacloud.core.units import MILLI_PER_OCTANT, OCTANTS_PER_GPU
 
 
 def _console(stderr: bool = False) -> Console:
@@ -172,56 +172,27 @@ def deploy(
 def status(
     url: str | None = URL,
     as_json: bool = typer.Option(False, "--json", help="Print the admin API's JSON instead of a table."),
+    node: str = typer.Option("", "--node", help="Only nodes (and replicas on nodes) matching this glob."),
+    deployment: str = typer.Option("", "--deployment", help="Only deployments matching this glob."),
+    tenant: str = typer.Option("", "--tenant", help="Only deployments of tenants matching this glob."),
+    replicas: bool = typer.Option(False, "--replicas", help="Every replica, however many (else summarised)."),
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
     """Deployments and their replicas: where each runs and in what state; for an admin key, the fleet's nodes
-    with their failure domains (zone, rack, power feed) and free octants too."""
+    with their failure domains (zone, rack, power feed) and free octants too. A big fleet is summarised (nodes
+    by rack, replicas by deployment) until ``--node``, ``--deployment`` or ``--replicas`` narrows it down."""
     data = _call("GET", _url(url), "/admin/deployments", None, key, cacert)
     fleet = _call("GET", _url(url), "/admin/fleet", None, key, cacert, optional=True)
+    filters = Filters(node=node, deployment=deployment, tenant=tenant)
     if as_json:
+        data = {**data, "deployments": filters.deployments(data["deployments"])}
+        if fleet:
+            fleet = {**fleet, "nodes": filters.nodes(fleet.get("nodes", []))}
         console.print_json(json.dumps({**data, **({"fleet": fleet} if fleet else {})}))
         return
-    if fleet.get("nodes"):
-        console.print(_nodes_table(fleet["nodes"]))
-    table = Table(title="deployments")
-    for col in ("deployment", "model", "want", "octants", "replica", "state", "node", "cards", "milli", "message"):
-        table.add_column(col)
-    for d in data["deployments"]:
-        spec = d["spec"]
-        rows = d["instances"] or [{}]
-        for r in rows:
-            table.add_row(
-                spec["name"],
-                spec["model"],
-                str(d["replicas"]),
-                str(d["octants"]),
-                r.get("id", "-"),
-                r.get("state", "-"),
-                r.get("node", "") or "-",
-                ",".join(map(str, r.get("gpus", []))) or "-",
-                str(r.get("milli_per_gpu", "")),
-                r.get("message", ""),
-            )
-    console.print(table)
-
-
-def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
-    table = Table(title="nodes")
-    for col in ("node", "health", "zone", "rack", "power feed", "cards", "free octants"):
-        table.add_column(col)
-    for n in nodes:
-        domains = n.get("domains") or {}
-        cards = n.get("cards") or []
-        free = sum(int(c.get("free_milli", 0)) for c in cards) // MILLI_PER_OCTANT
-        table.add_row(
-            n["name"],
-            n.get("health", "-"),
-            *(domains.get(kind) or "-" for kind in ("zone", "rack", "power_feed")),
-            str(len(cards)),
-            f"{free}/{len(cards) * OCTANTS_PER_GPU}",
-        )
-    return table
+    for table in status_tables(data["deployments"], (fleet or {}).get("nodes") or [], filters, replicas):
+        console.print(table)
 
 
 def scale(
