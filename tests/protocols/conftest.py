@@ -12,7 +12,13 @@ import pytest
 
 from octacloud.protocols import ReplicaServer, ServerSettings
 from octacloud.serving import ControlMode
-from octacloud.serving.testing import add_onnx, runtimes_with_fakes, write_fake_model, write_onnx_model
+from octacloud.serving.testing import (
+    FakeRuntimeFactory,
+    add_onnx,
+    runtimes_with_fakes,
+    write_fake_model,
+    write_onnx_model,
+)
 
 T = TypeVar("T")
 MAX_BODY = 256 * 1024
@@ -29,7 +35,9 @@ dynamic_batching { max_queue_delay_microseconds: 1000 }
 class ThreadedServer:
     """Runs a :class:`ReplicaServer` on an event loop in a background thread."""
 
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, fakes: FakeRuntimeFactory | None = None) -> None:
+        self.fakes = fakes or FakeRuntimeFactory()
+        """The factory of the server's fake models (what they ran, and how many runs overlapped)."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -66,6 +74,7 @@ def build_repository(root: Path) -> Path:
 
 
 def start(root: Path, **kw: Any) -> ThreadedServer:
+    fakes = FakeRuntimeFactory()
     settings = ServerSettings(
         repository=root,
         http_port=0,
@@ -73,10 +82,10 @@ def start(root: Path, **kw: Any) -> ThreadedServer:
         metrics_port=0,
         threads=1,
         max_body_bytes=MAX_BODY,
-        runtimes=runtimes_with_fakes(),
+        runtimes=runtimes_with_fakes(fakes),
         **kw,
     )
-    return ThreadedServer(settings)
+    return ThreadedServer(settings, fakes)
 
 
 @pytest.fixture(scope="module")

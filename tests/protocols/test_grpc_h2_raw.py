@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import socket
 import struct
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -38,6 +37,7 @@ class Echo:
 
     def __init__(self) -> None:
         self.calls = 0
+        self.slow_answered = 0
         self.admitted: list[tuple[str, h2.Metadata]] = []
 
     def methods(self) -> dict[str, h2.Method]:
@@ -54,6 +54,7 @@ class Echo:
 
         async def slow(message: bytes, context: h2.CallContext) -> bytes:
             await asyncio.sleep(float(message or b"0.5"))
+            self.slow_answered += 1
             return b"late"
 
         return {
@@ -130,13 +131,11 @@ def test_a_refused_key_ends_the_call_before_the_message_is_read() -> None:
             grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", -1)]) as c,
         ):
             call = c.unary_unary(PATH)
-            started = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await call(b"\0" * 50 * 2**20, metadata=(("authorization", "Bearer bad"),), timeout=10)
             assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED and e.value.details() == "bad key"
             assert ("www-authenticate", "Bearer") in tuple(e.value.trailing_metadata() or ())
-            assert time.monotonic() - started < 5
-            assert echo.calls == 0
+            assert echo.calls == 0  # and not RESOURCE_EXHAUSTED: the 50 MiB message was never taken in
             with pytest.raises(grpc.aio.AioRpcError) as e:  # a good key, a message over the limit
                 await call(b"\0" * (2**20 + 1), metadata=(("authorization", "Bearer good"),), timeout=10)
             assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -179,6 +178,20 @@ async def _raw(port: int, wire: bytes, seconds: float = 2.0) -> bytes:
     except TimeoutError:
         pass
     writer.close()
+    return got
+
+
+async def _closed_by_server(port: int, wire: bytes, deadline_s: float = 10.0) -> bytes:
+    """What the server sent before it closed the connection; raises TimeoutError if it never closes it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(wire)
+    got = b""
+    try:
+        async with asyncio.timeout(deadline_s):
+            while chunk := await reader.read(65536):
+                got += chunk
+    finally:
+        writer.close()
     return got
 
 
@@ -241,9 +254,7 @@ def test_streams_calls_and_connections_are_bounded() -> None:
 def test_silent_and_idle_connections_are_closed() -> None:
     async def go() -> None:
         async with serving(header_timeout_s=0.3, idle_timeout_s=0.6) as (_, _, port):
-            started = time.monotonic()
-            await _raw(port, b"", 5.0)  # a client that never sends its preface: closed after 0.3 s
-            assert time.monotonic() - started < 2.5
+            await _closed_by_server(port, b"")  # a client that never sends its preface: closed by the server
             channel = Channel("127.0.0.1", port)
             assert (await channel.call(PATH, GOOD, b"ab", 5)).message == b"ba"
             assert channel.open_connections == 1
@@ -548,7 +559,7 @@ def test_a_drained_channel_finishes_its_calls_in_flight_then_closes() -> None:
     connection closes once it is done; ``close`` (a replica found dead) ends a call in flight at once."""
 
     async def go() -> None:
-        async with serving() as (_, _, port):
+        async with serving() as (echo, _, port):
             channel = Channel("127.0.0.1", port)
             slow = asyncio.ensure_future(channel.call("/t.T/Slow", GOOD, b"0.5", 5))
             await asyncio.sleep(0.1)
@@ -563,12 +574,11 @@ def test_a_drained_channel_finishes_its_calls_in_flight_then_closes() -> None:
             other = Channel("127.0.0.1", port)
             cut = asyncio.ensure_future(other.call("/t.T/Slow", GOOD, b"5", 10))
             await asyncio.sleep(0.1)
-            started = time.monotonic()
             other.drain()
             other.close()
             with pytest.raises(Unreachable):
                 await cut
-            assert time.monotonic() - started < 1.0
+            assert echo.slow_answered == 1  # ended before the server's answer to it (5 s away), not by it
 
             # Drained while its first connection is being made: the call that waited for it is answered there,
             # and the connection closes after it instead of staying open with no channel to close it.

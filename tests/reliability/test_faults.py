@@ -59,11 +59,9 @@ def test_a_stalled_replica_is_ejected_then_serves_again(
         # would take 5 s and log one more timeout
         cloud.cloud.rest_gateway.request_timeout = 5
         caplog.clear()
-        started = time.monotonic()
         refused = httpx.post(url, json=BODY, headers=headers, timeout=10)
         assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
-        assert time.monotonic() - started < 2.5
-        assert not [r for r in caplog.records if "no answer within" in r.getMessage()]
+        assert not [r for r in caplog.records if "no answer within" in r.getMessage()]  # not tried and timed out
         assert str(instance["http_port"]) not in refused.text
     finally:
         os.kill(instance["pid"], signal.SIGCONT)
@@ -105,9 +103,10 @@ def test_kill_9_of_a_replica_under_load_answers_every_request_cleanly(cloud: Clo
 
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(load) for _ in range(6)]
-        time.sleep(0.5)
+        wait_until("answers before the kill", lambda: len(outcomes) >= 5)
         os.kill(victim["pid"], signal.SIGKILL)
-        time.sleep(2.0)
+        after = len(outcomes)
+        wait_until("30 answers after the kill", lambda: len(outcomes) >= after + 30)
         stop.set()
         for f in futures:
             f.result(timeout=30)  # nothing hangs, no client error
@@ -185,7 +184,7 @@ def test_a_process_that_takes_a_killed_replicas_port_gets_none_of_its_traffic(
     try:
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(load) for _ in range(4)]
-            time.sleep(1.5)
+            wait_until("30 answers", lambda: len(outcomes) >= 30)
             stop.set()
             for f in futures:
                 f.result(timeout=30)
@@ -236,31 +235,31 @@ def test_requests_a_dead_replica_took_but_the_kernel_never_resets_are_retried_at
     assert listener.getsockname()[1] == victim["http_port"]
     cloud.cloud.rest_gateway.request_timeout = 20
     stop = threading.Event()
-    outcomes: list[tuple[int, float]] = []
+    outcomes: list[int] = []
 
     def load() -> None:
         with httpx.Client(timeout=15) as client:
             while not stop.is_set():
-                started = time.monotonic()
                 r = client.post(
                     f"{cloud.url}/v2/models/lin/infer", json=BODY, headers={"Authorization": f"Bearer {key}"}
                 )
-                outcomes.append((r.status_code, time.monotonic() - started))
+                outcomes.append(r.status_code)
 
     try:
         with ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(load) for _ in range(4)]
-            time.sleep(0.5)
+            wait_until("answers before the stop", lambda: len(outcomes) >= 5)
             os.kill(victim["pid"], signal.SIGSTOP)  # requests pile up on it, some on new connections in its queue
             time.sleep(0.5)
             os.kill(victim["pid"], signal.SIGKILL)
-            time.sleep(2.0)
+            after = len(outcomes)
+            wait_until("30 answers after the kill", lambda: len(outcomes) >= after + 30)
             stop.set()
             for f in futures:
                 f.result(timeout=30)  # a client timeout (15 s) raises here
     finally:
         listener.close()
     assert len(outcomes) > 20
-    assert all(status == 200 for status, _ in outcomes), [o for o in outcomes if o[0] != 200][:3]
-    assert max(elapsed for _, elapsed in outcomes) < 10, sorted(elapsed for _, elapsed in outcomes)[-3:]
+    assert all(status == 200 for status in outcomes), [o for o in outcomes if o != 200][:3]
+    assert "no answer within" not in caplog.text  # none waited out the gateway's request timeout (20 s)
     assert "request(s) in flight: retried on another replica" in caplog.text

@@ -4,7 +4,6 @@ never forwarded, HEAD, pipelining, the internal secret, bounds on headers, bodie
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 
@@ -49,12 +48,10 @@ async def test_100_continue_is_answered_by_the_gateway_and_every_answer_reaches_
 async def test_head_through_the_gateway_answers_at_once() -> None:
     gw = await gateway()
     try:
-        started = time.monotonic()
-        raw = await exchange(
+        raw = await exchange(  # within the read's deadline: the gateway waits for no body
             gw.port, b"HEAD /v2/models/m/ready HTTP/1.1\r\nHost: x\r\n\r\n", lambda d: b"\r\n\r\n" in d
         )
         assert raw.startswith(b"HTTP/1.1 200")
-        assert time.monotonic() - started < 2
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.port}") as client:
             assert (await client.head("/v2/models/m/ready")).status_code == 200
             assert (await client.get("/v2/models/m/ready")).json() == {"ready": True}  # the next answer is its own
@@ -121,9 +118,7 @@ async def test_slow_headers_and_slow_bodies_are_cut_off() -> None:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
         writer.write(b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\n")  # never finishes its headers
-        started = time.monotonic()
-        assert await read(reader, lambda _: False, timeout=5) == b""  # closed by the gateway
-        assert time.monotonic() - started < 2
+        assert await read(reader, lambda _: False, timeout=10) == b""  # closed by the gateway, not by our deadline
         writer.close()
         raw = await exchange(
             gw.port, b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nonly-part", complete(1)
@@ -153,17 +148,19 @@ async def test_a_deployment_over_its_bound_is_shed_fast_with_retry_after() -> No
     gw = await gateway(GatewayLimits(max_inflight_per_replica=2), delay_s=0.3)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw.port}", timeout=10) as client:
+            answered: list[int] = []  # statuses in the order the answers came back
 
-            async def one() -> tuple[int, float, str | None]:
-                started = time.monotonic()
+            async def one() -> tuple[int, str | None]:
                 r = await client.post("/v2/models/m/infer", content=b"x")
-                return r.status_code, time.monotonic() - started, r.headers.get("retry-after")
+                answered.append(r.status_code)
+                return r.status_code, r.headers.get("retry-after")
 
             results = await asyncio.gather(*(one() for _ in range(8)))
         admitted = [r for r in results if r[0] == 200]
         shed = [r for r in results if r[0] == 503]
         assert len(admitted) == 2 and len(shed) == 6
-        assert all(s[2] == "1" and s[1] < 0.25 for s in shed)  # refused before the replica's 0.3 s
+        assert all(s[1] == "1" for s in shed)
+        assert answered == [503] * 6 + [200] * 2  # every refusal came back before the replica's first answer
         assert gw.routes.counters["m"].shed == 6
         assert gw.routes.traffic[("admin", "m")].requests == 2  # refused requests are not billed
     finally:

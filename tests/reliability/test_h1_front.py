@@ -5,7 +5,6 @@ slowloris headers, HTTP/1.0, refusals that keep the connection in step, and a re
 from __future__ import annotations
 
 import asyncio
-import time
 
 from octacloud.gateway.limits import GatewayLimits
 from octacloud.protocols.rest.request import Http1Request
@@ -82,21 +81,22 @@ async def test_slowloris_headers_are_cut_off_without_harming_another_connection(
     try:
         slow_reader, slow = await asyncio.open_connection("127.0.0.1", gw.port)
         reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
-        started = time.monotonic()
-        closed_at = None
+        closed, served = False, 0
         for byte in b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 40:
             slow.write(bytes([byte]))  # one byte at a time: every byte is fresh, the head never ends in time
             writer.write(INFER % (2, b"ok"))  # meanwhile another client is served at once, again and again
             assert answers(await read(reader, complete(1))) == [(200, b"ko")]
+            served += 1
             await asyncio.sleep(0.05)
             try:
                 got = await asyncio.wait_for(slow_reader.read(1), 0.001)
             except TimeoutError:
                 continue
             assert got == b""  # closed by the gateway, not answered
-            closed_at = time.monotonic() - started
+            closed = True
             break
-        assert closed_at is not None and 0.4 < closed_at < 1.5, closed_at
+        # cut off before its head could end, while the other client was answered all along
+        assert closed and served >= 2, (closed, served)
         slow.close()
         writer.close()
     finally:
@@ -170,14 +170,17 @@ async def test_a_silent_connection_is_on_the_header_clock_an_answered_one_on_the
     try:
         silent_reader, silent = await asyncio.open_connection("127.0.0.1", gw.port)
         reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
-        started = time.monotonic()
         writer.write(INFER % (2, b"ok"))
         assert answers(await read(reader, complete(1))) == [(200, b"ko")]
-        assert await read(reader, lambda _: False) == b""  # idle after its answer: closed after keep_alive_s
-        kept_alive = time.monotonic() - started
-        assert await read(silent_reader, lambda _: False) == b""  # never sent a byte: closed after header_timeout_s
-        silent_for = time.monotonic() - started
-        assert 0.2 < kept_alive < 0.8 and 0.9 < silent_for < 1.8, (kept_alive, silent_for)
+        order: list[str] = []
+
+        async def closed(name: str, r: asyncio.StreamReader) -> None:
+            assert await read(r, lambda _: False) == b""  # closed by the gateway
+            order.append(name)
+
+        # the answered one idles out on keep_alive_s (0.3 s), the silent one on header_timeout_s (1 s): in that order
+        await asyncio.gather(closed("silent", silent_reader), closed("answered", reader))
+        assert order == ["answered", "silent"]
         silent.close()
         writer.close()
     finally:

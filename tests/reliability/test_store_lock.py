@@ -19,12 +19,14 @@ from tests.reliability.harness import gateway
 HOLD_S = 3.0
 
 
-def hold_write_lock(db: Path, held: threading.Event, seconds: float) -> None:
+def hold_write_lock(db: Path, held: threading.Event, seconds: float, released: list[float]) -> None:
+    """Holds the database's write lock for ``seconds``; appends the perf_counter time just before it lets go."""
     c = sqlite3.connect(db, isolation_level=None)
     try:
         c.execute("BEGIN EXCLUSIVE")
         held.set()
         time.sleep(seconds)
+        released.append(time.perf_counter())
         c.execute("COMMIT")
     finally:
         c.close()
@@ -62,7 +64,8 @@ async def test_gateway_answers_while_another_connection_holds_the_store_lock(tmp
         unlocked: list[tuple[float, float, int]] = []  # first, the same load with nothing holding the lock
         await asyncio.to_thread(client, gw.port, time.perf_counter() + 1.0, unlocked)
         held = threading.Event()
-        locker = threading.Thread(target=hold_write_lock, args=(tmp_path / "state.db", held, HOLD_S))
+        released: list[float] = []
+        locker = threading.Thread(target=hold_write_lock, args=(tmp_path / "state.db", held, HOLD_S, released))
         locker.start()
         await asyncio.to_thread(held.wait)
         locked_at = time.perf_counter()
@@ -71,18 +74,19 @@ async def test_gateway_answers_while_another_connection_holds_the_store_lock(tmp
         load.start()
         await asyncio.sleep(0.2)
         h.launcher.crash(victim.id)  # the controller must record a failure: a write, blocked by the lock
+        crashed_at = time.perf_counter()
         while load.is_alive():
             await asyncio.sleep(0.05)
         load.join()
         locker.join()
-        during = [x for x in seen if x[0] < locked_at + HOLD_S]
-        worst = max(latency for _, latency, _ in during)
-        base = max(latency for _, latency, _ in unlocked)
-        print(f"{len(during)} requests while the store was locked for {HOLD_S:g} s, worst latency {worst * 1e3:.0f} ms;"
-              f" {len(unlocked)} in 1 s unlocked, worst {base * 1e3:.0f} ms")  # fmt: skip
+        # sent after the failure that the controller must write, and answered before the lock was let go
+        (released_at,) = released
+        answered = [x for x in seen if x[0] > crashed_at and x[0] + x[1] < released_at]
+        print(f"{len(answered)} requests sent after the crash and answered while the store stayed locked")
         assert all(status == 200 for _, _, status in seen + unlocked)
-        # (when the controller wrote on the event loop: 4 answers in the 3 s, the worst after 2.9 s)
-        assert worst < base + 0.25 and len(during) > 20
+        # (when the controller wrote on the event loop, nothing sent after its write began was answered before
+        # the lock was let go: 4 answers in the 3 s, the last after 2.9 s)
+        assert len(answered) >= 10
         assert h.store.replicas("other")[0].state is ReplicaState.FAILED  # decided at once, during the lock
         for _ in range(300):  # and stored once the lock is free
             await asyncio.sleep(0.01)

@@ -194,10 +194,8 @@ def test_the_key_is_checked_before_the_message_and_big_messages_are_refused(targ
     big = service_pb2.ModelInferRequest(model_name="a-lin", raw_input_contents=[b"\0" * (80 * MIB)])
     wire = big.SerializeToString()
     with grpc.insecure_channel(target.gateway, options=[("grpc.max_send_message_length", -1)]) as channel:
-        started = time.monotonic()
         code, _ = invoke(channel, "ModelInfer", wire, ())
         assert code is grpc.StatusCode.UNAUTHENTICATED  # not RESOURCE_EXHAUSTED: the body was never taken in
-        assert time.monotonic() - started < 5
         code, details = invoke(channel, "ModelInfer", wire, (("authorization", f"Bearer {target.key_a}"),))
         assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, details
         ok, _ = invoke(channel, "ModelReady", service_pb2.ModelReadyRequest(name="a-lin").SerializeToString(),

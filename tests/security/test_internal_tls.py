@@ -267,11 +267,11 @@ def test_garbage_and_silence_on_the_ports_harm_no_other_client(replica: TlsRepli
                         while chunk := raw.recv(4096):
                             reply += chunk
                     assert b"HTTP/1.1 200" not in reply and b"nv_inference" not in reply
-        started = time.monotonic()  # silent connections are still open: the others are answered anyway
+        # the silent connections are still open (their handshakes never finished): the others are answered anyway
         with httpx.Client(verify=replica.client.context(), timeout=10, headers=replica.headers) as client:
             for port, path in ((s.http_port, "/v2/health/ready"), (s.metrics_port, "/metrics")):
                 assert client.get(replica.url(port, path)).status_code == 200
-        assert time.monotonic() - started < 5
+        assert all(sock.fileno() != -1 for sock in silent)
     finally:
         for sock in silent:
             sock.close()

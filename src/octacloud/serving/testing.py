@@ -51,8 +51,10 @@ class FakeRuntime:
         delay_s: float = 0.0,
         close_delay_s: float = 0.0,
         gpu: int | None = None,
+        overlap: Overlap | None = None,
     ) -> None:
         self.behaviour = behaviour
+        self.overlap = overlap or Overlap()
         self.gpu = gpu
         """The GPU the config placed it on (``FakeRuntimeFactory(gpus=N)``), None for the CPU."""
         self.close_delay_s = close_delay_s
@@ -80,11 +82,16 @@ class FakeRuntime:
         with self._lock:
             self.calls += 1
             first = next(iter(inputs.values()))
-            self.batches.append(int(first.shape[0]) if first.ndim else 1)
+            rows = int(first.shape[0]) if first.ndim else 1
+            self.batches.append(rows)
         if self.behaviour == "error" and any(np.any(a) for a in inputs.values()):
             raise RuntimeError("the fake model failed on purpose")
         if self.delay_s:
-            time.sleep(self.delay_s)
+            self.overlap.enter(rows)
+            try:
+                time.sleep(self.delay_s)
+            finally:
+                self.overlap.leave(rows)
         if self.behaviour in ("pid", "device"):
             first = next(iter(inputs.values()))
             value = os.getpid() if self.behaviour == "pid" else (-1 if self.gpu is None else self.gpu)
@@ -99,6 +106,37 @@ class FakeRuntime:
         self.closed = True
 
 
+class Overlap:
+    """How many rows the delayed runs of a factory's fakes had under way at once, batched together or run side
+    by side: ``peak`` is the most seen together (a test's proof that requests were not served one after the
+    other, without timing them)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.running = 0
+        self.peak = 0
+
+    def enter(self, rows: int) -> None:
+        with self._lock:
+            self.running += rows
+            self.peak = max(self.peak, self.running)
+
+    def leave(self, rows: int) -> None:
+        with self._lock:
+            self.running -= rows
+
+    def reset(self) -> None:
+        with self._lock:
+            self.peak = self.running
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A compute process gets a tracker of its own (its runs are not counted here)."""
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
 class FakeRuntimeFactory:
     """Builds a :class:`FakeRuntime` from the config (which must declare its inputs and outputs)."""
 
@@ -108,6 +146,8 @@ class FakeRuntimeFactory:
     def __init__(self, gpus: int = 0) -> None:
         self.created: list[FakeRuntime] = []
         self.visible_gpus = gpus
+        self.overlap = Overlap()
+        """Rows under way at once over every fake this factory made (in this process)."""
 
     def gpus(self) -> int:
         """How many GPUs the fake replica pretends to see."""
@@ -133,7 +173,7 @@ class FakeRuntimeFactory:
         close_delay = float(parameter(config, "close_delay_ms") or 0) / 1000
         on_gpu = self.visible_gpus > 0 and any(g.kind in GPU_KINDS for g in config.instance_group)
         gpu = config_device(config) if on_gpu else None
-        runtime = FakeRuntime(behaviour, meta(config.input), meta(config.output), delay, close_delay, gpu)
+        runtime = FakeRuntime(behaviour, meta(config.input), meta(config.output), delay, close_delay, gpu, self.overlap)
         self.created.append(runtime)
         return runtime
 
