@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
+import hpack
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
@@ -212,3 +213,77 @@ def test_routing_follows_the_model_name_protobuf_reads(target: Target) -> None:
         assert code is grpc.StatusCode.NOT_FOUND  # b-lin is b's: hidden from a, whichever name comes first
         code, _ = invoke(channel, "ModelInfer", wire, (("authorization", f"Bearer {target.key_b}"),))
         assert code is grpc.StatusCode.OK
+
+
+FIXED = [(":method", "POST"), (":scheme", "http"), (":path", SERVICE + "ModelInfer"), (":authority", "gateway"),
+         ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+
+
+def _cased(rng: random.Random, name: str) -> str:
+    """``name`` lower case mostly, else with some letters in capitals."""
+    if rng.random() < 0.6:
+        return name
+    return "".join(c.upper() if rng.random() < 0.5 else c for c in name)
+
+
+def raw_case(rng: random.Random, key: str, limit: int) -> tuple[list[tuple[str, str]], bool, int]:
+    """Metadata for one raw call: the key, a few fields from a pool (the internal names and credentials among
+    them), names in mixed case, and often a pad that brings the list within a few bytes of a limit (the
+    gateway's, or a frame's 16 KiB, so that the block needs CONTINUATION). Returns it, whether a name is not
+    lower case, and the list's size as HTTP/2 counts it."""
+    pool = ["x-request-id", "x-octacloud-tenant", "x-octacloud-replica", "x-octacloud-internal", "cookie",
+            "proxy-authorization", "user-agent", "grpc-timeout", "x-trace"]  # fmt: skip
+    fields = [(_cased(rng, "authorization"), f"Bearer {key}")]
+    fields += [
+        (_cased(rng, rng.choice(pool)), rng.choice(["1", "victim", "bogus", "9S"])) for _ in range(rng.randrange(4))
+    ]
+    if rng.random() < 0.7:
+        target = rng.choice([limit, limit, 16384, 2 * 16384]) + rng.randrange(-64, 65)
+        room = target - sum(len(k) + len(v) + 32 for k, v in [*FIXED, *fields]) - 32 - len("x-pad")
+        if room > 0:
+            fields.append((_cased(rng, "x-pad"), "p" * room))
+    size = sum(len(k) + len(v) + 32 for k, v in [*FIXED, *fields])
+    return fields, any(k != k.lower() for k, _ in fields), size
+
+
+def test_raw_header_fuzz_names_in_any_case_and_lists_near_every_limit(target: Target) -> None:
+    """Seeded raw calls (``tests/h2wire.py``) whose header names are in mixed case and whose lists sit within
+    64 bytes of the gateway's limit or of a frame's size, several on each connection: a name not in lower case
+    is refused as malformed (INTERNAL), a list over the limit RESOURCE_EXHAUSTED (that is checked first), every
+    other call is served; each on its own stream, no connection is closed, no call hangs, and the cloud stays
+    ready."""
+    import asyncio
+
+    import httpx
+
+    from tests import h2wire
+
+    limit = target.cloud.cloud.config.limits.max_header_bytes
+    rng = random.Random(20261203)
+    message = h2wire.message(infer_request(rng).SerializeToString())
+    outcomes: Counter[str] = Counter()
+
+    async def connection(cases: list[tuple[list[tuple[str, str]], bool, int]]) -> None:
+        wire = await h2wire.H2Wire.open(int(target.cloud.cloud.grpc_port))
+        try:
+            for i, (fields, upper, size) in enumerate(cases):
+                sid = 1 + 2 * i
+                block = hpack.Encoder().encode([*FIXED, *fields], huffman=False)  # hpack's Huffman is slow
+                await wire.send(
+                    h2wire.header_frames(sid, block) + h2wire.frame(h2wire.DATA, h2wire.END_STREAM, sid, message)
+                )
+                frames = await wire.read_until(lambda fs, sid=sid: "grpc-status" in h2wire.statuses(fs).get(sid, {}))
+                got = h2wire.statuses(frames).get(sid, {})
+                want = "8" if size > limit else "13" if upper else "0"  # the size is checked first
+                outcomes["as expected" if got.get("grpc-status") == want else f"{want} -> {got}"] += 1
+            assert h2wire.goaway(h2wire.parse(wire.received)) is None
+        finally:
+            wire.close()
+
+    async def run() -> None:
+        cases = [raw_case(rng, target.key_a, limit) for _ in range(240)]
+        await asyncio.gather(*(connection(cases[i : i + 40]) for i in range(0, len(cases), 40)))
+
+    asyncio.run(run())
+    assert outcomes == Counter({"as expected": 240}), outcomes
+    assert httpx.get(f"{target.cloud.url}/v2/health/ready", timeout=10).status_code == 200

@@ -19,7 +19,7 @@ from typing import Protocol
 from octacloud.gateway.grpc_proxy import MAX_STREAMS, GrpcGateway
 from octacloud.gateway.limits import GatewayLimits
 from octacloud.protocols.asgi import ASGIApp
-from octacloud.protocols.grpc.h2 import Http2Server, server_ssl_context
+from octacloud.protocols.grpc.h2 import Http2Limits, Http2Server, server_ssl_context
 from octacloud.protocols.rest.bridge import AsgiBridge, Lifespan, end_lifespan, run_lifespan
 from octacloud.protocols.rest.server import Http1Server
 from octacloud.security.tls import TlsConfig
@@ -131,7 +131,9 @@ def rest_ssl_context(tls: TlsConfig | None) -> ssl.SSLContext | None:
 class GrpcFront:
     """The gRPC gateway's raw methods on octacloud's HTTP/2 server (``protocols/grpc/h2.py``, no ``grpc.aio``)
     with the gateway's bounds: message size on the length prefix, the key on the metadata, calls in progress,
-    streams per connection, connections, preface/handshake and idle time; TLS with ALPN h2."""
+    streams per connection, connections, preface/handshake and idle time; what calls hold before their message
+    completes, per connection and per tenant, and the message's time (``body_timeout_s``); output not taken for
+    ``body_timeout_s`` closes the connection; TLS with ALPN h2."""
 
     def __init__(self, gateway: GrpcGateway, limits: GatewayLimits, tls: TlsConfig | None = None) -> None:
         self.gateway = gateway
@@ -149,6 +151,14 @@ class GrpcFront:
             header_timeout_s=limits.header_timeout_s,
             idle_timeout_s=limits.keep_alive_s * 60,
             max_header_bytes=limits.max_header_bytes,
+            limits=Http2Limits(
+                buffered_bytes_per_connection=limits.grpc_unfinished_bytes_per_connection,
+                buffered_bytes_per_owner=limits.grpc_unfinished_bytes_per_tenant,
+                streams_per_owner=limits.grpc_unfinished_calls_per_tenant,
+                message_timeout_s=limits.body_timeout_s,
+                stall_timeout_s=limits.body_timeout_s,
+            ),
+            owner=gateway.owner,
         )
 
     async def start(self, host: str, port: int, reuse_port: bool) -> int:

@@ -53,6 +53,8 @@ _OPEN = frozenset(f"/{SERVICE}/{name}" for name in PUBLIC)
 MAX_STREAMS = 256
 """Concurrent calls per client connection."""
 _RETRY_SOON = (("retry-after", "1"),)
+PUBLIC_MESSAGE_BYTES = 4096
+"""The largest message of a call the gateway answers itself (their requests are empty or a name)."""
 
 
 @dataclass(slots=True)
@@ -176,9 +178,14 @@ class GrpcGateway:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {exc}")
                 return answer()
 
-            return Method(None, call, streaming=False)
+            return Method(None, call, streaming=False, max_message_bytes=PUBLIC_MESSAGE_BYTES)
 
         return {f"/{SERVICE}/{name}": method(kind, answer) for name, (kind, answer) in answers.items()}
+
+    def owner(self, state: Any) -> str | None:
+        """Whose budget a call's input is held on at the front (``h2_limits``): its tenant's; every caller
+        without a key (the open calls, or every call without a guard) shares one, None."""
+        return state.tenant if isinstance(state, Principal) and state.key_id else None
 
     def admit(self, path: str, metadata: Metadata) -> Principal | Refusal:
         """The caller, or why its call is refused (code, details, trailing metadata): on metadata alone,

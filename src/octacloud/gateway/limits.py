@@ -41,6 +41,14 @@ class GatewayLimits:
     """Open client connections (REST); one more is closed at once. Keep it below the process's file limit."""
     max_concurrent_rpcs: int = 4_096
     """gRPC calls in progress; more are refused with RESOURCE_EXHAUSTED by gRPC itself."""
+    grpc_unfinished_bytes_per_connection: int = DEFAULT_MAX_BODY_BYTES + 2 * MIB
+    """What one gRPC connection's calls may hold before their message completes (metadata and partial messages,
+    ``protocols.grpc.h2_limits``); a call past it is RESOURCE_EXHAUSTED and its stream reset. At least one
+    largest message and header list."""
+    grpc_unfinished_bytes_per_tenant: int = 2 * (DEFAULT_MAX_BODY_BYTES + 2 * MIB)
+    """The same over all of one tenant's connections (callers without a key share one such budget)."""
+    grpc_unfinished_calls_per_tenant: int = 1_024
+    """One tenant's gRPC calls whose message has not completed; more are RESOURCE_EXHAUSTED."""
     upstream_timeout_s: float = 60.0
     """How long the gateway waits for a replica's answer to one request (REST and gRPC); 504 / DEADLINE_EXCEEDED
     after it, and the replica counts one transport failure. Raise it for models that answer slowly."""
@@ -57,6 +65,9 @@ class GatewayLimits:
             "max_header_bytes",
             "max_connections",
             "max_concurrent_rpcs",
+            "grpc_unfinished_bytes_per_connection",
+            "grpc_unfinished_bytes_per_tenant",
+            "grpc_unfinished_calls_per_tenant",
         ):
             if getattr(self, name) <= 0:
                 raise InvalidSpecError(f"gateway limit {name} must be positive, got {getattr(self, name)}")
@@ -68,6 +79,13 @@ class GatewayLimits:
                 f"gateway limit max_header_bytes is at most {CLIENT_MAX_HEADER_BYTES} (what replicas accept, less "
                 f"what the gateway adds), got {self.max_header_bytes}"
             )
+        one_call = self.max_message_bytes + 5 + self.max_header_bytes
+        for name in ("grpc_unfinished_bytes_per_connection", "grpc_unfinished_bytes_per_tenant"):
+            if getattr(self, name) < one_call:
+                raise InvalidSpecError(
+                    f"gateway limit {name} must hold one call of the largest message and header list "
+                    f"({one_call} bytes), got {getattr(self, name)}"
+                )
         if self.max_inflight_per_replica < 0:
             raise InvalidSpecError("gateway limit max_inflight_per_replica must be 0 (no bound) or positive")
 

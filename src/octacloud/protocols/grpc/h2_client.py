@@ -32,9 +32,7 @@ import grpc
 import hpack
 
 from octacloud.idlespin import poke
-from octacloud.protocols.grpc.h2 import _OK_TRAILERS as _OK_TRAILERS
-from octacloud.protocols.grpc.h2 import _RESPONSE_HEADERS as _RESPONSE_HEADERS
-from octacloud.protocols.grpc.h2 import (
+from octacloud.protocols.grpc.h2_frames import (
     ACK,
     CANCEL,
     CONTINUATION,
@@ -46,18 +44,20 @@ from octacloud.protocols.grpc.h2 import (
     HEADERS,
     MAX_WINDOW,
     NO_ERROR,
+    OK_TRAILERS,
     PADDED,
     PING,
     PREFACE,
     PRIORITY_FLAG,
     PROTOCOL_ERROR,
     REFUSED_STREAM,
+    RESPONSE_HEADERS,
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
     TurnOutput,
-    _int7,
     frame,
+    int7,
     read_frames,
 )
 from octacloud.protocols.headers import REPLICA_MAX_HEADER_BYTES
@@ -244,10 +244,10 @@ class _Connection(asyncio.Protocol):
                 self._send(c)
 
     def _headers(self, c: _Call | None, block: bytes, ends: bool) -> None:
-        if c is not None and not ends and block == _RESPONSE_HEADERS and not c.status:
+        if c is not None and not ends and block == RESPONSE_HEADERS and not c.status:
             c.status = 200  # octacloud's server: these literals leave the HPACK table as it is, no need to decode
             return
-        if c is not None and ends and block == _OK_TRAILERS and c.status == 200:
+        if c is not None and ends and block == OK_TRAILERS and c.status == 200:
             self._complete(c, _OK)
             return
         headers = cast(list[tuple[str, str]], self._decoder.decode(block))  # always: keeps the HPACK table in step
@@ -416,7 +416,7 @@ class Channel:
         scheme = b"\x87" if ssl_context is not None else b"\x86"  # :scheme https / http (static 7 / 6)
         authority = f"{host}:{port}".encode()
         # :method POST (static 3), :scheme, :authority (static name 1)
-        self._prefix = b"\x83" + scheme + b"\x01" + _int7(len(authority)) + authority
+        self._prefix = b"\x83" + scheme + b"\x01" + int7(len(authority)) + authority
         self._paths: dict[str, bytes] = {}
         self._connections: list[_Connection] = []
         self._connecting: asyncio.Future[_Connection] | None = None
@@ -428,7 +428,7 @@ class Channel:
         head = self._paths.get(path)
         if head is None:
             raw = path.encode()
-            head = self._paths[path] = self._prefix + b"\x04" + _int7(len(raw)) + raw + _GRPC_FIELDS  # :path (4)
+            head = self._paths[path] = self._prefix + b"\x04" + int7(len(raw)) + raw + _GRPC_FIELDS  # :path (4)
         conn = self._usable() or await self._connect()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Answer] = loop.create_future()
