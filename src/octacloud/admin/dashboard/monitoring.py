@@ -24,6 +24,7 @@ from octacloud.core.model import Node
 from octacloud.metering import Ledger
 from octacloud.observability.dcgm import CardReading, NvmlCards, open_nvml
 from octacloud.observability.exporter import CloudCollector, Collector, cloud_registry
+from octacloud.observability.failover import FailoverCoverage
 from octacloud.observability.monitor import CloudMonitor
 from octacloud.observability.replicas import ReplicaInfo, ReplicaScraper
 from octacloud.observability.telemetry import TelemetrySampler
@@ -141,7 +142,8 @@ class CloudMonitoring:
             ),
             authorize,
         )
-        return dashboard, build_metrics_app(cloud_registry(collector, *extra), authorize)
+        coverage = FailoverCoverage(lambda: self._controller().scheduler)
+        return dashboard, build_metrics_app(cloud_registry(collector, coverage, *extra), authorize)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.monitor.run(stop)

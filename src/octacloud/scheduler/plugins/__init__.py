@@ -5,6 +5,7 @@ from __future__ import annotations
 from octacloud.scheduler.plugins import (
     bestfit,
     clustering,
+    domain_reserve,
     dotprod,
     fgd,
     fit,
@@ -35,6 +36,11 @@ def builtin_registry() -> PluginRegistry:
     reg.register("octant-unit", octant.build, "rule: round GPU shares up to whole octants (125 milli)")
     reg.register("model-memory", model_memory.build, "rule: a model uses at most 80 % of one card's memory")
     reg.register("failover-headroom", headroom.build, "rule: keep 20 % of fleet GPU for failover/high priority")
+    reg.register(
+        "domain-reserve",
+        domain_reserve.build,
+        "rule: keep room to re-place what any one failure domain (rack, power feed, zone) holds",
+    )
     reg.register(
         "replica-spread",
         replicas.build,
