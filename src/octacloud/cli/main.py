@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "schedule",
     "serve",
     "simulate",
+    "simulate_racks",
     "tenant",
     "top",
     "usage",

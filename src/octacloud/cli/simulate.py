@@ -7,7 +7,7 @@
 * ``octacloud simulate compare DIR [DIR...] [--published fgd_published_alloc.csv]`` lines our results up with
   the paper's, with the LP lower bound of the same seeds next to every policy;
 * ``octacloud simulate generate workload|fleet|suite`` writes seeded openb-format workloads and fleets
-  (:mod:`octacloud.sim.generate`).
+  (:mod:`octacloud.sim.generate`); ``rack-loss`` and ``generate racks`` are in ``cli/simulate_racks.py``.
 """
 
 from __future__ import annotations
