@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from octacloud.cli.down import adopted, left_running, stopped_by_down
 from octacloud.cli.up import _Lines, event_line, log_events, sample_inputs, sample_requests
+from octacloud.control.deployments import Replica, ReplicaState
 from octacloud.control.store import StateStore
 from octacloud.storage.store import FsspecStore
 
@@ -118,3 +120,17 @@ def test_a_bad_spin_window_is_named_before_anything_starts(
     if name == "OCTACLOUD_REPLICA_SPIN_US":  # a replica started by hand says the same
         serve = CliRunner().invoke(app, ["serve", "--repository", str(tmp_path)])
         assert serve.exit_code == 2 and name in serve.output
+
+
+def test_up_says_what_keeps_running_and_what_it_adopted() -> None:
+    running = [Replica("a-1", "a", handle="11"), Replica("a-2", "a", handle="12"), Replica("b-1", "b", handle="13")]
+    said = left_running([*running, Replica("c-1", "c")], Path("var"))
+    assert said == ("octacloud stopped; 3 replica(s) keep running (a × 2, b × 1): `octacloud up --state-dir var` "
+                    "adopts them, `octacloud down --state-dir var` stops them")  # fmt: skip
+    assert left_running([Replica("c-1", "c")], Path("var")) == "octacloud stopped; no replica keeps running"
+
+    before = [*running, stopped_by_down(Replica("d-1", "d", "n0", (0,), 125, handle="14"))]
+    now = [running[0], Replica("a-2", "a", state=ReplicaState.FAILED), running[2], Replica("d-1", "d")]
+    assert adopted(before, now) == ("adopted 2 running replica(s) (a × 1, b × 1); 1 had stopped since and start "
+                                    "again (a × 1); 1 stopped by `octacloud down` start again (d × 1)")  # fmt: skip
+    assert adopted([], [Replica("new-1", "new", handle="9")]) == ""  # a first start adopts nothing

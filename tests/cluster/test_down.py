@@ -12,10 +12,13 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from octacloud.cli.down import STOPPED_BY_DOWN
 from octacloud.cli.main import app
 from octacloud.cli.up import hold_up_lock, up_record
-from octacloud.control.deployments import Replica, ReplicaState
+from octacloud.control.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
 from octacloud.control.store import StateStore
+
+from .controller_fakes import Harness
 
 
 def test_down_stops_recorded_replicas(tmp_path: Path) -> None:
@@ -104,3 +107,32 @@ def test_an_up_killed_with_sigkill_leaves_no_lock_behind(tmp_path: Path) -> None
     StateStore.at(tmp_path / "octacloud.db").close()
     result = CliRunner().invoke(app, ["down", "--state-dir", str(tmp_path)])
     assert result.exit_code == 0 and "stopped 0 replica(s)" in result.output, result.output
+
+
+async def test_a_replica_down_stopped_starts_again_on_its_slice_without_counting_a_restart(tmp_path: Path) -> None:
+    """`down` then `up` is a planned restart: the next controller re-accounts the replica's slice and starts it
+    there, with no "restart #1" (before, every replica came back as a failure restart)."""
+    replica = subprocess.Popen(["sleep", "60"])
+    try:
+        store = StateStore.at(tmp_path / "octacloud.db")
+        store.put_deployment(Deployment(DeploymentSpec("m", "m", octants=1), 1, 1, created_at=1.0))
+        store.put_replica(Replica("m-1", "m", "n0", (0,), 125, ReplicaState.READY, handle=str(replica.pid),
+                                  model="m", octants=1))  # fmt: skip
+        store.close()
+        result = CliRunner().invoke(app, ["down", "--state-dir", str(tmp_path), "--grace", "2"])
+        assert result.exit_code == 0 and "stopped 1 replica(s)" in result.output, result.output
+        replica.wait(timeout=30)
+    finally:
+        replica.kill()
+        replica.wait()
+    store = StateStore.at(tmp_path / "octacloud.db")
+    [r] = store.replicas()
+    assert (r.state, r.handle, r.node, r.gpus, r.message) == (ReplicaState.PENDING, "", "n0", (0,), STOPPED_BY_DOWN)
+
+    h = Harness(tmp_path / "next-up", store=store)  # the next `up` over the same state
+    h.controller.adopt()
+    await h.health()
+    await h.health()
+    [r] = h.replicas("m")
+    assert (r.id, r.state, r.node, r.gpus, r.restarts) == ("m-1", ReplicaState.READY, "n0", (0,), 0)
+    assert h.events("restart") == []

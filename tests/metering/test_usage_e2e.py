@@ -231,7 +231,11 @@ def test_kill_9_loses_no_closed_interval_and_double_counts_none(tmp_path: Path) 
             send(second.url, key, "lin", 2, 5000 + i)
         second.proc.send_signal(signal.SIGTERM)  # a graceful stop closes the open interval
         assert second.proc.wait(30) == 0, second.log.read_text()
-        assert "admin API key" not in second.log.read_text()  # shown once, on the first start only
+        said = second.log.read_text()
+        assert "admin API key" not in said  # shown once, on the first start only
+        assert "adopted 1 running replica(s) (lin × 1)" in said, said  # what the restart found and kept
+        assert f"1 replica(s) keep running (lin × 1): `octacloud up --state-dir {state}` adopts them" in said
+        assert f"`octacloud down --state-dir {state}` stops them" in said
 
         after = ledger.records()
         assert after[: len(before)] == before  # closed intervals never rewritten

@@ -14,6 +14,7 @@ from octacloud import __version__
 
 COMMAND_MODULES: tuple[str, ...] = (
     "up",
+    "down",
     "cloud",
     "convert",
     "models",

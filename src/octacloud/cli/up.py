@@ -1,4 +1,4 @@
-"""``octacloud up`` (the cloud in the foreground) and ``octacloud down`` (stop the replicas it left running).
+"""``octacloud up``: the cloud in the foreground (``octacloud down`` stops the replicas it leaves running).
 
 ``up`` holds a lock on ``<state-dir>/up.lock`` while it runs (it records its PID, backend and gateway there),
 so that a second ``up`` on the same state and a ``down`` that would kill its live replicas refuse instead.
@@ -379,7 +379,10 @@ def up(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, cloud.request_stop)
-        await cloud.start()
+        from octacloud.cli.down import adopted, left_running
+
+        before = cloud.controller.store.replicas()  # what the previous `up` left
+        await cloud.start()  # (the controller adopts what still runs before start returns)
         _print_fleet_summary(cloud)
         for model in deploy:
             _deploy_once(cloud, model, deploy_max_replicas)
@@ -396,7 +399,10 @@ def up(
                 soft_wrap=True,
             )
         _print_sample(cloud, deploy, base, f"{host}:{cloud.grpc_port}", state_dir / "admin.key")
+        if found := adopted(before, cloud.controller.store.replicas()):
+            console.print(found, soft_wrap=True, highlight=False)
         await cloud.serve_forever()
+        console.print(left_running(cloud.controller.store.replicas(), state_dir), soft_wrap=True, highlight=False)
 
     from octacloud.protocols.server import new_event_loop
 
@@ -467,80 +473,5 @@ def _print_sample(cloud: Any, deploy: list[str], base: str, grpc: str, key_file:
         return
 
 
-# ---- down ---------------------------------------------------------------------------------------------------
-
-
-def down(
-    state_dir: Path = typer.Option(Path("var"), "--state-dir", help="The state dir `octacloud up` used."),
-    grace: float = typer.Option(5.0, "--grace", help="Seconds a replica gets to finish before it is killed."),
-    ray_address: str | None = typer.Option(
-        None, "--ray-address", help="The Ray cluster of Ray replicas (default: the one `up` recorded, else auto)."
-    ),
-) -> None:
-    """Stop the replicas a stopped `octacloud up` left running (local processes and Ray actors). Deployments stay:
-    the next `up` starts them again. Refused while `up` runs on the state dir: stop it first (Ctrl-C), or use
-    `undeploy` / `scale` to stop replicas of a running cloud."""
-    from octacloud.control.emulated import EmulatedLauncher, is_emulated
-    from octacloud.control.launcher import LocalProcessLauncher
-    from octacloud.control.store import StateStore
-
-    db = state_dir / "octacloud.db"
-    if not db.exists():
-        err.print(f"[red]error:[/] no octacloud state in {state_dir} (give the --state-dir `octacloud up` used)")
-        raise typer.Exit(2)
-    running, record = up_record(state_dir)
-    if running:
-        err.print(
-            f"[red]error:[/] octacloud up (PID {record.get('pid', '?')}) is running on {state_dir}: stop it first "
-            "(Ctrl-C in its terminal, or kill -TERM that PID), then run `octacloud down`; to stop replicas of the "
-            "running cloud use `octacloud undeploy` or `octacloud scale`"
-        )
-        raise typer.Exit(1)
-    store = StateStore.at(db)
-    try:
-        handles = [r.handle for r in store.replicas() if r.handle]
-    finally:
-        store.close()
-    local = LocalProcessLauncher(state_dir / "replicas")
-    stopped = 0
-    for handle in (h for h in handles if h.isdigit()):
-        if local.alive(handle):
-            local.stop(handle, grace)
-            stopped += 1
-    emulated = [h for h in handles if is_emulated(h)]
-    if emulated:
-        hosts = EmulatedLauncher(state_dir / "replicas")
-        for handle in emulated:
-            if hosts.alive(handle):
-                hosts.stop(handle, grace)
-                stopped += 1
-        hosts.stop_hosts()
-    actors = [h for h in handles if not h.isdigit() and not is_emulated(h)]
-    if actors:
-        stopped += _stop_ray_replicas(actors, ray_address or record.get("ray_address"), state_dir, grace)
-    console.print(f"stopped {stopped} replica(s) of {state_dir}")
-
-
-def _stop_ray_replicas(handles: list[str], address: str | None, state_dir: Path, grace: float) -> int:
-    """Stop the Ray replica actors named ``handles`` that still exist; how many there were."""
-    from octacloud.control.ray.backend import RayFleet, RayLauncher, connect
-    from octacloud.core.errors import OctacloudError
-    from octacloud.storage.store import FsspecStore
-
-    try:
-        connect(address)
-    except OctacloudError as exc:
-        err.print(f"[red]error:[/] {len(handles)} replica(s) ran on Ray, which is out of reach: {exc}")
-        raise typer.Exit(1) from None
-    launcher = RayLauncher(RayFleet(), FsspecStore(str(state_dir)), state_dir / "model-cache")  # stops only
-    stopped = 0
-    for handle in handles:
-        if launcher.alive(handle):
-            launcher.stop(handle, grace)
-            stopped += 1
-    return stopped
-
-
 def register(app: typer.Typer) -> None:
     app.command()(up)
-    app.command()(down)
