@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import typer
+from typer.testing import CliRunner
 
-from octacloud.cli.main import app
+from octacloud.cli.main import PANELS, app, command_name
 
 
 def _commands(group: Any, prefix: str = "octacloud") -> list[tuple[str, Any]]:
@@ -43,3 +44,21 @@ def test_no_command_declares_an_option_twice() -> None:
                     clashes.append(f"{where}: {flag} is both {seen[flag]!r} and {param.name!r}")
                 seen.setdefault(flag, str(param.name))
     assert not clashes, "\n".join(clashes)
+
+
+def test_the_top_level_help_groups_every_command() -> None:
+    out = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "160"}).output
+    for panel in PANELS:
+        assert f"─ {panel} ─" in out, out
+    assert "─ Commands ─" not in out  # nothing left outside a group
+    listed = {command_name(info) for info in [*app.registered_commands, *app.registered_groups]}
+    assert listed == {name for names in PANELS.values() for name in names}
+
+
+def test_flags_show_no_type() -> None:
+    """A flag takes no value: ``--publish/--no-publish`` and ``--help`` carry no ``<bool>`` tag."""
+    for args in (["--help"], ["deploy", "--help"], ["up", "--help"]):
+        out = CliRunner().invoke(app, args, env={"COLUMNS": "160"}).output
+        assert "<bool>" not in out, out
+    out = CliRunner().invoke(app, ["deploy", "--help"], env={"COLUMNS": "160"}).output
+    assert "--publish" in out and "<int>" in out  # options that take a value still say which
