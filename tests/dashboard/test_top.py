@@ -79,3 +79,11 @@ def test_frame_shows_octants_load_replicas_and_events() -> None:
 def test_sparkline_scales_to_the_largest_value() -> None:
     assert sparkline([[0, 0.0], [1, 5.0], [2, 10.0]]) == "▁▄█"
     assert sparkline([]) == ""
+
+
+def test_fractions_draw_a_full_bar_at_100_percent_only() -> None:
+    """The header's allocation and fragmentation are fractions: 12 % draws a low bar, not a full one."""
+    assert sparkline([[0, 0.12], [1, 0.12]], full=1.0) == "▁▁"
+    assert sparkline([[0, 0.5], [1, 1.0]], full=1.0) == "▄█"
+    line = frame(History(), document(100.0, 5.0)).splitlines()[0]  # allocated 31 %, fragmented 25 %
+    assert "allocated 31 % ▃" in line and "fragmented 25 % ▂" in line and "█" not in line, line

@@ -39,11 +39,13 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.0f} %"
 
 
-def sparkline(points: list[list[float]], width: int = 20) -> str:
+def sparkline(points: list[list[float]], width: int = 20, full: float | None = None) -> str:
+    """The last ``width`` values as bars: a full bar is ``full`` (a fraction's 1.0: 100 %), or the largest value
+    shown when there is no such scale (requests per second)."""
     values = [p[1] for p in points[-width:]]
     if not values:
         return ""
-    top = max(values) or 1.0
+    top = full or max(values) or 1.0
     return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1)))] for v in values)
 
 
@@ -82,9 +84,9 @@ def render(state: dict[str, Any], history: History) -> RenderableType:
     header = Text.assemble(
         ("octacloud  ", "bold"),
         (f"allocated {_pct(fleet['allocation'])}", "bold cyan"),
-        f" {sparkline(history.get('allocation'), 30)}   ",
+        f" {sparkline(history.get('allocation'), 30, full=1.0)}   ",  # fractions of the fleet: full is 100 %
         (f"fragmented {_pct(fleet['fragmentation'])}", "bold yellow"),
-        f" {sparkline(history.get('fragmentation'), 30)}   ",
+        f" {sparkline(history.get('fragmentation'), 30, full=1.0)}   ",
         f"replicas {ready}/{len(replicas)} ready, {sched['pending']} pending   ",
         f"decision {'–' if ms is None else f'{ms:.2f} ms'}   preemptions {sched['preemptions']}",
     )
