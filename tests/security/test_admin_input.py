@@ -239,3 +239,15 @@ def test_a_key_without_bearer_is_not_reported_missing(target: Target) -> None:
         assert target.key_a.split("_", 2)[2] not in answer.text  # no key text in the answer
     missing = httpx.get(f"{c.url}/admin/deployments", timeout=30)
     assert missing.status_code == 401 and "missing API key" in missing.json()["error"]
+
+
+def test_a_wrong_model_name_suggests_the_close_ones(target: Target) -> None:
+    c = target.cloud
+    for body in ({"name": "x", "model": "linaer"}, {"name": "x", "model": "Linear", "octants": 1}):
+        refused = call(c, target.key_a, "POST", "/admin/deployments", body)
+        error = refused.json()["error"]
+        assert refused.status_code == 404 and "did you mean 'linear'?" in error, refused.text
+        assert "`octacloud models list` shows the models it holds" in error
+    far = call(c, target.key_a, "POST", "/admin/deployments", {"name": "x", "model": "resnet50"}).json()["error"]
+    assert "did you mean" not in far and "octacloud models list" in far
+    assert "x" not in names(c)

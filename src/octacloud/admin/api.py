@@ -22,6 +22,7 @@ from octacloud.admin.rollouts import rollout_routes
 from octacloud.control.controller import Controller
 from octacloud.control.deploy_request import DeployRequest
 from octacloud.control.deployments import MAX_REPLICAS, Deployment, Replica
+from octacloud.control.models import unknown_model
 from octacloud.core import fields
 from octacloud.core.domains import domain_dict
 from octacloud.core.errors import InvalidSpecError, NotFoundError
@@ -122,7 +123,7 @@ def build_admin_app(
         model = body.get("model", "")
         if "model" in body and (not isinstance(model, str) or not is_model_name(model)
                                 or not controller.has_model(model)):  # fmt: skip
-            raise NotFoundError(f"model {str(model)[:64]!r} is not in the repository")
+            raise NotFoundError(unknown_model(controller.models, model))
         try:
             existing: Deployment | None = controller.store.get_deployment(str(body["name"]))
         except NotFoundError:

@@ -7,23 +7,38 @@ The controller never reads a local copy: configs, versions and sizes come from t
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from pathlib import Path
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from octacloud.core.errors import InvalidSpecError, NotFoundError
+from octacloud.core.errors import InvalidSpecError, NotFoundError, OctacloudError
 from octacloud.storage.cache import NodeCache, VersionPicker
 from octacloud.storage.stats import FetchResult
 from octacloud.storage.store import ModelStore
+
+
+def unknown_model(store: ModelStore, model: object) -> str:
+    """What a deploy of a model ``store`` does not hold says: the names closest to it, and where the list is."""
+    asked = str(model)[:64]
+    try:
+        close = difflib.get_close_matches(asked, store.models(), n=3, cutoff=0.6)
+    except (OctacloudError, OSError):  # the store cannot list its models now: no suggestion, the rest holds
+        close = []
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return f"model {asked!r} is not in the repository{hint} (`octacloud models list` shows the models it holds)"
 
 
 def check_model(store: ModelStore, model: str, version: str) -> list[int]:
     """The published versions of ``model``; raises unless it has one and ``version`` ('' = its policy) is one."""
     if version and not version.isdigit():
         raise InvalidSpecError(f"version must be a whole number (a version folder), got {version!r}")
-    versions = store.versions(model)
+    try:
+        versions = store.versions(model)
+    except NotFoundError:
+        raise NotFoundError(unknown_model(store, model)) from None
     if not versions:
         raise NotFoundError(f"model {model!r} has no published version in the model storage {store.url}")
     if version and int(version) not in versions:

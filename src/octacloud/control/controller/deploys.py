@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from octacloud.control.controller.world import World
 from octacloud.control.deploy_request import DeployRequest, compare, resolve, summary
 from octacloud.control.deployments import Deployment, DeploymentSpec, ReplicaState
-from octacloud.control.models import check_model
+from octacloud.control.models import check_model, unknown_model
 from octacloud.control.sizing import FleetCapacity, Sizing, plan_size, reserve_percent
 from octacloud.core.errors import ConflictError, NotFoundError
 from octacloud.gateway.routing import Owner
@@ -65,7 +65,7 @@ class Deployer:
         if owner is not None and owner != spec.tenant:
             raise ConflictError(f"deployment name {spec.name!r} is taken; choose another")
         if not is_model_name(spec.model):
-            raise NotFoundError(f"model {spec.model!r} is not in the repository")
+            raise NotFoundError(unknown_model(self.models, spec.model))
         check_model(self.models, spec.model, spec.version)
         sizing = self.sizing(spec)
         replicas = sizing.replicas
