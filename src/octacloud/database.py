@@ -60,8 +60,9 @@ def _tighten(path: Path, mode: int) -> None:
 def open_engine(url: str) -> Engine:
     """An engine for ``url``; on SQLite in WAL mode with a busy timeout, so that processes share the file (a
     database file made private first: :func:`private_database`)."""
-    if url.startswith(SQLITE_PREFIX) and url[len(SQLITE_PREFIX) :] not in ("", ":memory:"):
-        private_database(Path(url[len(SQLITE_PREFIX) :]))
+    file = url[len(SQLITE_PREFIX) :].split("?", 1)[0] if url.startswith(SQLITE_PREFIX) else ""
+    if file not in ("", ":memory:") and not file.startswith("file:"):
+        private_database(Path(file))
     engine = create_engine(url, future=True)
     if url.startswith("sqlite"):
         event.listen(engine, "connect", _sqlite_pragmas)

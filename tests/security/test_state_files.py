@@ -9,12 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
 from octacloud.app import Cloud, CloudConfig
 from octacloud.control.deployments import Deployment, DeploymentSpec
 from octacloud.core.clock import ManualClock
 from octacloud.core.model import Gpu, Node
-from octacloud.database import private_folder
+from octacloud.database import open_engine, private_folder, sqlite_url
 
 
 @pytest.fixture(autouse=True)
@@ -68,3 +69,13 @@ def test_private_folder_keeps_stricter_modes(tmp_path: Path) -> None:
     strict.mkdir(mode=0o500)
     assert private_folder(strict) == strict and mode(strict) == 0o500
     assert mode(private_folder(tmp_path / "a" / "b")) == 0o700
+
+
+def test_a_database_url_with_options_makes_the_file_it_names_private(tmp_path: Path) -> None:
+    engine = open_engine(sqlite_url(tmp_path / "x.db") + "?timeout=5")
+    with engine.begin() as c:
+        c.execute(text("CREATE TABLE t (a INTEGER)"))
+    engine.dispose()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.db"] and mode(tmp_path / "x.db") == 0o600
+    open_engine("sqlite:///:memory:").dispose()  # nothing to make private, nothing made
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.db"]
