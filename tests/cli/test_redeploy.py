@@ -15,6 +15,7 @@ from octacloud.cli.up import _deploy_once
 from octacloud.control.deploy_request import DEFAULT_MAX_REPLICAS
 from tests.cluster.conftest import write_linear_model
 from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, wait_until
+from tests.security.conftest import call, make_tenant
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +67,15 @@ def test_a_redeploy_keeps_the_replicas_the_operator_scaled_to(cloud: CloudThread
     out = cli(cloud, "deploy", "linear2", "--name", "lin", "--max-replicas", "3")
     assert "changes max_replicas 4 → 3" in out and "2 replica(s)" in out, out
     assert cloud.deployment("lin")["replicas"] == 2
+
+    # a malformed redeploy changes nothing, and another tenant cannot take the name over
+    bad = call(cloud, cloud.key, "POST", "/admin/deployments", {"name": "lin", "min_replicas": 1.5})
+    assert bad.status_code == 400 and "min_replicas must be a whole number" in bad.json()["error"], bad.text
+    other = make_tenant(cloud, "other")
+    taken = call(cloud, other, "POST", "/admin/deployments", {"name": "lin", "model": "linear"})
+    assert taken.status_code == 409 and "'lin' is taken" in taken.json()["error"], taken.text
+    d = cloud.deployment("lin")
+    assert (d["replicas"], d["spec"]["model"], d["spec"]["max_replicas"]) == (2, "linear2", 3)
 
 
 def test_up_deploy_takes_the_same_defaults_and_checks(cloud: CloudThread) -> None:
