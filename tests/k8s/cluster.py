@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from octacloud.core.model import Node
-from octacloud.k8s.api import KubeClient, is_not_found, node_path
+from octacloud.k8s.api import ApiError, KubeClient, is_not_found, node_path
 from octacloud.k8s.deviceplugin import publish_node
 from octacloud.k8s.resources import GPUS, OCTANTS, Obj
 
@@ -88,9 +88,9 @@ class ControlPlane:
         return ["--api-server", self.url, "--token-file", str(self.token_file), "--ca-file", str(self.ca)]
 
     def scheduler_config(self, name: str, *, node_cache: bool = True) -> Path:
-        """``deploy/k8s/scheduler-config.yaml`` as shipped, pointed at this control plane and the test's extender:
-        the API version matched to the server, a local kubeconfig, no leader election, profile ``name``."""
-        config = yaml.safe_load((DEPLOY / "scheduler-config.yaml").read_text())
+        """``deploy/k8s/config/scheduler-config.yaml`` as shipped, pointed at this control plane and the test's
+        extender: the API version matched to the server, a local kubeconfig, no leader election, profile ``name``."""
+        config = yaml.safe_load((DEPLOY / "config" / "scheduler-config.yaml").read_text())
         config["apiVersion"] = "kubescheduler.config.k8s.io/" + ("v1" if self.version >= (1, 25) else "v1beta1")
         config["clientConnection"] = {"kubeconfig": str(self.kubeconfig)}
         config["leaderElection"] = {"leaderElect": False}
@@ -326,6 +326,31 @@ class ExtenderProcess:
             self.kill(signal.SIGTERM)
 
 
+class OperatorProcess:
+    """``octacloud k8s operator`` as a user runs it (kopf logs in with the kubeconfig; octacloud's client with the
+    API flags)."""
+
+    def __init__(self, cp: ControlPlane, repository: Path) -> None:
+        self.cp, self.repository = cp, repository
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "octacloud", "k8s", "operator", "--repository", str(self.repository)]
+        log = self.cp.state / "logs" / "operator.log"
+        env = {**os.environ, "KUBECONFIG": str(self.cp.kubeconfig)}
+        with log.open("ab") as out:
+            self.process = subprocess.Popen([*cmd, *self.cp.api_flags()], stdout=out, stderr=out, env=env)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        assert self.process is not None
+        self.process.send_signal(sig)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.kill(signal.SIGTERM)
+
+
 @contextlib.contextmanager
 def extender_process(cp: ControlPlane, *args: str) -> Iterator[ExtenderProcess]:
     ext = ExtenderProcess(cp, list(args))
@@ -334,3 +359,28 @@ def extender_process(cp: ControlPlane, *args: str) -> Iterator[ExtenderProcess]:
         yield ext
     finally:
         ext.stop()
+
+
+# ---- manifests -------------------------------------------------------------------------------------------
+
+
+async def apply_manifest(api: KubeClient, doc: Obj) -> Obj:
+    """Create ``doc`` as ``kubectl apply`` would the first time: its collection found through the API's
+    discovery (so custom resources work once their CRD is established); an object that exists is left as it is."""
+    group_version, kind = str(doc["apiVersion"]), str(doc["kind"])
+    base = f"/api/{group_version}" if "/" not in group_version else f"/apis/{group_version}"
+    resources = (await api.get(base)).get("resources") or []
+    found = [r for r in resources if r.get("kind") == kind and "/" not in str(r.get("name"))]
+    if not found:
+        raise AssertionError(f"the API server has no {kind} in {group_version}")
+    meta = doc.get("metadata") or {}
+    path = base
+    if found[0].get("namespaced"):
+        path += f"/namespaces/{meta.get('namespace') or 'default'}"
+    path += f"/{found[0]['name']}"
+    try:
+        return await api.create(path, doc)
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+        return await api.get(f"{path}/{meta['name']}")

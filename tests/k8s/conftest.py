@@ -68,7 +68,7 @@ async def http(extender: Extender) -> AsyncIterator[httpx.AsyncClient]:
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     """One real control plane for the whole session (etcd, kube-apiserver, kube-controller-manager), with two
-    kube-schedulers running ``deploy/k8s/scheduler-config.yaml``: profile ``octacloud`` as shipped
+    kube-schedulers running ``deploy/k8s/config/scheduler-config.yaml``: profile ``octacloud`` as shipped
     (nodeCacheCapable) and ``octacloud-nodes`` with node objects sent to the extender."""
     cp = start_control_plane(tmp_path_factory.mktemp("k8s"))
     try:

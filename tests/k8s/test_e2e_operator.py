@@ -8,10 +8,7 @@ as their own processes. No kubelet runs: pods are bound, never Ready, which is w
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ from .cluster import (
     DEPLOY,
     ControlPlane,
     ExtenderProcess,
+    OperatorProcess,
     delete_nodes,
     eventually,
     extender_process,
@@ -93,31 +91,6 @@ class _suppress_conflict:
 
     def __exit__(self, kind: object, exc: object, tb: object) -> bool:
         return isinstance(exc, ApiError) and exc.status == 409
-
-
-class OperatorProcess:
-    """``octacloud k8s operator`` as a user runs it (kopf logs in with the kubeconfig; octacloud's client with the
-    API flags)."""
-
-    def __init__(self, cp: ControlPlane, repository: Path) -> None:
-        self.cp, self.repository = cp, repository
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "octacloud", "k8s", "operator", "--repository", str(self.repository)]
-        log = self.cp.state / "logs" / "operator.log"
-        env = {**os.environ, "KUBECONFIG": str(self.cp.kubeconfig)}
-        with log.open("ab") as out:
-            self.process = subprocess.Popen([*cmd, *self.cp.api_flags()], stdout=out, stderr=out, env=env)
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        assert self.process is not None
-        self.process.send_signal(sig)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.kill(signal.SIGTERM)
 
 
 @pytest.fixture(scope="module")

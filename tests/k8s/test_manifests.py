@@ -24,7 +24,7 @@ NOT_API_KINDS = {"KubeSchedulerConfiguration", "InferenceDeployment"}
 
 def documents() -> list[tuple[str, dict[str, Any]]]:
     out = []
-    for path in sorted([*DEPLOY.glob("*.yaml"), *DEPLOY.glob("examples/*.yaml")]):
+    for path in sorted([*DEPLOY.glob("*.yaml"), *DEPLOY.glob("config/*.yaml"), *DEPLOY.glob("examples/*.yaml")]):
         for k, doc in enumerate(yaml.safe_load_all(path.read_text())):
             if doc is not None:
                 out.append((f"{path.relative_to(DEPLOY)}#{k}", doc))
@@ -162,7 +162,7 @@ CONFIG_SCHEMA: dict[str, Any] = {
 
 
 def test_scheduler_configuration_calls_the_extender_as_it_serves() -> None:
-    config = yaml.safe_load((DEPLOY / "scheduler-config.yaml").read_text())
+    config = yaml.safe_load((DEPLOY / "config" / "scheduler-config.yaml").read_text())
     jsonschema.validate(config, CONFIG_SCHEMA)
     (ext,) = config["extenders"]
     assert ext["nodeCacheCapable"] is True and ext["bindVerb"] == "bind"
@@ -183,7 +183,7 @@ def test_scheduler_configuration_calls_the_extender_as_it_serves() -> None:
 
 
 def test_scheduler_configuration_schema_catches_typos() -> None:
-    config = yaml.safe_load((DEPLOY / "scheduler-config.yaml").read_text())
+    config = yaml.safe_load((DEPLOY / "config" / "scheduler-config.yaml").read_text())
     config["extenders"][0]["nodeCacheCapeable"] = True
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(config, CONFIG_SCHEMA)

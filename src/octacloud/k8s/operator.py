@@ -47,7 +47,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 NAME_LABEL = "octacloud.io/inference-deployment"
 DEFAULT_IMAGE = "ghcr.io/octacloud/octacloud:0.1.0"
 SCHEDULER_NAME = "octacloud"
-"""The kube-scheduler profile that calls octacloud's extender (deploy/k8s/scheduler-config.yaml)."""
+"""The kube-scheduler profile that calls octacloud's extender (deploy/k8s/config/scheduler-config.yaml)."""
 MODELS_MOUNT = "/models"
 SPEC_KEYS = (
     "model",
