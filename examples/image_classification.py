@@ -1,7 +1,7 @@
 """Image classification with the pre-processing the model states, and Triton's classification extension.
 
-    python examples/image_classification.py photo.jpg           # needs Pillow to read the file
-    python examples/image_classification.py --synthetic         # a generated test image, numpy only
+    .venv/bin/python examples/image_classification.py photo.jpg           # needs Pillow to read the file
+    .venv/bin/python examples/image_classification.py --synthetic         # a generated test image, numpy only
 
 The model's config says how an image becomes its input (parameters `octacloud.image.*`: size, resize,
 rescale, mean and std, RGB, NCHW); this client reads them from the server, prepares the image accordingly and
@@ -79,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("image", nargs="?", type=Path, help="an image file (JPEG, PNG, ...)")
     parser.add_argument("--synthetic", action="store_true", help="classify a generated test image instead")
     parser.add_argument("--url", default="127.0.0.1:8000", help="REST endpoint (default: the gateway)")
-    parser.add_argument("--model", default="resnet50", help="an image model (default: resnet50)")
+    parser.add_argument(
+        "--model", default="resnet50_int8", help="an image model (default: resnet50_int8, as the README deploys it)"
+    )
     parser.add_argument("--top", type=int, default=5, help="how many classes to print")
     parser.add_argument("--key", default=os.environ.get("OCTACLOUD_KEY"), help="API key (default $OCTACLOUD_KEY)")
     args = parser.parse_args(argv)

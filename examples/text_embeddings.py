@@ -1,6 +1,6 @@
 """Sentence embeddings from raw text: the example MiniLM tokenizes in the replica.
 
-    python examples/text_embeddings.py "A man is eating food." "Someone has a meal." "The sky is blue."
+    .venv/bin/python examples/text_embeddings.py "A man is eating food." "Someone has a meal." "The sky is blue."
 
 Against the cloud (`make up`): the gateway at 127.0.0.1:8000 and an API key in $OCTACLOUD_KEY (for example
 `export OCTACLOUD_KEY=$(cat var/admin.key)`). Against one `octacloud serve`: --url HOST:PORT, no key.

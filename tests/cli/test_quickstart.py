@@ -143,6 +143,39 @@ def run_block(lines: list[str], work: Path, env: dict[str, str]) -> list[tuple[s
     return [(line, code, out) for line, code, out in zip(lines, codes, outputs, strict=False)]
 
 
+def examples_repository() -> Path | None:
+    examples = os.environ.get("OCTACLOUD_MODELS")
+    return Path(examples) if examples else None
+
+
+def python_blocks(doc: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", doc.read_text(), re.S | re.M)
+
+
+def usage_lines(example: Path) -> list[str]:
+    """The command lines an example's docstring shows (those that need no file of the user's)."""
+    lines = [line.strip() for line in (example.read_text().split('"""')[1]).splitlines()]
+    return [
+        line.split("  #")[0].strip() for line in lines if line.startswith(".venv/bin/python ") and "photo" not in line
+    ]
+
+
+def run_documented_samples(work: Path, env: dict[str, str]) -> None:
+    """The README's Python sample, docs/toolchain.md's MiniLM sample and the examples' usage lines, as printed,
+    against the cloud the quick start left running (mlp, minilm, resnet50_int8 deployed)."""
+    readme = python_blocks(ROOT / "README.md")[0]
+    minilm = next(b for b in python_blocks(ROOT / "docs" / "toolchain.md") if '"minilm"' in b)
+    for where, code, expected in (("README.md", readme, "[["), ("docs/toolchain.md", minilm, "")):
+        done = subprocess.run([".venv/bin/python", "-c", code], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0 and expected in done.stdout, f"{where}'s sample:\n{done.stdout}{done.stderr}"
+    for example in sorted((ROOT / "examples").glob("*.py")):
+        for line in usage_lines(example):
+            done = subprocess.run(["bash", "-c", line], cwd=work, env=env, capture_output=True, text=True,
+                                  timeout=120)  # fmt: skip
+            assert done.returncode == 0, f"{example.name}: {line!r}:\n{done.stdout}{done.stderr}"
+
+
 @pytest.fixture
 def work(tmp_path: Path) -> Iterator[Path]:
     if not (port_free(8000) and port_free(8001)):
@@ -152,6 +185,10 @@ def work(tmp_path: Path) -> Iterator[Path]:
     wrapper = work / ".venv" / "bin" / "octacloud"
     wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m octacloud "$@"\n')
     wrapper.chmod(0o755)
+    python = work / ".venv" / "bin" / "python"  # the checkout's interpreter, as `make up` leaves it
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
+    (work / "examples").symlink_to(ROOT / "examples")
     yield work
     db = work / "var" / "octacloud.db"
     if db.exists():  # whatever a failed test left running
@@ -209,11 +246,10 @@ def test_the_readme_quick_start_runs_as_printed(work: Path, tmp_path: Path) -> N
         curl, python = printed[ask + 1].strip(), printed[ask + 2].strip()
         answer = subprocess.run(["bash", "-c", curl], cwd=work, env=env, capture_output=True, text=True, timeout=60)
         assert '"outputs"' in answer.stdout, answer.stdout + answer.stderr
-        venv_env = {**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}  # python3 with tritonclient
-        grpc = subprocess.run(
-            ["bash", "-c", python], cwd=work, env=venv_env, capture_output=True, text=True, timeout=60
-        )
+        grpc = subprocess.run(["bash", "-c", python], cwd=work, env=env, capture_output=True, text=True, timeout=60)
         assert grpc.returncode == 0 and "array(" in grpc.stdout, grpc.stdout + grpc.stderr
+        if repo == examples_repository():  # the samples below need the real example models
+            run_documented_samples(work, {**env, "OCTACLOUD_KEY": up.key})
 
         # a second `up` on the same state refuses
         again = subprocess.run([str(work / ".venv/bin/octacloud"), "up", "--repository", str(repo), *up_args],

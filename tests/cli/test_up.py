@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from octacloud.cli.down import adopted, left_running, stopped_by_down
-from octacloud.cli.up import _Lines, event_line, log_events, sample_inputs, sample_requests
+from octacloud.cli.up import _Lines, event_line, interpreter, log_events, sample_inputs, sample_requests
 from octacloud.control.deployments import Replica, ReplicaState
 from octacloud.control.store import StateStore
 from octacloud.storage.store import FsspecStore
@@ -75,7 +76,8 @@ def test_the_printed_request_is_valid_for_the_model(tmp_path: Path) -> None:
     curl, python = sample_requests("http://127.0.0.1:8000", "127.0.0.1:8001", "embed", inputs, Path("var/admin.key"))
     assert "curl -s http://127.0.0.1:8000/v2/models/embed/infer" in curl and "$(cat var/admin.key)" in curl
     body_command = shlex.split(curl.split(" | ")[0])
-    assert body_command[:2] == ["python3", "-c"]
+    assert body_command[:2] == [interpreter(), "-c"]  # the Python that runs octacloud, which has tritonclient
+    assert Path(shutil.which(body_command[0]) or body_command[0]).resolve() == Path(sys.executable).resolve()
     body = json.loads(subprocess.run([sys.executable, "-c", body_command[2]], capture_output=True, text=True,
                                      check=True).stdout)  # fmt: skip
     assert [(t["name"], len(t["data"])) for t in body["inputs"]] == [("input_ids", 8), ("text", 1), ("scale", 6)]

@@ -17,6 +17,7 @@ import math
 import os
 import shlex
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,8 +163,9 @@ def sample_requests(base: str, grpc: str, model: str, inputs: list[dict[str, Any
     )
     body = f'import json; print(json.dumps({{"inputs": [{tensors}]}}))'
     key = shlex.quote(str(key_file))
+    python_bin = shlex.quote(interpreter())
     curl = (
-        f"python3 -c {shlex.quote(body)} | curl -s {base}/v2/models/{model}/infer "
+        f"{python_bin} -c {shlex.quote(body)} | curl -s {base}/v2/models/{model}/infer "
         f'-H "Authorization: Bearer $(cat {key})" -H "Content-Type: application/json" -d @-'
     )
     arrays = ", ".join(f"g.InferInput({_lit(i['name'])}, {i['shape']!r}, {_lit(i['datatype'])})" for i in inputs)
@@ -177,7 +179,19 @@ def sample_requests(base: str, grpc: str, model: str, inputs: list[dict[str, Any
         f"{fills}; r = c.infer({_lit(model)}, x, headers={headers}); "
         "print({o.name: r.as_numpy(o.name) for o in r.get_response().outputs})"
     )
-    return [curl, f"python3 -c {shlex.quote(python)}"]
+    return [curl, f"{python_bin} -c {shlex.quote(python)}"]
+
+
+def interpreter() -> str:
+    """The Python that runs octacloud (it has tritonclient and numpy), as the user would type it: relative to
+    the working folder when it is under it (``.venv/bin/python``), else its absolute path."""
+    exe = Path(sys.executable)
+    if not exe.is_absolute():
+        return str(exe)
+    try:
+        return str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)
 
 
 def _lit(value: object) -> str:
