@@ -137,7 +137,9 @@ def test_deploy_names_models_of_the_repository_only(cloud: CloudThread, model: s
     a = make_tenant(cloud, "a")
     for key in (a, cloud.key):
         r = deploy(cloud, key, name="x", model=model)
-        assert (r.status_code, r.json()) == (404, {"error": f"model {model!r} is not in the repository"})
+        error = r.json()["error"]
+        assert r.status_code == 404 and error.startswith(f"model {model!r} is not in the repository"), r.text
+        assert error.endswith("(`octacloud models list` shows the models it holds)")
     assert call(cloud, cloud.key, "GET", "/admin/deployments/x").status_code == 404
 
 
