@@ -77,6 +77,12 @@ def test_a_redeploy_keeps_the_replicas_the_operator_scaled_to(cloud: CloudThread
     d = cloud.deployment("lin")
     assert (d["replicas"], d["spec"]["model"], d["spec"]["max_replicas"]) == (2, "linear2", 3)
 
+    # an admin's redeploy of a tenant's deployment keeps its owner (it answered 409 "taken" without --tenant)
+    assert call(cloud, other, "POST", "/admin/deployments", {"name": "theirs", "model": "linear"}).status_code == 201
+    out = cli(cloud, "deploy", "linear2", "--name", "theirs")
+    assert "changes model linear → linear2" in out and cloud.deployment("theirs")["spec"]["tenant"] == "other", out
+    assert call(cloud, other, "GET", "/admin/deployments/theirs").status_code == 200
+
 
 def test_up_deploy_takes_the_same_defaults_and_checks(cloud: CloudThread) -> None:
     _deploy_once(cloud.cloud, "linear", DEFAULT_MAX_REPLICAS)

@@ -117,6 +117,12 @@ def build_admin_app(
         p = caller(request)
         body = await json_object(request)
         DeployRequest(body)  # unknown fields, no name: 400 before anything else is asked
+        try:
+            existing: Deployment | None = controller.store.get_deployment(str(body["name"]))
+        except NotFoundError:
+            existing = None
+        if existing is not None and p.may_manage(existing.spec.tenant):  # a redeploy keeps its owner too
+            body.setdefault("tenant", existing.spec.tenant)
         tenant = body.setdefault("tenant", p.tenant)
         if not p.is_admin and tenant != p.tenant:
             raise ForbiddenError("a tenant may only deploy for itself (leave 'tenant' out)")
@@ -124,10 +130,6 @@ def build_admin_app(
         if "model" in body and (not isinstance(model, str) or not is_model_name(model)
                                 or not controller.has_model(model)):  # fmt: skip
             raise NotFoundError(unknown_model(controller.models, model))
-        try:
-            existing: Deployment | None = controller.store.get_deployment(str(body["name"]))
-        except NotFoundError:
-            existing = None
         named = "priority_class" in body or "priority" in body
         if priorities is not None and (existing is None or named or existing.spec.tenant != tenant):
             body["priority_class"], body["priority"] = priorities.resolve(

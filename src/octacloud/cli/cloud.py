@@ -120,7 +120,9 @@ def deploy(
         help="A raw priority (admin keys only): higher preempts lower when the fleet is full; >= 100 may use the "
         "failover reserve.",
     ),
-    tenant: str | None = typer.Option(None, "--tenant", help="Owner (admin keys only; default: the key's)."),
+    tenant: str | None = typer.Option(
+        None, "--tenant", help="Owner (admin keys only; new: the key's tenant, a redeploy: its owner)."
+    ),
     publish: bool | None = typer.Option(
         None, "--publish/--no-publish", help="Let every tenant infer on it (new: not published)."
     ),
