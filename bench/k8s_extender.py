@@ -16,6 +16,8 @@ The pod's placement is released after each pod, so every pod sees the same fill.
 measurements alternates from pod to pod. Printed: p50 and p99 of each, and the extender/octacloud ratios (the
 overhead of the wire format and the HTTP round trip). ``--node-list`` also measures a few pods with
 ``Nodes`` as a full ``v1.NodeList`` (an extender that is not node-cache capable).
+
+``bench/k8s_scheduler.py`` measures the same extender behind the real kube-scheduler, with and without it.
 """
 
 from __future__ import annotations
