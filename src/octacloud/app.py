@@ -21,7 +21,7 @@ from octacloud.admin.dashboard.monitoring import CloudMonitoring, admin_authoriz
 from octacloud.control.controller import Controller, ControllerSettings, NodeChange
 from octacloud.control.deployments import ReplicaState
 from octacloud.control.emulated import EmulatedLauncher, EmulationSettings
-from octacloud.control.fleet import discover_fleet
+from octacloud.control.fleet import discover_fleet, fleet_tariffs, read_fleet_document
 from octacloud.control.launcher import LocalProcessLauncher, ReplicaLauncher, StoreFetch
 from octacloud.control.models import CacheIndex
 from octacloud.control.mps import MpsDaemon, SharingCollector
@@ -47,6 +47,7 @@ from octacloud.observability.dcgm import CardReading
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
 from octacloud.scheduler.policies import PRODUCT_DEFAULT, cloud_profile, slice_prior
+from octacloud.scheduler.telemetry import PricedTelemetry
 from octacloud.security import internal_auth
 from octacloud.security.internal_tls import RENEW_INTERVAL_S, InternalCa, InternalClientTls, InternalTlsMode
 from octacloud.security.tls import TlsConfig, check_exposure
@@ -180,7 +181,14 @@ class Cloud:
             self.cache_root if config.model_storage is not None else None
         )
         """Which models each node's cache holds (the ``model-cache`` scoring term reads it)."""
-        profile = cloud_profile(config.policy, telemetry=self.monitoring.sampler, model_cache=self.cached_models)
+        tariffs = (
+            fleet_tariffs(read_fleet_document(config.fleet_file), str(config.fleet_file))
+            if config.fleet_file is not None
+            else {}
+        )
+        telemetry = PricedTelemetry(self.monitoring.sampler, tariffs, clock.time)
+        """The sampler's measurements with each node's power price now (its tariff) and cost (× its draw)."""
+        profile = cloud_profile(config.policy, telemetry=telemetry, model_cache=self.cached_models)
         scheduler = Scheduler(ClusterState(self.nodes), profile)
         self.routes = RouteTable()
         self._prober = HttpProber(

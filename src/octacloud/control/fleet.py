@@ -17,6 +17,7 @@ A fleet file looks like::
         zone: eu-1                # failure domains (optional): zone, rack, power feed
         rack: r12
         power_feed: pdu-12a
+        tariff: {"00:00": 0.12, "07:00": 0.31, "22:00": 0.12}   # price per kWh from each time (UTC)
         gpus:
           - {model: A100, memory_mib: 81920, nvlink_group: 0}
           - {model: A100, memory_mib: 81920, nvlink_group: 0}
@@ -43,6 +44,7 @@ from octacloud.core.clock import Clock, SystemClock
 from octacloud.core.domains import DOMAIN_LABELS, check_domain_name, domain_labels
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Gpu, Health, Node
+from octacloud.scheduler.telemetry import Tariff
 
 CPU_CARD_MODEL = "cpu"
 """The model name of a "card" that is really a share of the host's CPU (machines without GPUs)."""
@@ -57,6 +59,7 @@ _NODE_KEYS = {
     "gpu_count",
     "gpu_model",
     "gpu_memory_mib",
+    "tariff",
     *_DOMAIN_KEYS,
 }
 _GPU_KEYS = {"model", "memory_mib", "nvlink_group", "health"}
@@ -96,6 +99,8 @@ def parse_fleet(data: object, source: str = "<fleet>") -> list[Node]:
         labels = spec.get("labels", {}) or {}
         if not isinstance(labels, Mapping):
             raise InvalidSpecError(f"{where}: 'labels' must be a mapping")
+        if "tariff" in spec:
+            parse_tariff(spec["tariff"], f"{where}: tariff")
         nodes.append(
             Node(
                 name=name,
@@ -162,16 +167,57 @@ def _parse_gpus(spec: Mapping[str, Any], where: str) -> tuple[Gpu, ...]:
     return tuple(out)
 
 
-def load_fleet_file(path: Path) -> list[Node]:
+def parse_tariff(value: object, where: str) -> Tariff:
+    """A tariff from ``{"HH:MM": price per kWh, ...}`` (UTC; each price holds until the next time)."""
+    if not isinstance(value, Mapping) or not value:
+        raise InvalidSpecError(f'{where}: expected a mapping of "HH:MM" to a price per kWh, got {value!r}')
+    steps: list[tuple[int, float]] = []
+    for at, price in value.items():
+        minute = _minute_of_day(at, where)
+        if isinstance(price, bool) or not isinstance(price, int | float) or not 0 <= price < float("inf"):
+            raise InvalidSpecError(f"{where}: {at}: the price must be a number >= 0, got {price!r}")
+        steps.append((minute, float(price)))
+    steps.sort()
+    if len({m for m, _ in steps}) != len(steps):
+        raise InvalidSpecError(f"{where}: a time of day is given twice")
+    return Tariff(tuple(steps))
+
+
+def _minute_of_day(at: object, where: str) -> int:
+    """``"HH:MM"`` as minutes after midnight; an integer is taken as that already (YAML reads an unquoted
+    ``07:00`` as the base-60 number 420, which is its minute of the day)."""
+    if isinstance(at, int) and not isinstance(at, bool) and 0 <= at < 24 * 60:
+        return at
+    hour, colon, minute = str(at).partition(":")
+    if not (colon and hour.isdigit() and minute.isdigit() and int(hour) < 24 and int(minute) < 60):
+        raise InvalidSpecError(f'{where}: {at!r} is not a time of day "HH:MM" (00:00 to 23:59)')
+    return int(hour) * 60 + int(minute)
+
+
+def fleet_tariffs(data: object, source: str = "<fleet>") -> dict[str, Tariff]:
+    """Node name → its tariff, for the nodes of a fleet document that have one (the document parses)."""
+    parse_fleet(data, source)
+    assert isinstance(data, Mapping)
+    return {
+        str(spec["name"]): parse_tariff(spec["tariff"], f"{source}: node {spec['name']!r}: tariff")
+        for spec in data["nodes"]
+        if "tariff" in spec
+    }
+
+
+def read_fleet_document(path: Path) -> object:
     try:
         text = path.read_text()
     except OSError as exc:
         raise InvalidSpecError(f"cannot read fleet file {path}: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise InvalidSpecError(f"{path}: not valid YAML: {exc}") from None
-    return parse_fleet(data, str(path))
+
+
+def load_fleet_file(path: Path) -> list[Node]:
+    return parse_fleet(read_fleet_document(path), str(path))
 
 
 def cpu_host_node(name: str | None = None, cards: int = 1) -> Node:

@@ -7,7 +7,8 @@ free-form; the ones octacloud's monitoring exports are listed in :data:`KNOWN_ME
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
@@ -21,7 +22,8 @@ KNOWN_METRICS: Mapping[str, str] = MappingProxyType(
         "pcie_throughput": "PCIe throughput utilisation, 0..1",
         "network_latency_us": "p50 round-trip to the gateway, microseconds",
         "network_load": "NIC utilisation, 0..1",
-        "power_price": "electricity price at the node's site, per kWh",
+        "power_price": "electricity price at the node's site now, per kWh (the fleet file's tariff)",
+        "power_cost": "power_price × the measured power_draw_w / 1000: what running the node costs per hour now",
         "power_draw_w": "current power draw of the node, watts",
         "temperature_c": "hottest card temperature, degrees Celsius",
         "ecc_errors": "correctable ECC errors in the last hour",
@@ -55,3 +57,58 @@ class StaticTelemetry:
 
     def update(self, node: str, **metrics: float) -> None:
         self._values.setdefault(node, {}).update(metrics)
+
+
+MINUTES_PER_DAY = 24 * 60
+
+
+@dataclass(frozen=True, slots=True)
+class Tariff:
+    """Electricity price per kWh by time of day (UTC): each step's price holds from its minute of the day until
+    the next step's; before the first step the last one's still holds (the day wraps)."""
+
+    steps: tuple[tuple[int, float], ...]
+    """(minute of the day 0..1439, price) pairs, minutes increasing, at least one."""
+
+    def __post_init__(self) -> None:
+        minutes = [m for m, _ in self.steps]
+        if not self.steps or minutes != sorted(set(minutes)) or not all(0 <= m < MINUTES_PER_DAY for m in minutes):
+            raise ValueError(f"tariff steps must be distinct minutes 0..1439 in order, got {minutes}")
+
+    def price_at(self, unix_seconds: float) -> float:
+        """The price at wall-clock time ``unix_seconds`` (UTC)."""
+        minute = int(unix_seconds // 60) % MINUTES_PER_DAY
+        price = self.steps[-1][1]
+        for start, p in self.steps:
+            if start > minute:
+                break
+            price = p
+        return price
+
+
+class PricedTelemetry:
+    """``source``'s snapshot with, for every node that has a tariff, ``power_price`` now (per kWh) and, where the
+    node's draw is measured, ``power_cost``: that price × ``power_draw_w`` / 1000, what running the node costs
+    per hour now. Snapshots of one source sample in one minute are computed once."""
+
+    def __init__(self, source: TelemetrySource, tariffs: Mapping[str, Tariff], now: Callable[[], float]) -> None:
+        self.source, self.tariffs, self.now = source, dict(tariffs), now
+        self._last: tuple[NodeTelemetry, int, NodeTelemetry] | None = None
+
+    def snapshot(self) -> NodeTelemetry:
+        base = self.source.snapshot()
+        if not self.tariffs:
+            return base
+        t = self.now()
+        minute = int(t // 60)
+        if self._last is not None and self._last[0] is base and self._last[1] == minute:
+            return self._last[2]
+        out = {node: dict(metrics) for node, metrics in base.items()}
+        for node, tariff in self.tariffs.items():
+            metrics = out.setdefault(node, {})
+            price = metrics["power_price"] = tariff.price_at(t)
+            draw = metrics.get("power_draw_w")
+            if draw is not None:
+                metrics["power_cost"] = price * draw / 1000.0
+        self._last = (base, minute, out)
+        return out
