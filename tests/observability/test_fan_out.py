@@ -33,3 +33,24 @@ async def test_results_in_order_exceptions_in_place_and_at_most_limit_at_once() 
 async def test_a_limit_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1, not 0"):
         await bounded_gather([], limit=0)
+
+
+async def test_cancelled_while_waiting_leaves_no_coroutine_unawaited() -> None:
+    gate = asyncio.Event()
+
+    async def job() -> int:
+        await gate.wait()
+        return 1
+
+    async def fail_soon() -> None:
+        await asyncio.sleep(0)
+        raise RuntimeError("a sibling failed")
+
+    async def both() -> None:
+        async with asyncio.TaskGroup() as group:  # the group cancels the gather while most jobs wait their turn
+            group.create_task(bounded_gather((job() for _ in range(10)), limit=2))
+            group.create_task(fail_soon())
+
+    with pytest.raises(ExceptionGroup):
+        await both()
+    # (pytest's filterwarnings=error fails the test on "coroutine 'job' was never awaited")

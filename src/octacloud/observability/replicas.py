@@ -13,6 +13,7 @@ is simply missing from that sample.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import ssl
@@ -168,7 +169,13 @@ async def bounded_gather(awaitables: Iterable[Awaitable[T]], limit: int = FAN_OU
         async with gate:
             return await a
 
-    return await asyncio.gather(*(one(a) for a in awaitables), return_exceptions=True)
+    waiting = list(awaitables)
+    try:
+        return await asyncio.gather(*(one(a) for a in waiting), return_exceptions=True)
+    finally:  # cancelled: what never started never will
+        for a in waiting:
+            if inspect.iscoroutine(a) and inspect.getcoroutinestate(a) == inspect.CORO_CREATED:
+                a.close()
 
 
 class Scraper(Protocol):
