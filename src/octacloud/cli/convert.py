@@ -93,8 +93,15 @@ def convert_command(
     max_text_length: int | None = typer.Option(
         None, help="Text models: tokens per text row, padded and truncated (default: 128, or the model's limit)."
     ),
+    engine_arg: list[str] = typer.Option(
+        [],
+        "--engine-arg",
+        help="A .gguf (generative model): an engine argument KEY=VALUE for its model.json, e.g. parallel=8, "
+        "context_length=4096 (repeat; docs/llm.md lists them).",
+    ),
 ) -> None:
-    """Convert SOURCE to ONNX (fp32, fp16, int8), check parity, profile, and publish into the repository."""
+    """Convert SOURCE to ONNX (fp32, fp16, int8), check parity, profile, and publish into the repository; a
+    ``.gguf`` (a generative model) is published as it is, for llama.cpp's engine."""
     from octacloud.core.extras import require
 
     try:
@@ -102,6 +109,9 @@ def convert_command(
     except OctacloudError as e:
         _err.print(f"[red]convert failed:[/] {e}")
         raise typer.Exit(2) from None
+    if source.suffix.lower() == ".gguf":
+        _publish_gguf(source, name, repository, engine_arg)
+        return
     from octacloud.toolchain.convert import ConvertOptions, convert
     from octacloud.toolchain.parity import DEFAULT_TOLERANCES, parse_tolerance
     from octacloud.toolchain.profiling import ProfileSettings
@@ -163,6 +173,28 @@ def convert_command(
             "or pass --force to publish them anyway"
         )
         raise typer.Exit(1)
+
+
+def _publish_gguf(source: Path, name: str, repository: Path, engine_arg: list[str]) -> None:
+    from octacloud.toolchain.gguf import publish_gguf
+
+    engine: dict[str, object] = {}
+    for item in engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"must be KEY=VALUE, got {item!r}", param_hint="--engine-arg")
+        engine[key] = int(value) if value.isdigit() else value
+    try:
+        published = publish_gguf(source, repository, name, engine)
+    except OctacloudError as e:
+        _err.print(f"[red]convert failed:[/] {e}\n[dim]nothing was published to {repository}[/]")
+        raise typer.Exit(2) from None
+    model, args = published.model, published.engine
+    _out().print(
+        f"published {name} version {published.version} ({model.name}: {model.architecture}, "
+        f"{model.weights_bytes / 2**20:.1f} MiB, trained context {model.context_max}) with "
+        f"{', '.join(published.files)}; {args.parallel} sequence(s) × {args.context_length} tokens"
+    )
 
 
 def _check_choice(option: str, value: str, choices: tuple[str, ...]) -> None:

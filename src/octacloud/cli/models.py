@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from octacloud.core.errors import OctacloudError
+
+if TYPE_CHECKING:
+    from octacloud.storage.store import ModelStore
 
 models_app = typer.Typer(help="The example model repository, and what a repository holds.", no_args_is_help=True)
 _err = Console(stderr=True, soft_wrap=True)  # messages keep whole paths on one line
@@ -28,7 +33,7 @@ def register(app: typer.Typer) -> None:
 @models_app.command("build")
 def build(
     out: Path = typer.Option(Path("models"), "--out", help="Repository folder to build into."),
-    only: list[str] = typer.Option([], "--only", help="Build only these (mlp, resnet50, bert_base, minilm)."),
+    only: list[str] = typer.Option([], "--only", help="Build only these (mlp, resnet50, bert_base, minilm, smollm2)."),
     rebuild: bool = typer.Option(False, help="Rebuild even when the recorded fingerprint matches."),
     threads: int = typer.Option(0, help="onnxruntime threads for parity and profiling (0: up to 2)."),
 ) -> None:
@@ -96,6 +101,11 @@ def list_models(
         try:
             found = store.versions(name)
             row = [name, ",".join(map(str, found)) or "-", "-", f"{store.size(name) / 2**20:.1f}"]
+            generative = _generative_row(store, name, found)
+            if generative is not None:
+                row[2] = generative[0]
+                table.add_row(*row, *generative[1:])
+                continue
             p = ModelProfile.from_json(store.read(name, f"{found[-1]}/profile.json").decode()) if found else None
         except StoreUnavailableError as e:
             _err.print(f"[red]models list failed:[/] {e}")
@@ -138,3 +148,31 @@ def publish(
     for p in done:
         what = "already there" if p.skipped else f"{p.files} file(s), {p.bytes / 2**20:.1f} MiB"
         _out().print(f"{store.url}/{p.model}/{p.version}: {what}", highlight=False)
+
+
+def _generative_row(store: ModelStore, name: str, versions: list[int]) -> list[str] | None:
+    """The columns from precision on of a generative model (its GGUF and engine arguments), or None for any other
+    model."""
+    from octacloud.serving.generate.args import ENGINE_ARGS_FILE, EngineArgs, ModelShape, is_generative
+    from octacloud.serving.repository.config import CONFIG_FILE, parse_config
+    from octacloud.storage.store import StoreUnavailableError
+
+    try:
+        config = parse_config(store.read(name, CONFIG_FILE).decode(), f"{name}/{CONFIG_FILE}")
+        if not is_generative(config):
+            return None
+        shape = ModelShape.of(config)
+        args = EngineArgs()
+        if versions and ENGINE_ARGS_FILE in store.files(name, versions[-1]):
+            args = EngineArgs.parse(json.loads(store.read(name, f"{versions[-1]}/{ENGINE_ARGS_FILE}")))
+    except StoreUnavailableError:
+        raise
+    except (OctacloudError, ValueError):
+        return ["llama.cpp", "-", "-", "-", "-"]
+    return [
+        "gguf (llama.cpp)",
+        f"{shape.weights_bytes / 2**20:.1f}",
+        f"{args.kv_bytes_per_token(shape) * args.context_length:,} (KV/sequence)",
+        "-",
+        f"{args.parallel} sequences × {args.context_length} tokens",
+    ]

