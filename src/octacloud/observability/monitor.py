@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from octacloud.core.clock import Clock
+from octacloud.observability.generation import figures
 from octacloud.observability.telemetry import FleetSample, TelemetrySampler
 from octacloud.scheduler.fragmentation import FragmentationTracker, TargetWorkload
 from octacloud.scheduler.framework.state import ClusterState
@@ -77,6 +78,9 @@ class DeploymentLoad:
     errors_per_s: Series
     _last: tuple[float, int, int, int] | None = None
     """(monotonic, requests, failures, latency_us_total) at the previous tick."""
+    tokens_per_s: Series | None = None
+    """A generative deployment's generated tokens per second, summed over its replicas' scraped counters."""
+    _tokens: tuple[float, float] | None = None
 
 
 StateSource = Callable[[], ClusterState]
@@ -167,4 +171,25 @@ class CloudMonitor:
                 load.errors_per_s.add(wall, max(0, c.failures - load._last[2]) / dt)
                 load.latency_ms.add(wall, (c.latency_us_total - load._last[3]) / 1000 / n if n > 0 else 0.0)
             load._last = (now, c.requests, c.failures, c.latency_us_total)
+        self._generation(now, wall)
         self.ticks += 1
+
+    def _generation(self, now: float, wall: float) -> None:
+        """Generated tokens per second per generative deployment, from the replicas scraped this tick."""
+        sample = self.latest
+        if sample is None:
+            return
+        tokens: dict[str, float] = {}
+        for r in sample.replicas.values():
+            found = figures(r.serving.families) if r.serving is not None else None
+            if found is not None:
+                tokens[r.info.deployment] = tokens.get(r.info.deployment, 0.0) + found.generation_tokens
+        for name, total in tokens.items():
+            load = self.load.get(name)
+            if load is None:
+                continue
+            if load.tokens_per_s is None:
+                load.tokens_per_s = Series.bounded(self.history_points)
+            if load._tokens is not None and now > load._tokens[0]:
+                load.tokens_per_s.add(wall, max(0.0, total - load._tokens[1]) / (now - load._tokens[0]))
+            load._tokens = (now, total)

@@ -11,12 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 from tritonclient.grpc import model_config_pb2 as mc
 
 from octacloud import __version__
 from octacloud.serving.classification import class_count, classify
 from octacloud.serving.errors import InvalidInputError, ModelNotFoundError, ModelNotReadyError
+from octacloud.serving.generate.stats import GenerationStats
+from octacloud.serving.generate.version import GenerativeVersion
 from octacloud.serving.model import ModelState, ModelVersion
 from octacloud.serving.repository.repository import ModelRepository, RepositoryEntry
 from octacloud.serving.stats import ModelStats
@@ -24,6 +27,7 @@ from octacloud.serving.types import (
     InferenceRequest,
     InferenceResponse,
     ModelMetadata,
+    RequestedOutput,
     ServerMetadata,
     Tensor,
     datatype_of,
@@ -49,6 +53,8 @@ class VersionStats:
     pending: int
     cold_start: Mapping[str, float] = field(default_factory=dict)
     """Seconds the version's start took, by part (``fetch`` from the model store, ``load``, ``warmup``)."""
+    generation: GenerationStats | None = None
+    """A generative version's measures (tokens, time to first token, KV cache); None for other models."""
 
 
 class DataPlane:
@@ -91,7 +97,10 @@ class DataPlane:
         else:
             self.repository.get(name)
             models = self.repository.versions(name)
-        return [VersionStats(m.name, m.version, m.stats, m.batcher.pending, m.cold_start) for m in models]
+        return [
+            VersionStats(m.name, m.version, m.stats, m.batcher.pending, m.cold_start, getattr(m, "generation", None))
+            for m in models
+        ]
 
     # ---- repository extension ----------------------------------------------------------------------------
     def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
@@ -102,6 +111,37 @@ class DataPlane:
 
     async def unload(self, name: str) -> None:
         await self.repository.unload(name)
+
+    # ---- generation and embeddings -----------------------------------------------------------------------
+    def generative(self, name: str, version: str = "") -> GenerativeVersion:
+        """The READY version of a generative model; 400 for a model that does not generate text."""
+        model = self.repository.get(name, version)
+        if not isinstance(model, GenerativeVersion):
+            raise InvalidInputError(
+                f"model {name!r} is not a generative model (its backend is {model.config.backend!r}); ask it with "
+                "/v2/models/<model>/infer, or for embeddings with /v1/embeddings"
+            )
+        return model
+
+    async def embed(self, name: str, texts: list[str], tenant: str = "") -> tuple[list[npt.NDArray[Any]], int]:
+        """Embeddings of ``texts`` by a text model (one that takes raw text and has one 2-D float output), and
+        the tokens they took (the tokenizer's, truncated as the model reads them)."""
+        model = self.repository.get(name)
+        vector = [o for o in model.outputs if o.datatype in ("FP32", "FP16") and len(o.shape) == 2]
+        if model.text is None or len(vector) != 1 or isinstance(model, GenerativeVersion):
+            raise InvalidInputError(
+                f"model {name!r} does not make embeddings: /v1/embeddings needs a text model (a tokenizer in its "
+                "config) with one [batch, dimensions] output"
+            )
+        if not texts or any(not t for t in texts):
+            raise InvalidInputError("input must hold at least one non-empty text")
+        data = np.array([t.encode() for t in texts], dtype=object).reshape(len(texts), 1)
+        request = InferenceRequest(name, [Tensor(model.text.name, "BYTES", data.shape, data)], tenant=tenant,
+                                   outputs=[RequestedOutput(vector[0].name)])  # fmt: skip
+        response = await self.infer(request)
+        tokens = sum(len(e.ids) - e.attention_mask.count(0) for e in model.text.tokenizer.encode_batch(texts))
+        out = response.outputs[0].data
+        return [np.asarray(out[i], dtype=np.float32) for i in range(len(texts))], tokens
 
     # ---- inference ---------------------------------------------------------------------------------------
     async def infer(self, request: InferenceRequest) -> InferenceResponse:

@@ -29,6 +29,7 @@ from octacloud.protocols.asgi import DEFAULT_MAX_BODY_BYTES as DEFAULT_MAX_BODY_
 from octacloud.protocols.asgi import Headers, HttpError, content_length, read_body
 from octacloud.protocols.errorlog import BoundedErrorLog
 from octacloud.protocols.internal import RequireSecret, http_refusal, tenant_of
+from octacloud.protocols.openai.replica import GenerativeHttp1, generative_target
 from octacloud.protocols.rest import codec
 from octacloud.protocols.rest.bridge import AsgiBridge
 from octacloud.protocols.rest.request import Http1Request, encode_headers
@@ -182,10 +183,22 @@ class ReplicaHttp1:
         self.replica_id = replica_id
         self.body_timeout_s = body_timeout_s
         self.bridge = AsgiBridge(app if secret is None else RequireSecret(app, secret, replica_id))
+        self.generative = GenerativeHttp1(
+            app.dataplane,
+            secret=secret,
+            replica_id=replica_id,
+            max_body_bytes=app.max_body_bytes,
+            body_timeout_s=body_timeout_s,
+        )
+        """OpenAI's API and Triton's generate extension (``protocols/openai/replica.py``)."""
 
     async def __call__(self, request: Http1Request) -> None:
         target = infer_target(request.path) if request.method == b"POST" else None
         if target is None:
+            generative = generative_target(request.method, request.path)
+            if generative is not None:
+                await self.generative(request, generative)
+                return
             await self.bridge(request)
             return
         app = self.app

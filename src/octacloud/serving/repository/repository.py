@@ -20,6 +20,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from octacloud.core.clock import Clock
 from octacloud.serving.errors import ModelConfigError, ModelNotFoundError, ModelNotReadyError, NotAllowedError
+from octacloud.serving.generate import generative_runtimes
 from octacloud.serving.memory import MemoryProbe
 from octacloud.serving.model import ModelState, ModelVersion
 from octacloud.serving.repository.config import CONFIG_FILE, read_config
@@ -89,7 +90,7 @@ class ModelRepository:
     ) -> None:
         self.root = Path(root)
         self.control_mode = control_mode
-        self.runtimes = dict(runtimes) if runtimes is not None else default_runtimes()
+        self.runtimes = dict(runtimes) if runtimes is not None else {**default_runtimes(), **generative_runtimes()}
         self.threads = thread_budget(threads)
         self.poll_interval_s = poll_interval_s
         self._clock = clock
@@ -230,7 +231,8 @@ class ModelRepository:
                     keep[version] = old
                     continue
                 factory = self._factory(config, vdir)
-                fresh[version] = await ModelVersion.load(
+                loader = getattr(factory, "version_class", ModelVersion)  # a generative backend's own kind
+                fresh[version] = await loader.load(
                     name, version, vdir, config, factory, self.threads, clock=self._clock, probe=self._probe
                 )
         except ModelConfigError:
