@@ -357,3 +357,30 @@ async def test_the_last_interval_at_shutdown_keeps_traffic_even_when_the_clock_m
     source.send("a", "web", 7, 700, 70)
     assert await meter.flush()
     assert total(ledger, Metric.REQUESTS, tenant="a") == 7
+
+
+async def test_generation_tokens_are_metered_once_per_interval_and_priced_per_million(ledger: Ledger) -> None:
+    clock = ManualClock(epoch=EPOCH)
+    source = FakeSource()
+    meter = Meter(ledger, source, clock, interval_s=10)
+    await meter.prime()
+    for second in range(23):  # each second one generation: 11 prompt tokens, second + 1 completion tokens
+        counted = source.counters.get(("a", "chat"), Traffic())
+        counted = counted.copy()
+        counted.bill(500, 80, prompt_tokens=11, completion_tokens=second + 1)
+        source.counters[("a", "chat")] = counted
+        clock.advance(1)
+        await meter.tick()
+    await meter.flush()
+    await meter.flush()  # a second flush with nothing new writes nothing more
+    counted = source.counters[("a", "chat")]
+    assert total(ledger, Metric.PROMPT_TOKENS, tenant="a") == counted.prompt_tokens == 23 * 11
+    assert total(ledger, Metric.COMPLETION_TOKENS, tenant="a") == counted.completion_tokens == sum(range(1, 24))
+    assert total(ledger, Metric.REQUESTS, tenant="a") == 23
+    prices = PriceSheet.from_dict({"prompt_mtok": 1.0, "completion_mtok": 4.0})
+    line = summarize(ledger.records(), "deployment", prices)[0]
+    assert (line.prompt_tokens, line.completion_tokens) == (253, 276)
+    assert line.cost == pytest.approx(253 / 1e6 * 1.0 + 276 / 1e6 * 4.0)
+    assert report(ledger.records(), "tenant")["total"]["completion_tokens"] == 276
+    with pytest.raises(InvalidSpecError, match="completion_mtok"):
+        PriceSheet.from_dict({"completion_mtok": -1})

@@ -142,6 +142,10 @@ BAD_QUOTAS = [
     ({"burst": 10**30}, "burst must be a whole number in 1..1000000, got a 31-digit number"),
     ({"burst": 0}, "burst must be a whole number in 1..1000000, got 0"),
     ({"burst": 2.5}, "burst must be a whole number"),
+    ({"tokens_per_minute": 0}, "tokens_per_minute must be a whole number in 1.."),
+    ({"tokens_per_minute": "lots"}, "tokens_per_minute must be a whole number"),
+    ({"max_streams": -1}, "max_streams must be a whole number in 0.."),
+    ({"max_streams": 1.5}, "max_streams must be a whole number"),
     ({"octants": 10**30}, "octants must be a whole number in 0..1000000"),
     ({"deployments": 1.5}, "deployments must be a whole number"),
 ]
@@ -164,7 +168,8 @@ def test_a_rate_without_a_burst_gets_one_second_of_it(target: Target) -> None:
     created = call(c, c.key, "POST", "/admin/tenants", {"name": "slow", "requests_per_s": 2})
     assert created.status_code == 201 and created.json()["quota"]["burst"] == 2, created.text
     changed = call(c, c.key, "POST", "/admin/tenants/slow/quota", {"requests_per_s": 0.5})
-    assert changed.json()["quota"] == {"octants": None, "deployments": None, "requests_per_s": 0.5, "burst": 1}
+    assert changed.json()["quota"] == {"octants": None, "deployments": None, "requests_per_s": 0.5, "burst": 1,
+                                       "tokens_per_minute": None, "max_streams": None}  # fmt: skip
     kept = call(c, c.key, "POST", "/admin/tenants/slow/quota", {"octants": 4})
     assert kept.json()["quota"]["burst"] == 1  # a change that names no rate keeps the burst
     explicit = call(c, c.key, "POST", "/admin/tenants/slow/quota", {"requests_per_s": 10, "burst": 3})

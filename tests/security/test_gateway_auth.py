@@ -181,6 +181,8 @@ def test_keys_tenants_isolation_quotas_and_rates(cloud: CloudThread, caplog: pyt
         "deployments": 2,
         "requests_per_s": None,
         "burst": 50,
+        "tokens_per_minute": None,
+        "max_streams": None,
     }
     big = {"name": "a-lin", "model": "linear", "octants": 1, "min_replicas": 1, "max_replicas": 13}
     over = call(cloud, key_a, "POST", "/admin/deployments", big)  # the new quota applies at once

@@ -210,3 +210,26 @@ def test_a_new_quota_reaches_cached_keys_at_once(store: KeyStore) -> None:
         store.set_quota("ghost", Quota())
     with pytest.raises(InvalidSpecError, match="octants"):
         store.set_quota("acme", Quota(octants=-1))
+
+
+def test_a_tenant_table_from_before_token_quotas_gains_their_columns_and_keeps_its_tenants(
+    clock: ManualClock, store_url: str
+) -> None:
+    engine = open_engine(store_url)
+    with engine.begin() as c:  # the table as octacloud wrote it before tokens_per_minute and max_streams
+        c.execute(text(
+            "CREATE TABLE tenants (name VARCHAR(32) PRIMARY KEY, disabled BOOLEAN, quota_octants INTEGER, "
+            "quota_deployments INTEGER, requests_per_s FLOAT, burst INTEGER, created_at FLOAT)"
+        ))  # fmt: skip
+        c.execute(text("INSERT INTO tenants VALUES ('acme', false, 8, NULL, 5.0, 10, 1.0)"))
+    try:
+        store = KeyStore(engine, b"s" * 32, clock)
+        old = store.tenant("acme").quota
+        assert (old.octants, old.requests_per_s, old.burst, old.tokens_per_minute, old.max_streams) == (
+            8, 5.0, 10, None, None,
+        )  # fmt: skip
+        store.set_quota("acme", Quota(8, None, 5.0, 10, tokens_per_minute=6000, max_streams=2))
+        again = KeyStore(engine, b"s" * 32, clock)  # another process on the database: nothing to add or lose
+        assert (again.tenant("acme").quota.tokens_per_minute, again.tenant("acme").quota.max_streams) == (6000, 2)
+    finally:
+        engine.dispose()

@@ -23,6 +23,8 @@ def _quota(q: dict[str, Any]) -> str:
         f"{q['octants']} octants" if q["octants"] is not None else "",
         f"{q['deployments']} deployments" if q["deployments"] is not None else "",
         f"{q['requests_per_s']:g} req/s (burst {q['burst']})" if q["requests_per_s"] is not None else "",
+        f"{q['tokens_per_minute']:,} tokens/min" if q.get("tokens_per_minute") is not None else "",
+        f"{q['max_streams']} streams" if q.get("max_streams") is not None else "",
     ]
     return ", ".join(p for p in parts if p) or "unlimited"
 
@@ -36,6 +38,10 @@ def tenant_create(
     burst: int | None = typer.Option(
         None, "--burst", help="Requests admitted at once above the rate (default: one second of --rate, at least 1)."
     ),
+    tokens: int | None = typer.Option(
+        None, "--tokens-per-minute", help="Generation: prompt + completion tokens per minute."
+    ),
+    streams: int | None = typer.Option(None, "--max-streams", help="Generation: requests in flight at once."),
     with_key: bool = typer.Option(
         True, "--with-key/--no-key", help="Also create a tenant key and show it once (--no-key: the tenant only)."
     ),
@@ -44,7 +50,8 @@ def tenant_create(
     cacert: Path | None = CACERT,
 ) -> None:
     """Create a tenant (admin)."""
-    body = {"name": name, "octants": octants, "deployments": deployments, "requests_per_s": rate}
+    body = {"name": name, "octants": octants, "deployments": deployments, "requests_per_s": rate,
+            "tokens_per_minute": tokens, "max_streams": streams}  # fmt: skip
     if burst is not None:
         body["burst"] = burst
     data = _call("POST", _url(url), "/admin/tenants", body, key, cacert)
@@ -75,22 +82,28 @@ def tenant_set(
     burst: int | None = typer.Option(
         None, "--burst", help="Requests admitted at once above the rate (default with a new --rate: one second of it)."
     ),
+    tokens: int | None = typer.Option(
+        None, "--tokens-per-minute", help="Generation: prompt + completion tokens per minute."
+    ),
+    streams: int | None = typer.Option(None, "--max-streams", help="Generation: requests in flight at once."),
     unlimited: list[str] = typer.Option(
-        [], "--unlimited", help="Remove a limit: octants, deployments or rate (repeatable)."
+        [], "--unlimited", help="Remove a limit: octants, deployments, rate, tokens or streams (repeatable)."
     ),
     url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
 ) -> None:
     """Change a tenant's quota (admin); limits not named stay as they are."""
-    fields = {"octants": "octants", "deployments": "deployments", "rate": "requests_per_s"}
+    fields = {"octants": "octants", "deployments": "deployments", "rate": "requests_per_s",
+              "tokens": "tokens_per_minute", "streams": "max_streams"}  # fmt: skip
     body: dict[str, Any] = {}
     for what in unlimited:
         if what not in fields:
-            err.print(f"[red]error:[/] --unlimited takes octants, deployments or rate, not {what!r}")
+            err.print(f"[red]error:[/] --unlimited takes {', '.join(fields)}, not {what!r}")
             raise typer.Exit(2)
         body[fields[what]] = None
-    given = {"octants": octants, "deployments": deployments, "requests_per_s": rate, "burst": burst}
+    given = {"octants": octants, "deployments": deployments, "requests_per_s": rate, "burst": burst,
+             "tokens_per_minute": tokens, "max_streams": streams}  # fmt: skip
     body.update({k: v for k, v in given.items() if v is not None})
     data = _call("POST", _url(url), f"/admin/tenants/{name}/quota", body, key, cacert)
     console.print(f"tenant [bold]{data['name']}[/]: {_quota(data['quota'])}")

@@ -1,4 +1,5 @@
-"""``octacloud usage``: what each tenant used (octant-seconds, execution time, requests, traffic, storage)."""
+"""``octacloud usage``: what each tenant used (octant-seconds, execution time, requests, traffic, storage, and a
+generative deployment's prompt and completion tokens)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from rich.table import Table
 from octacloud.cli.cloud import CACERT, KEY, URL, _call, _url, console, err
 
 COLUMNS = ("tenant", "group", "octant_seconds", "exec_seconds", "inferences", "requests", "bytes_in", "bytes_out",
-           "storage_gb_months", "cost")  # fmt: skip
+           "storage_gb_months", "prompt_tokens", "completion_tokens", "cost")  # fmt: skip
 
 
 def usage(
@@ -51,14 +52,16 @@ def usage(
     table = Table(title=f"usage by {data['by']}" + (f" ({data['currency']})" if priced else ""))
     by_tenant = data["by"] == "tenant"  # the group is the tenant: one column for both
     names = ["tenant"] if by_tenant else ["tenant", data["by"]]
-    headers = [*names, "octant-s", "exec s", "inferences", "requests", "MB in", "MB out", "GB-months"]
+    headers = [*names, "octant-s", "exec s", "inferences", "requests", "MB in", "MB out", "GB-months",
+               "prompt tok", "completion tok"]  # fmt: skip
     for col in [*headers, *(["cost"] if priced else [])]:
         table.add_column(col, justify="left" if col in names else "right")
     for r in rows:
         label = [r["tenant"] or r["group"]] if by_tenant else [r["tenant"], r["group"]]
         cells = [*label, f"{r['octant_seconds']:.1f}", f"{r['exec_seconds']:.3f}",
                  str(r["inferences"]), str(r["requests"]), f"{r['bytes_in'] / 1e6:.3f}",
-                 f"{r['bytes_out'] / 1e6:.3f}", f"{r['storage_gb_months']:.3g}"]  # fmt: skip
+                 f"{r['bytes_out'] / 1e6:.3f}", f"{r['storage_gb_months']:.3g}",
+                 str(r.get("prompt_tokens", 0)), str(r.get("completion_tokens", 0))]  # fmt: skip
         table.add_row(*cells, *([f"{r['cost']:.4f}"] if priced else []))
     console.print(table)
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from octacloud import __version__
 from octacloud.gateway.limits import GatewayLimits
+from octacloud.gateway.openai import OpenAIFront, is_generative_path
 from octacloud.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable
 from octacloud.gateway.stats import merge_model_statistics
 from octacloud.gateway.upstream import HOP_BY_HOP, Response, UpstreamError, UpstreamPool
@@ -157,6 +158,8 @@ class RestGateway:
         """Seconds to wait for a replica's answer (``GatewayLimits.upstream_timeout_s`` unless given)."""
         self._internal = [(HEADER_BYTES, internal_secret.encode())] if internal_secret else []
         """Added to every request forwarded to a replica: it proves the request comes from this cloud."""
+        self.openai = OpenAIFront(self)
+        """OpenAI's API and Triton's generate extension, streamed (``gateway/openai.py``)."""
         routes.on_drop.append(lambda e: self.pool.forget(e.host, e.http_port))
         routes.on_gone.append(self._abandon)
         self._bridge = AsgiBridge(self)
@@ -165,6 +168,9 @@ class RestGateway:
         """The native handler (``protocols/rest/server.py``): inference and the other per-model routes without the
         ASGI cycle; every other path (and a model's ``/stats``, which asks every replica) through the ASGI app."""
         path = request.path
+        if is_generative_path(request.method, path):
+            await self.openai(request)
+            return
         if not path.startswith("/v2/models/") or (request.method == b"GET" and path.endswith("/stats")):
             await self._bridge(request)
             return
@@ -238,6 +244,11 @@ class RestGateway:
         finally:
             counters.outstanding -= 1
             counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
+
+    @property
+    def internal(self) -> list[tuple[bytes, bytes]]:
+        """The headers that prove a forwarded request comes from this cloud (its internal secret)."""
+        return self._internal
 
     def _abandon(self, endpoint: Endpoint) -> None:
         """The controller found ``endpoint``'s replica dead: what is in flight there is retried elsewhere now."""

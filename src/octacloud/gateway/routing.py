@@ -48,6 +48,10 @@ class DeploymentCounters:
     outstanding: int = 0
     shed: int = 0
     """Requests refused with 503 because the deployment had as many in flight as its bound (not billed)."""
+    first_tokens: int = 0
+    """Generation streams whose first token arrived (a generative deployment's autoscaler reads these two)."""
+    first_token_us_total: int = 0
+    """Their time to first token, summed: from the request's admission to the first event of its stream."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,9 +123,10 @@ def _count(value: Any) -> int:
     return value
 
 
-_SUMMED = ("requests", "failures", "bytes_in", "bytes_out", "latency_us_total", "shed")
+_SUMMED = ("requests", "failures", "bytes_in", "bytes_out", "latency_us_total", "shed", "first_tokens",
+           "first_token_us_total")  # fmt: skip
 """DeploymentCounters fields that only grow (pushed as deltas); ``outstanding`` is a level."""
-_TRAFFIC = ("requests", "bytes_in", "bytes_out")
+_TRAFFIC = ("requests", "bytes_in", "bytes_out", "prompt_tokens", "completion_tokens")
 
 
 @dataclass(slots=True)
@@ -181,7 +182,7 @@ class CounterMerger:
         rows: list[tuple[str, str, list[int]]] = []
         for row in traffic:
             if not (isinstance(row, list) and len(row) == 2 + len(_TRAFFIC)):
-                raise ShareError("a traffic row is [tenant, deployment, requests, bytes_in, bytes_out]")
+                raise ShareError(f"a traffic row is [tenant, deployment, {', '.join(_TRAFFIC)}]")
             rows.append((_text(row[0]), _text(row[1]), _counts(row[2:], len(_TRAFFIC))))
         for name, values in counts.items():
             c = self.table.counter(name)
@@ -194,9 +195,8 @@ class CounterMerger:
             mine[name] = n
         for tenant, deployment, values in rows:
             t: Traffic = self.table.tenant_traffic(tenant, deployment)
-            t.requests += values[0]
-            t.bytes_in += values[1]
-            t.bytes_out += values[2]
+            for f, v in zip(_TRAFFIC, values, strict=True):
+                setattr(t, f, getattr(t, f) + v)
             self.served[worker] = self.served.get(worker, 0) + values[0]
 
     def elsewhere(self, worker: int) -> dict[str, int]:

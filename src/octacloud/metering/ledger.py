@@ -38,6 +38,10 @@ class Metric(enum.Enum):
     BYTES_OUT = "bytes_out"
     STORAGE = "storage_byte_ms"
     """Model bytes in the repository × milliseconds, per deployment that serves the model."""
+    PROMPT_TOKENS = "prompt_tokens"
+    """Tokens of the prompts the tenant sent to a generative deployment (as its replicas counted them)."""
+    COMPLETION_TOKENS = "completion_tokens"
+    """Tokens generated for the tenant."""
     GPU_USED = "gpu_used_milli_ms"
     """GPU actually used: the SM share NVML measured for the replica's process (its process utilisation
     samples), milli-GPU × milliseconds like ``ALLOC``; recorded only on NVIDIA cards."""

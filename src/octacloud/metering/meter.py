@@ -58,15 +58,22 @@ class Traffic:
     requests: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+    prompt_tokens: int = 0
+    """Prompt tokens of its generation requests (the ``usage`` the replicas reported)."""
+    completion_tokens: int = 0
+    """Tokens generated for it."""
 
-    def bill(self, bytes_in: int, bytes_out: int) -> None:
-        """Count one request that carried ``bytes_in`` to its replica and ``bytes_out`` back."""
+    def bill(self, bytes_in: int, bytes_out: int, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        """Count one request that carried ``bytes_in`` to its replica and ``bytes_out`` back (and, for a generation,
+        its prompt's and its completion's tokens)."""
         self.requests += 1
         self.bytes_in += bytes_in
         self.bytes_out += bytes_out
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
 
     def copy(self) -> Traffic:
-        return Traffic(self.requests, self.bytes_in, self.bytes_out)
+        return Traffic(self.requests, self.bytes_in, self.bytes_out, self.prompt_tokens, self.completion_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +211,8 @@ class Meter:
                 (Metric.REQUESTS, now.requests - was.requests),
                 (Metric.BYTES_IN, now.bytes_in - was.bytes_in),
                 (Metric.BYTES_OUT, now.bytes_out - was.bytes_out),
+                (Metric.PROMPT_TOKENS, now.prompt_tokens - was.prompt_tokens),
+                (Metric.COMPLETION_TOKENS, now.completion_tokens - was.completion_tokens),
             ):
                 if q > 0:
                     records.append(UsageRecord(tenant, deployment, "", metric, start, length, q))

@@ -1,14 +1,16 @@
 """Usage reports: ledger records summed by tenant and deployment, day or GPU model, with optional cost.
 
-A price sheet (YAML) prices octant-hours by GPU model, gigabytes transferred (in + out) and gigabyte-months
-stored::
+A price sheet (YAML) prices octant-hours by GPU model, gigabytes transferred (in + out), gigabyte-months
+stored, and a generative model's tokens per million (prompt and completion apart, as the field prices them)::
 
     currency: EUR
     octant_hour: {default: 0.10, "NVIDIA H100 80GB HBM3": 0.45}
     gb_transferred: 0.01
     gb_month_stored: 0.02
+    prompt_mtok: 0.05
+    completion_mtok: 0.20
 
-Units: 1 octant-hour = 125 milli-GPU × 3 600 000 ms; 1 GB = 10^9 bytes; 1 month = 30 days.
+Units: 1 octant-hour = 125 milli-GPU × 3 600 000 ms; 1 GB = 10^9 bytes; 1 month = 30 days; 1 mtok = 10^6 tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ from octacloud.metering.ledger import GROUPS, Metric, Total, UsageRecord, day_of
 GroupBy = Literal["deployment", "day", "gpu-model", "tenant"]
 MILLI_MS_PER_OCTANT_HOUR = 125 * 3_600_000
 BYTES_PER_GB = 10**9
+TOKENS_PER_MTOK = 10**6
 MS_PER_MONTH = 30 * 86_400_000
+
+
+_PRICED = ("gb_transferred", "gb_month_stored", "prompt_mtok", "completion_mtok")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +42,10 @@ class PriceSheet:
     """GPU model → price; the key ``default`` prices models not listed."""
     gb_transferred: float = 0.0
     gb_month_stored: float = 0.0
+    prompt_mtok: float = 0.0
+    """Price of a million prompt tokens."""
+    completion_mtok: float = 0.0
+    """Price of a million generated tokens."""
 
     @classmethod
     def load(cls, path: Path) -> PriceSheet:
@@ -49,7 +59,7 @@ class PriceSheet:
     def from_dict(cls, data: Any, where: str = "price sheet") -> PriceSheet:
         if not isinstance(data, dict):
             raise InvalidSpecError(f"{where}: expected a mapping")
-        unknown = sorted(set(data) - {"currency", "octant_hour", "gb_transferred", "gb_month_stored"})
+        unknown = sorted(set(data) - {"currency", "octant_hour", *_PRICED})
         if unknown:
             raise InvalidSpecError(f"{where}: unknown field(s) {unknown}")
         hour = data.get("octant_hour", {})
@@ -58,7 +68,7 @@ class PriceSheet:
         if not isinstance(hour, dict) or not all(isinstance(v, int | float) and v >= 0 for v in hour.values()):
             raise InvalidSpecError(f"{where}: octant_hour must be a price or a mapping of GPU model to price >= 0")
         prices = {}
-        for name in ("gb_transferred", "gb_month_stored"):
+        for name in _PRICED:
             value = data.get(name, 0.0)
             if not isinstance(value, int | float) or value < 0:
                 raise InvalidSpecError(f"{where}: {name} must be a number >= 0, got {value!r}")
@@ -83,6 +93,8 @@ class UsageLine:
     bytes_out: int = 0
     storage_byte_ms: int = 0
     gpu_used_milli_ms: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     cost: float = 0.0
 
     @property
@@ -109,6 +121,8 @@ class UsageLine:
             "bytes_out": self.bytes_out,
             "storage_gb_months": float(f"{self.gb_months:.6g}"),  # tiny models: keep the significant digits
             "gpu_used_octant_seconds": round(self.gpu_used_milli_ms / 125_000, 3),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
             "cost": round(self.cost, 6),
         }
 
@@ -122,6 +136,8 @@ _FIELD = {
     Metric.BYTES_OUT: "bytes_out",
     Metric.STORAGE: "storage_byte_ms",
     Metric.GPU_USED: "gpu_used_milli_ms",
+    Metric.PROMPT_TOKENS: "prompt_tokens",
+    Metric.COMPLETION_TOKENS: "completion_tokens",
 }
 
 
@@ -177,6 +193,10 @@ def _cost(r: Total, prices: PriceSheet) -> float:
         return r.quantity / BYTES_PER_GB * prices.gb_transferred
     if r.metric is Metric.STORAGE:
         return r.quantity / BYTES_PER_GB / MS_PER_MONTH * prices.gb_month_stored
+    if r.metric is Metric.PROMPT_TOKENS:
+        return r.quantity / TOKENS_PER_MTOK * prices.prompt_mtok
+    if r.metric is Metric.COMPLETION_TOKENS:
+        return r.quantity / TOKENS_PER_MTOK * prices.completion_mtok
     return 0.0
 
 

@@ -110,6 +110,8 @@ def tenant_json(t: Tenant) -> dict[str, Any]:
             "deployments": q.deployments,
             "requests_per_s": q.requests_per_s,
             "burst": q.burst,
+            "tokens_per_minute": q.tokens_per_minute,
+            "max_streams": q.max_streams,
         },
     }
 
@@ -166,7 +168,7 @@ async def json_object(request: Request) -> dict[str, Any]:
     return body
 
 
-QUOTA_FIELDS = ("octants", "deployments", "requests_per_s", "burst")
+QUOTA_FIELDS = ("octants", "deployments", "requests_per_s", "burst", "tokens_per_minute", "max_streams")
 
 
 def _quota(body: dict[str, Any]) -> Quota:
@@ -178,7 +180,14 @@ def _quota(body: dict[str, Any]) -> Quota:
     if rate is not None:
         rate = fields.number(rate, "quota requests_per_s", MAX_RATE)  # before a burst is derived from it
     burst = body.get("burst")
-    quota = Quota(body.get("octants"), body.get("deployments"), rate, default_burst(rate) if burst is None else burst)
+    quota = Quota(
+        body.get("octants"),
+        body.get("deployments"),
+        rate,
+        default_burst(rate) if burst is None else burst,
+        body.get("tokens_per_minute"),
+        body.get("max_streams"),
+    )
     check_quota_fields(quota)
     return quota
 
@@ -222,7 +231,8 @@ def tenant_routes(
             raise InvalidSpecError("unknown tenant field(s) ['name']")
         old = keys.tenant(request.path_params["name"]).quota
         merged = {"octants": old.octants, "deployments": old.deployments,
-                  "requests_per_s": old.requests_per_s, "burst": old.burst, **body}  # fmt: skip
+                  "requests_per_s": old.requests_per_s, "burst": old.burst,
+                  "tokens_per_minute": old.tokens_per_minute, "max_streams": old.max_streams, **body}  # fmt: skip
         if "requests_per_s" in body and "burst" not in body:
             merged["burst"] = None  # a new rate without a burst: one second of it (default_burst), not the old one
         return JSONResponse(tenant_json(keys.set_quota(request.path_params["name"], _quota(merged))))

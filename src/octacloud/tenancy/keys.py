@@ -27,8 +27,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import Boolean, Float, Integer, String, select
+from sqlalchemy import Boolean, Float, Integer, String, inspect, select, text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from octacloud.core import fields
@@ -44,6 +45,8 @@ MAX_QUOTA_DEPLOYMENTS = 100_000
 MAX_RATE = 1e6
 """The highest request rate a quota may name (requests per second)."""
 MAX_BURST = 1_000_000
+MAX_TOKENS_PER_MINUTE = 10**12
+MAX_STREAMS = 1_000_000
 
 
 class Role(enum.Enum):
@@ -66,6 +69,10 @@ class Quota:
     """Sustained request rate per tenant (token bucket); bursts up to ``burst`` requests."""
     burst: int = 50
     """Requests admitted at once above the rate (the bucket's size); see :func:`default_burst`."""
+    tokens_per_minute: int | None = None
+    """Prompt and completion tokens per minute over its generation requests (``tenancy/tokens.py``)."""
+    max_streams: int | None = None
+    """Generation requests it may have in flight at once."""
 
 
 def default_burst(requests_per_s: float | None) -> int:
@@ -131,6 +138,8 @@ class _TenantRow(_Base):
     requests_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     burst: Mapped[int] = mapped_column(Integer, default=50)
     created_at: Mapped[float] = mapped_column(Float)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_streams: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class _KeyRow(_Base):
@@ -173,6 +182,7 @@ class KeyStore:
         self.clock = clock
         self.cache_s = cache_s
         _Base.metadata.create_all(engine)
+        _add_missing_columns(engine)
         self._sessions = sessionmaker(engine, expire_on_commit=False)
         self._cache: dict[str, _Cached] = {}
         self.listeners: list[Callable[[str | None, str | None], None]] = []
@@ -214,6 +224,8 @@ class KeyStore:
                 quota_deployments=quota.deployments,
                 requests_per_s=quota.requests_per_s,
                 burst=quota.burst,
+                tokens_per_minute=quota.tokens_per_minute,
+                max_streams=quota.max_streams,
                 created_at=self.clock.time(),
             )
             s.add(row)
@@ -252,6 +264,7 @@ class KeyStore:
                 raise NotFoundError(f"no tenant named {name!r}")
             row.quota_octants, row.quota_deployments = quota.octants, quota.deployments
             row.requests_per_s, row.burst = quota.requests_per_s, quota.burst
+            row.tokens_per_minute, row.max_streams = quota.tokens_per_minute, quota.max_streams
             tenant = _tenant(row)
         self._changed(None, name)
         return tenant
@@ -368,6 +381,20 @@ def bearer_key(authorization: str | None) -> str | None:
     raise AuthError(f"the Authorization header uses {named}; octacloud takes 'Authorization: Bearer <key>'")
 
 
+def _add_missing_columns(engine: Engine) -> None:
+    """Bring a tenant table written by an older octacloud up to date: quota columns added since are created,
+    empty (no limit)."""
+    for column in ("tokens_per_minute", "max_streams"):
+        if column in {c["name"] for c in inspect(engine).get_columns("tenants")}:
+            continue
+        try:
+            with engine.begin() as connection:
+                connection.execute(text(f"ALTER TABLE tenants ADD COLUMN {column} INTEGER"))
+        except SQLAlchemyError:  # another process sharing the database added it first
+            if column not in {c["name"] for c in inspect(engine).get_columns("tenants")}:
+                raise
+
+
 def check_quota_fields(q: Quota) -> None:
     """Raise :class:`InvalidSpecError` unless every limit of ``q`` is a number of its type within range."""
     if q.octants is not None:
@@ -377,10 +404,16 @@ def check_quota_fields(q: Quota) -> None:
     if q.requests_per_s is not None:
         fields.number(q.requests_per_s, "quota requests_per_s", MAX_RATE)
     fields.whole(q.burst, "quota burst", 1, MAX_BURST)
+    if q.tokens_per_minute is not None:
+        fields.whole(q.tokens_per_minute, "quota tokens_per_minute", 1, MAX_TOKENS_PER_MINUTE)
+    if q.max_streams is not None:
+        fields.whole(q.max_streams, "quota max_streams", 0, MAX_STREAMS)
 
 
 def _tenant(row: _TenantRow) -> Tenant:
-    quota = Quota(row.quota_octants, row.quota_deployments, row.requests_per_s, row.burst)
+    quota = Quota(
+        row.quota_octants, row.quota_deployments, row.requests_per_s, row.burst, row.tokens_per_minute, row.max_streams
+    )
     return Tenant(row.name, quota, row.disabled, row.created_at)
 
 

@@ -28,6 +28,8 @@ _HELP = {
     UsageMetric.BYTES_OUT: "Response bytes the gateway sent for the tenant.",
     UsageMetric.STORAGE: "Model bytes stored × milliseconds.",
     UsageMetric.GPU_USED: "GPU the tenant's replicas actually used (NVML SM share), milli-GPU × milliseconds.",
+    UsageMetric.PROMPT_TOKENS: "Prompt tokens the tenant sent to generative deployments.",
+    UsageMetric.COMPLETION_TOKENS: "Tokens generative deployments generated for the tenant.",
 }
 
 
@@ -66,6 +68,8 @@ class LedgerTotals:
                     "requests": per.get(UsageMetric.REQUESTS, 0),
                     "bytes_in": per.get(UsageMetric.BYTES_IN, 0),
                     "bytes_out": per.get(UsageMetric.BYTES_OUT, 0),
+                    "prompt_tokens": per.get(UsageMetric.PROMPT_TOKENS, 0),
+                    "completion_tokens": per.get(UsageMetric.COMPLETION_TOKENS, 0),
                 }
             )
         return out

@@ -15,6 +15,7 @@ from octacloud.control.controller import Controller
 from octacloud.control.deployments import Deployment, Replica, ReplicaState
 from octacloud.core.domains import domain_dict
 from octacloud.core.units import MILLI_PER_OCTANT, OCTANTS_PER_GPU
+from octacloud.observability.generation import GenerationFigures, figures
 from octacloud.observability.monitor import CloudMonitor, Series
 from octacloud.observability.telemetry import CPU_BUSY, CPU_CORES, CPU_MEMORY_USED, CardKey, FleetSample
 from octacloud.scheduler.framework.state import Allocation, ClusterState
@@ -141,11 +142,16 @@ def _deployments(
     for d, rs in status:
         load = monitor.load.get(d.spec.name)
         batches: dict[int, int] = {}
+        generation: GenerationFigures | None = None
         for r in rs:
             t = telemetry.get(r.id)
             if t is not None and t.serving is not None:
                 for size, n in t.serving.batch_executions.items():
                     batches[size] = batches.get(size, 0) + n
+                found = figures(t.serving.families)
+                if found is not None:
+                    generation = generation or GenerationFigures()
+                    generation.add(found)
         out.append(
             {
                 "name": d.spec.name,
@@ -159,6 +165,12 @@ def _deployments(
                 "latency_ms": _points(load.latency_ms, since) if load else [],
                 "errors_per_s": _points(load.errors_per_s, since) if load else [],
                 "batch_sizes": {str(k): v for k, v in sorted(batches.items())},
+                "generation": None
+                if generation is None
+                else {
+                    **generation.as_dict(),
+                    "tokens_per_s": _points(load.tokens_per_s, since) if load and load.tokens_per_s else [],
+                },
             }
         )
     return out

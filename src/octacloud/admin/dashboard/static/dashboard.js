@@ -199,8 +199,15 @@ function renderDeployments(deployments) {
       <td>${esc(d.model)}</td><td>${esc(d.tenant)}</td><td class="num">${d.octants}</td><td class="num">${d.ready}/${d.desired}</td>
       <td class="num">${qps == null ? "–" : qps.toFixed(1)} ${spark(history.qps[d.name], d.name)}</td>
       <td class="num">${latency == null ? "–" : `${latency.toFixed(1)} ms`} ${spark(history.latency[d.name], d.name)}</td>
-      <td>${histogram(d.batch_sizes)}</td></tr>`;
+      <td>${d.generation ? generation(d.generation) : histogram(d.batch_sizes)}</td></tr>`;
   }).join("");
+}
+
+function generation(g) {
+  const ms = (v) => (v == null ? "–" : `${v.toFixed(1)} ms`);
+  const rate = lastValue(g.tokens_per_s);
+  const kv = g.kv_cache_usage == null ? "–" : `${(g.kv_cache_usage * 100).toFixed(0)} %`;
+  return `<span class="generation">TTFT ${ms(g.ttft_p50_ms)} / ${ms(g.ttft_p99_ms)} · ITL ${ms(g.itl_p50_ms)} / ${ms(g.itl_p99_ms)} · ${rate == null ? "–" : rate.toFixed(1)} tok/s · KV ${kv} · ${g.running} running, ${g.waiting} waiting</span>`;
 }
 
 function renderReplicas(replicas) {
