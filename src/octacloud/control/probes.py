@@ -18,6 +18,8 @@ from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.gateway.upstream import UpstreamError, UpstreamPool
 from octacloud.security.internal_auth import REPLICA_HEADER_BYTES
 from octacloud.security.internal_tls import replica_server_name
+from octacloud.serving.errors import ModelConfigError
+from octacloud.serving.generate.args import ENGINE_ARGS_FILE, EngineArgs, ModelShape, is_generative
 from octacloud.storage.store import MANIFEST_FILE, FsspecStore, ModelStore, StoreUnavailableError
 
 
@@ -113,6 +115,8 @@ class RepositoryFootprints:
             pass
         except text_format.ParseError as exc:
             raise InvalidSpecError(f"{store.url}/{model}/config.pbtxt: {exc}") from None
+        if is_generative(config):
+            return _generative_footprint(config, store, model, versions[-1])
         params = {k: v.string_value for k, v in config.parameters.items()}
         weights = _int(params.get("octacloud.weights_bytes"))
         if weights is None:
@@ -123,6 +127,28 @@ class RepositoryFootprints:
         except NotFoundError:
             throughput = None
         return ModelFootprint(weights, per_sample, max(1, config.max_batch_size), throughput)
+
+
+def _generative_footprint(
+    config: model_config_pb2.ModelConfig, store: ModelStore, model: str, version: int
+) -> ModelFootprint:
+    """Weights and compute buffers, plus the KV cache of ``parallel`` sequences of ``context_length`` (the engine
+    allocates it whole when it starts), from the config's GGUF parameters and the version's engine arguments."""
+    where = f"{store.url}/{model}/{version}/{ENGINE_ARGS_FILE}"
+    try:
+        try:
+            raw = json.loads(store.read(model, f"{version}/{ENGINE_ARGS_FILE}"))
+        except NotFoundError:
+            raw = {}
+        except ValueError as exc:
+            raise ModelConfigError(f"{where} is not JSON: {exc}") from None
+        args = EngineArgs.parse(raw, where)
+        shape = ModelShape.of(config)
+    except ModelConfigError as exc:
+        raise InvalidSpecError(f"model {config.name!r}: {exc}") from None
+    fixed = shape.weights_bytes + args.compute_bytes(shape) + args.cache_ram_mib * 2**20
+    per_sequence = args.kv_bytes_per_token(shape) * args.context_length
+    return ModelFootprint(fixed, per_sequence, args.parallel, sequence_tokens=args.context_length)
 
 
 def _load_failure(status: int, body: bytes, model: str) -> str:

@@ -39,6 +39,20 @@ class ModelFootprint:
     bytes_per_sample: int = 0
     max_batch: int = 1
     samples_per_second_per_card: float | None = None
+    sequence_tokens: int = 0
+    """A generative model's context per sequence (0 for any other model): then ``max_batch`` is the sequences its
+    engine decodes at once and ``bytes_per_sample`` the KV cache of one sequence, allocated when it starts."""
+
+    @property
+    def generative(self) -> bool:
+        return self.sequence_tokens > 0
+
+    def describe_batch(self) -> str:
+        """What the memory beyond the weights is for, in the operator's words."""
+        extra = self.bytes_per_sample * max(1, self.max_batch) / MIB
+        if self.generative:
+            return f"{extra:.1f} MiB KV cache for {self.max_batch} sequence(s) × {self.sequence_tokens} tokens"
+        return f"{extra:.1f} MiB activations at batch {max(1, self.max_batch)}"
 
     @property
     def memory_mib(self) -> int:
@@ -164,11 +178,9 @@ def size_deployment(
         )
     octants = max(1, math.ceil(need * OCTANTS_PER_GPU / card_memory_mib))
     top = max(octants, min(OCTANTS_PER_GPU, largest_octants))
-    activations = footprint.bytes_per_sample * max(1, footprint.max_batch)
     memory = (
-        f"needs {need} MiB ({footprint.weights_bytes / MIB:.1f} MiB weights + {activations / MIB:.1f} MiB "
-        f"activations at batch {max(1, footprint.max_batch)}); the smallest slice that holds it: {octants} octant(s) "
-        f"of a {card_memory_mib} MiB card"
+        f"needs {need} MiB ({footprint.weights_bytes / MIB:.1f} MiB weights + {footprint.describe_batch()}); the "
+        f"smallest slice that holds it: {octants} octant(s) of a {card_memory_mib} MiB card"
     )
     per_card = footprint.samples_per_second_per_card
     if target_qps is None or not per_card:
@@ -190,6 +202,21 @@ def size_deployment(
             )
             return Sizing(octants, replicas, need, reason)
         octants += 1
+
+
+GENERATIVE_QUEUE = 4
+"""A generative deployment's in-flight bound per replica, in engine sequences: each slot and three waiting."""
+
+
+def inflight_per_replica(footprint: Callable[[], ModelFootprint]) -> int | None:
+    """The gateway's in-flight bound per replica for a generative deployment (a generation holds an engine slot
+    for seconds, so the default bound of a batching model would refuse what a slot frees for in a moment);
+    None for any other model (the gateway's default applies)."""
+    try:
+        found = footprint()
+    except (NotFoundError, InvalidSpecError):
+        return None
+    return found.max_batch * GENERATIVE_QUEUE if found.generative else None
 
 
 def reserve_percent(profile: Profile, priority: int) -> int:

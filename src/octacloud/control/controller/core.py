@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from octacloud.control.controller.deploys import DeployAdmission, Deployed, Deployer
+from octacloud.control.controller.deploys import DeployAdmission, Deployed, Deployer, route
 from octacloud.control.controller.executor import Executor
 from octacloud.control.controller.health import HealthChecker
 from octacloud.control.controller.reconcile import Reconciler
@@ -42,7 +42,7 @@ from octacloud.control.store import StateStore, Transition
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Health, Node
-from octacloud.gateway.routing import Owner, RouteTable
+from octacloud.gateway.routing import RouteTable
 from octacloud.observability.scheduling import SchedulingStats
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
@@ -274,7 +274,7 @@ class Controller:
         replacements that were in flight (:meth:`_undo_unfinished`, then :meth:`_carry_on`)."""
         w = self.w
         for d in w.store.deployments():
-            w.routes.owners[d.spec.name] = Owner(d.spec.tenant, d.spec.published)
+            route(w, d.spec)
         carry_on, moved_away = self._undo_unfinished()
         for r in sorted(w.store.replicas(), key=lambda r: not r.handle):  # what runs keeps its slice first
             if not r.placed or w.holds(r.id) or r.id in moved_away:

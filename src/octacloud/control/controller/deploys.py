@@ -18,7 +18,7 @@ from octacloud.control.controller.world import World
 from octacloud.control.deploy_request import DeployRequest, compare, resolve, summary
 from octacloud.control.deployments import Deployment, DeploymentSpec, ReplicaState
 from octacloud.control.models import check_model, unknown_model
-from octacloud.control.sizing import FleetCapacity, Sizing, plan_size, reserve_percent
+from octacloud.control.sizing import FleetCapacity, Sizing, inflight_per_replica, plan_size, reserve_percent
 from octacloud.core.errors import ConflictError, NotFoundError
 from octacloud.gateway.routing import Owner
 from octacloud.serving import is_model_name
@@ -93,7 +93,7 @@ class Deployer:
                 )
         if old is not None:
             what += f"; {summary(changes, kept)}"
-        w.routes.owners[spec.name] = Owner(spec.tenant, spec.published)
+        route(w, spec)
         w.store.add_event("deploy", spec.name, what, deployment=spec.name, tenant=spec.tenant)
         w.poke()
         return Deployed(d, sizing.reason, changes, kept)
@@ -117,3 +117,13 @@ class Deployer:
     def capacity(self, priority: int = 0) -> FleetCapacity:
         """What the fleet could ever give a deployment of ``priority`` (the failover reserve kept from it)."""
         return FleetCapacity.of(self.w.nodes, reserve_percent(self.w.scheduler.profile, priority))
+
+
+def route(w: World, spec: DeploymentSpec) -> None:
+    """Tell the gateway's routes whose ``spec`` is, and a generative deployment's in-flight bound per replica
+    (``sizing.inflight_per_replica``: a generation holds an engine slot for seconds)."""
+    w.routes.owners[spec.name] = Owner(spec.tenant, spec.published)
+    bound = inflight_per_replica(lambda: w.footprint(spec.model))
+    w.routes.inflight_per_replica.pop(spec.name, None)
+    if bound is not None:
+        w.routes.inflight_per_replica[spec.name] = bound

@@ -183,26 +183,34 @@ class Reconciler:
         w = self.w
         now = w.clock.monotonic()
         for name, d in deployments.items():
-            if d.spec.min_replicas == d.spec.max_replicas or d.spec.target_qps is None:
+            if d.spec.min_replicas == d.spec.max_replicas:
+                continue
+            try:
+                footprint = w.footprint(d.spec.model)
+            except (NotFoundError, InvalidSpecError):
+                footprint = None
+            generative = footprint is not None and footprint.generative
+            if d.spec.target_qps is None and not generative:
                 continue
             c = w.routes.counter(name)
             last = self._load.get(name)
-            self._load[name] = (now, c.requests, c.latency_us_total)
+            if generative:  # the engine's pressure: sequences in flight over its slots, and time to first token
+                self._load[name] = (now, c.first_tokens, c.first_token_us_total)
+            else:
+                self._load[name] = (now, c.requests, c.latency_us_total)
             if last is None or now <= last[0]:
                 continue
-            n = c.requests - last[1]
-            sample = LoadSample(
-                qps=n / (now - last[0]),
-                outstanding=float(c.outstanding),
-                mean_latency_ms=(c.latency_us_total - last[2]) / 1000 / n if n else 0.0,
-            )
-            capacity = d.spec.target_qps / max(1, d.spec.min_replicas)
-            try:
-                per_card = w.footprint(d.spec.model).samples_per_second_per_card
-            except (NotFoundError, InvalidSpecError):
-                per_card = None
-            if per_card:
-                capacity = per_card * d.octants / OCTANTS_PER_GPU
+            n = self._load[name][1] - last[1]
+            mean_ms = (self._load[name][2] - last[2]) / 1000 / n if n else 0.0
+            if footprint is not None and generative:
+                sample = LoadSample(qps=float(c.outstanding), outstanding=float(c.outstanding), mean_latency_ms=mean_ms)
+                capacity = float(footprint.max_batch)
+            else:
+                sample = LoadSample(qps=n / (now - last[0]), outstanding=float(c.outstanding), mean_latency_ms=mean_ms)
+                capacity = (d.spec.target_qps or 0.0) / max(1, d.spec.min_replicas)
+                per_card = footprint.samples_per_second_per_card if footprint is not None else None
+                if per_card:
+                    capacity = per_card * d.octants / OCTANTS_PER_GPU
             ready = [r for r in w.store.replicas(name) if r.state is ReplicaState.READY and not r.replaces]
             wanted = self.autoscaler.desired(
                 name,
@@ -215,6 +223,7 @@ class Reconciler:
                 max_replicas=d.spec.max_replicas,
             )
             if wanted != d.replicas and not math.isnan(sample.qps):
-                w.event("autoscale", name, f"{d.replicas} → {wanted} at {sample.qps:.1f} req/s", name)
+                at = f"{sample.qps:.0f} sequence(s) in flight" if generative else f"{sample.qps:.1f} req/s"
+                w.event("autoscale", name, f"{d.replicas} → {wanted} at {at}", name)
                 d.replicas = wanted
                 w.store.put_deployment(d)
