@@ -1,0 +1,273 @@
+"""Generation through octacloud's gateway vs the engine's own OpenAI server, side by side in one run.
+
+    .venv/bin/python bench/llm.py [--model-dir DIR] [--streams 1 8 32] [--max-tokens 64] [--rounds 2]
+
+Starts ``octacloud up`` (a one-node, one-card CPU fleet) and deploys SmolLM2 (``$OCTACLOUD_MODELS/smollm2``, or
+``--model-dir``) on the whole card, so that its engine gets every core; then starts llama.cpp's own
+``llama-server`` on the same GGUF with the same engine arguments (the version's ``model.json``: slots, context,
+batch, KV cache types; the same thread count) on a loopback port. At each number of concurrent streams it runs
+the same closed loop against both, interleaved point by point (the order alternates every round, so that a drift
+of the machine's load falls on both alike): each stream asks a streamed chat completion (a fixed prompt,
+``max_tokens`` tokens at temperature 0, so both servers generate the same tokens), waits for its end, and asks
+again, until the point's ``--completions`` (at least two per stream) are done. Both servers are warmed up first.
+
+Printed per point: output tokens per second (completion tokens over the point's wall time), time to first token
+p50/p99 (request sent → first generated token), inter-token latency p50/p99 (between two tokens of a stream),
+octacloud ÷ engine for each, and the goals: throughput ≥ 0.95×, TTFT p99 ≤ 1.1×, and octacloud's tokens per
+second at 8 streams ≥ 2× at 1 stream (continuous batching against one stream at a time). Both servers run while
+the bench runs; only one is under load at a time. Each run appends its figures to ``bench/results/llm.jsonl``
+(``bench/record.py``; ``--no-record`` does not).
+
+The client is octacloud's streaming HTTP/1.1 client in this process (asyncio; it costs both sides the same); the
+gateway's key is the admin key ``up`` wrote. The engine's own server gets no key (it is on loopback, as a user
+would run it in a benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchutil import LocalCloud, free_port
+from octacloud.serving.generate.args import EngineArgs
+from octacloud.serving.generate.client import Target, request
+from octacloud.serving.generate.engine import find_llama_server
+from octacloud.serving.generate.sse import EventSplitter, data_of
+from record import Recorder, add_flag
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [{"role": "user", "content": "Write a long story about a robot who learns to paint."}]
+
+
+@dataclass(slots=True)
+class Point:
+    """One closed-loop run against one server."""
+
+    tokens: int = 0
+    wall_s: float = 0.0
+    ttft_ms: list[float] = field(default_factory=list)
+    itl_ms: list[float] = field(default_factory=list)
+    errors: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def one_stream(target: Target, headers: list[tuple[bytes, bytes]], body: bytes, point: Point) -> None:
+    sent = time.perf_counter()
+    answer = await request(target, b"POST", b"/v1/chat/completions", headers, body, head_timeout=600)
+    if answer.status != 200:
+        point.errors += 1
+        await answer.read()
+        return
+    splitter = EventSplitter()
+    last = 0.0
+    async for chunk in answer.chunks():
+        for event in splitter.feed(chunk):
+            data = data_of(event)
+            if not isinstance(data, dict):
+                continue
+            if data.get("usage"):
+                point.tokens += int(data["usage"].get("completion_tokens", 0))
+            choices = data.get("choices") or []
+            if choices and (choices[0].get("delta") or {}).get("content"):
+                now = time.perf_counter()
+                if last:
+                    point.itl_ms.append((now - last) * 1000)
+                else:
+                    point.ttft_ms.append((now - sent) * 1000)
+                last = now
+
+
+async def run_point(target: Target, key: str, streams: int, completions: int, max_tokens: int) -> Point:
+    """``completions`` streamed completions asked by ``streams`` concurrent closed loops (each its share)."""
+    headers = [(b"content-type", b"application/json")]
+    if key:
+        headers.append((b"authorization", f"Bearer {key}".encode()))
+    body = json.dumps(
+        {
+            "model": "smollm2",
+            "messages": PROMPT,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    point = Point()
+
+    left = [completions]
+
+    async def loop() -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            await one_stream(target, headers, body, point)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(streams)))
+    point.wall_s = time.perf_counter() - started
+    return point
+
+
+def start_engine(model_dir: Path, threads: int) -> tuple[subprocess.Popen[bytes], Target, Path]:
+    """llama.cpp's own server on the version's engine arguments, on a loopback port; waits until it serves."""
+    version = max((p for p in model_dir.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    args = EngineArgs.read(version)
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="octacloud-llm-engine-", suffix=".log")[1])
+    argv = [str(find_llama_server()), *args.argv(version.resolve() / args.model, alias="smollm2", threads=threads,
+                                                  gpu=False), "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_")}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    target = Target("127.0.0.1", port)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            answer = asyncio.run(request(target, b"GET", b"/health", [], head_timeout=2))
+            if answer.status == 200:
+                return proc, target, log
+        except Exception:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"llama-server exited; see {log}")
+        time.sleep(0.2)
+    raise SystemExit(f"llama-server did not come up; see {log}")
+
+
+def row(name: str, streams: int, p: Point) -> str:
+    return (
+        f"{name:<10} {streams:>7} {p.tokens_per_s:>9.1f} {pct(p.ttft_ms, 0.5):>9.1f} {pct(p.ttft_ms, 0.99):>9.1f} "
+        f"{pct(p.itl_ms, 0.5):>8.1f} {pct(p.itl_ms, 0.99):>8.1f} {p.errors:>6}"
+    )
+
+
+def merge(points: list[Point]) -> Point:
+    out = Point()
+    for p in points:
+        out.tokens += p.tokens
+        out.wall_s += p.wall_s
+        out.ttft_ms += p.ttft_ms
+        out.itl_ms += p.itl_ms
+        out.errors += p.errors
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    models = Path(os.environ.get("OCTACLOUD_MODELS", ROOT / "models"))
+    parser.add_argument("--model-dir", type=Path, default=models / "smollm2")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--completions", type=int, default=16, help="Completions per point (at least 2 per stream: 2 × streams)."
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    add_flag(parser)
+    opts = parser.parse_args()
+    recorder = Recorder("llm")
+    if not (opts.model_dir / "config.pbtxt").is_file():
+        raise SystemExit(f"{opts.model_dir} is not a model folder: run `make models` (or pass --model-dir)")
+    cores = os.cpu_count() or 1
+    repo = Path(tempfile.mkdtemp(prefix="octacloud-llm-repo-"))
+    (repo / "smollm2").symlink_to(opts.model_dir.resolve(), target_is_directory=True)
+    # A card's 6 octants (what one replica may hold with the failover reserve kept) get every core of the machine.
+    cloud = LocalCloud(repo, prefix="octacloud-llm-bench-", cpu_milli=-(-cores * 8 // 6) * 1000)
+    engine, direct, log = None, None, None
+    try:
+        cloud.start()
+        replica = cloud.deploy({"name": "smollm2", "model": "smollm2", "octants": 6})
+        threads = int(replica["env"]["OCTACLOUD_THREADS"])
+        engine, direct, log = start_engine(opts.model_dir, threads)
+        gateway = Target("127.0.0.1", cloud.http_port)
+        for target, key in ((direct, ""), (gateway, cloud.key)):  # warm both up: first prompt, caches, connections
+            asyncio.run(run_point(target, key, 2, 4, 16))
+        results: dict[tuple[str, int], list[Point]] = {}
+        for streams in opts.streams:
+            completions = max(opts.completions, 2 * streams)
+            for r in range(opts.rounds):
+                order = [("engine", direct, ""), ("octacloud", gateway, cloud.key)]
+                for name, target, key in order if r % 2 == 0 else order[::-1]:
+                    point = asyncio.run(run_point(target, key, streams, completions, opts.max_tokens))
+                    results.setdefault((name, streams), []).append(point)
+                    print(f"  {row(name, streams, point)}  (round {r + 1}, load {os.getloadavg()[0]:.1f})", flush=True)
+        recorder.save(report(results, opts, threads))
+    finally:
+        if engine is not None:
+            engine.send_signal(signal.SIGTERM)
+            engine.wait(30)
+        if log is not None:
+            log.unlink(missing_ok=True)
+        cloud.stop()
+
+
+def report(results: dict[tuple[str, int], list[Point]], opts: argparse.Namespace, threads: int) -> dict[str, Any]:
+    """Print the table and the goals; returns the figures to record."""
+    print(f"\n{'server':<10} {'streams':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+          f"{'ITL p99':>8} {'errors':>6}   (ms; {threads} threads, {opts.max_tokens} tokens a completion)")  # fmt: skip
+    record: dict[str, Any] = {"threads": threads, "max_tokens": opts.max_tokens, "points": []}
+    merged = {key: merge(points) for key, points in results.items()}
+    for streams in opts.streams:
+        ours, theirs = merged[("octacloud", streams)], merged[("engine", streams)]
+        print(row("engine", streams, theirs))
+        print(row("octacloud", streams, ours))
+        ratio = ours.tokens_per_s / theirs.tokens_per_s if theirs.tokens_per_s else float("nan")
+        ttft = pct(ours.ttft_ms, 0.99) / pct(theirs.ttft_ms, 0.99)
+        print(f"{'ratio':<10} {streams:>7} {ratio:>9.3f} {'':>9} {ttft:>9.3f}   (octacloud ÷ engine)")
+        record["points"].append({
+            "streams": streams,
+            "engine": _figures(theirs),
+            "octacloud": _figures(ours),
+            "throughput_ratio": ratio,
+            "ttft_p99_ratio": ttft,
+        })  # fmt: skip
+    goals = []
+    for p in record["points"]:
+        goals.append((f"throughput at {p['streams']} stream(s) ≥ 0.95× the engine's", p["throughput_ratio"] >= 0.95))
+        goals.append((f"TTFT p99 at {p['streams']} stream(s) ≤ 1.1× the engine's", p["ttft_p99_ratio"] <= 1.1))
+    if 1 in opts.streams and 8 in opts.streams:
+        batching = merged[("octacloud", 8)].tokens_per_s / merged[("octacloud", 1)].tokens_per_s
+        own = merged[("engine", 8)].tokens_per_s / merged[("engine", 1)].tokens_per_s
+        record["batching_8_vs_1"] = {"octacloud": batching, "engine": own}
+        goals.append((f"8 streams ≥ 2× one at a time (octacloud {batching:.2f}×; the engine alone {own:.2f}×)",
+                      batching >= 2))  # fmt: skip
+    print()
+    for what, met in goals:
+        print(f"  {'met   ' if met else 'MISSED'} {what}")
+    record["goals"] = dict(goals)
+    sys.stdout.flush()
+    return record
+
+
+def _figures(p: Point) -> dict[str, float]:
+    return {
+        "tokens_per_s": round(p.tokens_per_s, 2),
+        "ttft_p50_ms": round(pct(p.ttft_ms, 0.5), 2),
+        "ttft_p99_ms": round(pct(p.ttft_ms, 0.99), 2),
+        "itl_p50_ms": round(pct(p.itl_ms, 0.5), 2),
+        "itl_p99_ms": round(pct(p.itl_ms, 0.99), 2),
+        "errors": p.errors,
+        "tokens": p.tokens,
+    }
+
+
+if __name__ == "__main__":
+    main()
