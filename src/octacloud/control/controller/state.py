@@ -51,8 +51,10 @@ log = logging.getLogger("octacloud.controller.store")
 _FLEET_KINDS = frozenset({"node"})
 RECENT_EVENTS = 2000
 """How many of the newest events are kept in memory for :meth:`ControllerStore.events`."""
-BATCH = 500
-"""The most queued writes the store thread stores in one transaction (a fleet's deploy queues thousands)."""
+BATCH = 100
+"""The most queued writes the store thread stores in one transaction (a fleet's deploy queues thousands). SQLite
+holds its write lock for the whole transaction: at 500 the meter, which writes to the same file, timed out on
+the lock while the cloud deployed 1,000 emulated replicas on a busy machine."""
 
 
 class ControllerStore:
