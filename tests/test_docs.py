@@ -57,3 +57,54 @@ def test_relative_links_lead_somewhere(source: Path) -> None:
         if not path.exists() or (anchor and path.suffix == ".md" and anchor not in anchors(path)):
             broken.append(target)
     assert not broken, f"{source.relative_to(ROOT)}: links that lead nowhere: {broken}"
+
+
+SHELL_BLOCKS = {"sh", "bash", "shell", "console"}
+BARE = re.compile(r"(octacloud|python3?)(\s|$)")
+
+
+def commands(path: Path) -> list[tuple[int, str]]:
+    """The command lines of a Markdown file's shell samples, with their line numbers: in a ```sh or ```bash
+    block every line that is not a comment or a continuation, in a ```console block (or an untagged one) the
+    lines after a ``$`` prompt."""
+    found = []
+    tag: str | None = None
+    continued = False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            tag = line[3:].strip() if tag is None else None
+            continued = False
+            continue
+        text = line.strip()
+        if tag is not None and text.startswith("$ ") and tag in {*SHELL_BLOCKS, ""}:
+            found.append((number, text[2:].lstrip()))
+        elif tag in SHELL_BLOCKS - {"console"} and text and not text.startswith("#") and not continued:
+            found.append((number, text))
+        continued = tag is not None and line.rstrip().endswith("\\")
+    return found
+
+
+def bare_commands(path: Path) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{n}: {cmd}" for n, cmd in commands(path) if BARE.match(cmd)]
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", *DOCS], ids=lambda p: p.name)
+def test_shell_samples_run_as_printed_from_the_checkout(doc: Path) -> None:
+    bare = bare_commands(doc)
+    assert not bare, (
+        "`make up` puts octacloud and its Python in .venv/bin, not on PATH: write .venv/bin/octacloud and "
+        f".venv/bin/python in {bare}"
+    )
+
+
+def test_a_bare_command_in_a_shell_sample_is_caught(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.md"
+    sample.write_text(
+        "```sh\n.venv/bin/octacloud up --repository models \\\n    octacloud-is-an-argument\n"
+        "# octacloud in a comment is prose\noctacloud status\n```\n"
+        "```console\n$ python3 -c 'print(1)'\noctacloud is up: output, not a command\n$ .venv/bin/python x.py\n```\n"
+        "```\n$ octacloud deploy mlp\n```\n"
+        "```yaml\noctacloud: a key\n```\n"
+    )
+    found = [(n, cmd) for n, cmd in commands(sample) if BARE.match(cmd)]
+    assert found == [(5, "octacloud status"), (8, "python3 -c 'print(1)'"), (13, "octacloud deploy mlp")]
