@@ -100,6 +100,8 @@ class Harness:
         self.launcher = FakeLauncher()
         self.prober = FakeProber()
         self.routes = RouteTable()
+        self.footprint: Callable[[str], ModelFootprint] = lambda model: ModelFootprint(1 << 20)
+        """What the controller reads models' footprints from (a test may make it fail)."""
         self.backing = store or StateStore.at(tmp / "state.db")
         self.wrap: Callable[[StateStore, Clock], ControllerStore] = ControllerStore
         self.controller = self.make()
@@ -125,7 +127,7 @@ class Harness:
             routes=self.routes,
             clock=self.clock,
             prober=self.prober,
-            footprint=lambda model: ModelFootprint(1 << 20),
+            footprint=lambda model: self.footprint(model),
             settings=ControllerSettings(drain_timeout_s=1.0),
         )
 
@@ -141,7 +143,7 @@ class Harness:
     async def settle(self) -> None:
         """Let background drains and stops finish."""
         for _ in range(50):
-            pending = list(self.controller.w.stopping.values()) + list(self.controller.executor._background)
+            pending = self.controller.lifecycle.in_progress()
             if not pending:
                 return
             await asyncio.wait(pending, timeout=5)

@@ -463,7 +463,7 @@ async def test_a_released_slice_wakes_the_controller_while_replicas_wait(tmp_pat
     h.deploy("b", octants=4, tenant="other")
     await h.reconcile()
     assert [r.state for r in h.replicas("b")] == [ReplicaState.PENDING]
-    h.controller.w.wake = wake = asyncio.Event()  # what the running controller waits on between ticks
+    h.controller.wakeup.event = wake = asyncio.Event()  # what the running controller waits on between ticks
     d = h.store.get_deployment("a")
     d.replicas = 1
     h.store.put_deployment(d)

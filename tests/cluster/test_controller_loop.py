@@ -35,10 +35,10 @@ async def test_controller_and_simulator_decide_the_same_on_one_snapshot(tmp_path
     state = h.controller.scheduler.state
     running = [(a.request, a.placement) for a in state]
     await h.controller.reconcile()  # creates the pending replicas and runs the pass
-    cloud = h.controller.reconciler.last
+    cloud = h.controller.executor.last
     assert cloud is not None
     pending = [r for r in h.store.replicas() if r.deployment in ("big", "vip")]
-    requests = {r.id: h.controller.w.request(r, h.store.get_deployment(r.deployment)) for r in pending}
+    requests = {r.id: h.controller.reservations.request(r, h.store.get_deployment(r.deployment)) for r in pending}
 
     sim_state = ClusterState(h.nodes)
     scheduler = Scheduler(sim_state, build_profile("bestfit", seed=0))
@@ -71,10 +71,10 @@ async def test_controller_and_simulator_hold_the_same_reservation_and_admit_the_
     running = [(a.request, a.placement) for a in state]
     h.deploy("big", octants=8)
     await h.reconcile()
-    cloud = h.controller.reconciler.last
+    cloud = h.controller.executor.last
     assert cloud is not None and cloud.placed == {}
     (big,) = h.replicas("big")
-    request = h.controller.w.request(big, h.store.get_deployment("big"))
+    request = h.controller.reservations.request(big, h.store.get_deployment("big"))
 
     sim_state = ClusterState(h.nodes)
     scheduler = Scheduler(sim_state, build_profile("bestfit", seed=0))
@@ -93,7 +93,7 @@ async def test_controller_and_simulator_hold_the_same_reservation_and_admit_the_
     h.deploy("late", octants=4)
     await h.reconcile()
     (late,) = h.replicas("late")
-    late_request = h.controller.w.request(late, h.store.get_deployment("late"))
+    late_request = h.controller.reservations.request(late, h.store.get_deployment("late"))
     sim_decision = hook.loop.admit(late_request)
     cloud_node = late.node if late.placed else None
     sim_node = sim_decision.placement.node if sim_decision.placement is not None else None

@@ -49,7 +49,9 @@ POINTS = [
     None,  # launched, not ready yet
     ("routing", "before"),  # READY, not routed
     ("routing", "after"),
+    ("draining", "before"),  # routed, the old replica not yet retired
     ("draining", "after"),
+    ("releasing", "before"),  # the old replica stopped, that not yet recorded
     ("releasing", "after"),  # the old replica stopped, its record and slice not yet released
 ]
 ROLLED_BACK = {("starting", "after"), None}
@@ -64,7 +66,7 @@ def check_invariants(h: Harness) -> None:
         mine = h.replicas(d.spec.name)
         assert len(mine) == d.replicas and all(r.state is ReplicaState.READY and not r.replaces for r in mine)
         assert sorted(h.routed(d.spec.name)) == sorted(r.id for r in mine)
-    assert h.store.transitions() == [] and h.controller.w.transitions == {}
+    assert h.store.transitions() == [] and h.controller.replacements.in_flight() == {}
     assert not any(a.request.pinned for a in state)
 
 
@@ -132,9 +134,11 @@ async def test_a_restart_at_each_phase_of_a_move(tmp_path: Path, point: tuple[st
             assert t.source in h.controller.scheduler.state.allocations  # the old one has its slice back
             assert h.replicas("big")[0].placed is False  # what waited for that slice waits to be placed again
         else:
-            assert h.controller.w.holds(t.replacement)
-            # the move's target is not moved again before it is done (a move left releasing is done at adoption)
-            assert (t.replacement in PINNED_AT_ADOPTION) == (t.phase != "releasing")
+            assert h.controller.reservations.holds(t.replacement)
+            # the move's target is not moved again before it is done (a move whose source had stopped, recorded as
+            # releasing or not yet, is done at adoption)
+            assert point is not None
+            assert (t.replacement in PINNED_AT_ADOPTION) == (point[0] != "releasing")
             assert t.source not in h.controller.scheduler.state.allocations  # its slice is big's already
     for _ in range(6):
         await h.reconcile()
@@ -186,7 +190,7 @@ async def test_undeploying_in_the_middle_of_a_rolling_update_leaves_no_replaceme
     assert h.store.transitions()
     h.controller.undeploy("a")
     await h.settle()
-    assert h.replicas() == [] and h.store.transitions() == [] and h.controller.w.transitions == {}
+    assert h.replicas() == [] and h.store.transitions() == [] and h.controller.replacements.in_flight() == {}
     assert h.launcher.ids() == set() and not list(h.controller.scheduler.state)
 
 

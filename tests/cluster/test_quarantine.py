@@ -131,7 +131,7 @@ async def test_a_deployment_that_cannot_be_reconciled_is_left_out_and_the_rest_i
             raise OSError("model store: connection reset")
         return ModelFootprint(1 << 20)
 
-    h.controller.w.footprint = footprint
+    h.footprint = footprint
     await h.reconcile()  # this raised OSError, and no deployment was placed
     await h.reconcile()
     await h.health()
@@ -140,7 +140,7 @@ async def test_a_deployment_that_cannot_be_reconciled_is_left_out_and_the_rest_i
     [event] = h.events("quarantine")  # once, not every pass
     assert event["subject"] == "b" and "OSError: model store: connection reset" in str(event["message"])
 
-    h.controller.w.footprint = lambda model: ModelFootprint(1 << 20)  # the store is back
+    h.footprint = lambda model: ModelFootprint(1 << 20)  # the store is back
     await h.reconcile()
     await h.health()
     assert len(h.ready("b")) == 1 and len(h.ready("a")) == 1

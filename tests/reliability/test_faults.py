@@ -139,7 +139,7 @@ def test_a_process_that_takes_a_killed_replicas_port_gets_none_of_its_traffic(
     victim = cloud.deployment("lin")["instances"][0]
     # The controller has not seen the death yet (here: for the whole test; its failed probes are not enough, see
     # the fixture): the window that a busy controller, or one whose replicas are on another node, leaves.
-    launcher = cloud.cloud.controller.w.launcher
+    launcher = cloud.cloud.controller.launcher
     alive = launcher.alive
     launcher.alive = lambda handle: handle == str(victim["pid"]) or alive(handle)  # type: ignore[method-assign]
     os.kill(victim["pid"], signal.SIGKILL)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import enum
 import re
+import uuid
 from dataclasses import dataclass, field
 
 from octacloud.core import fields
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.fields import CLASS_NAME, CLASS_RULE, PRIORITY_RANGE, TENANT_NAME, TENANT_RULE
-from octacloud.core.model import SPREAD_MODES, SPREAD_SOFT
+from octacloud.core.model import SPREAD_MODES, SPREAD_SOFT, Placement
 from octacloud.core.units import OCTANTS_PER_GPU
 
 _NAME = re.compile(r"[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?")
@@ -169,3 +170,20 @@ class Replica:
 
     def template(self) -> tuple[str, str, int]:
         return (self.model, self.version, self.octants)
+
+    def runs(self, d: Deployment) -> tuple[str, str, int]:
+        """What it runs: its own template, or (a replica from before templates) its deployment's ``d``."""
+        return self.template() if self.octants else d.template()
+
+    def placement(self) -> Placement:
+        return Placement(self.id, self.node, self.gpus, self.milli_per_gpu)
+
+    def unplace(self, why: str, failover: bool = False) -> None:
+        """Back to PENDING: no slice, no process, nothing to wait for (the caller stores it)."""
+        self.node, self.gpus, self.milli_per_gpu, self.handle, self.pid = "", (), 0, "", None
+        self.host, self.http_port, self.grpc_port, self.metrics_port = "", None, None, None
+        self.state, self.message, self.failover, self.after = ReplicaState.PENDING, why, failover, []
+
+
+def new_replica_id(deployment: str) -> str:
+    return f"{deployment}-{uuid.uuid4().hex[:6]}"

@@ -11,7 +11,7 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from octacloud.control.controller.world import Probe
+from octacloud.control.controller.contracts import Probe
 from octacloud.control.deployments import Replica
 from octacloud.control.sizing import ModelFootprint
 from octacloud.core.errors import InvalidSpecError, NotFoundError

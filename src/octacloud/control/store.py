@@ -12,6 +12,7 @@ is given a ``Store``.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import threading
@@ -98,9 +99,27 @@ class _TransitionRow(_Base):
     data: Mapped[str] = mapped_column(Text)
 
 
-PHASES = ("starting", "routing", "draining", "releasing")
-"""A replacement's phases, in order: its replacement starts (the old replica serves); it is routed to; the old
-replica drains and stops; the old replica's record and slice are released. Each is stored before it begins."""
+class Phase(enum.StrEnum):
+    """Where a make-before-break replacement stands (the machine that moves it is
+    :mod:`octacloud.control.controller.replacement`). The first four are stored, each before it begins; the last
+    two end it, and its record is deleted."""
+
+    STARTING = "starting"
+    """Its replacement replica is placed and starts; the source serves."""
+    ROUTING = "routing"
+    """The replacement is READY and is being routed to."""
+    DRAINING = "draining"
+    """The source is out of routing, finishes what it has in flight, and is stopped."""
+    RELEASING = "releasing"
+    """The source has stopped: its record and slice are released."""
+    DONE = "done"
+    """The replacement took over."""
+    UNDONE = "undone"
+    """Rolled back: the source serves on (or nothing was left to take over)."""
+
+
+PHASES = (Phase.STARTING, Phase.ROUTING, Phase.DRAINING, Phase.RELEASING)
+"""The phases a replacement in flight is stored in, in order."""
 
 
 @dataclass(slots=True)

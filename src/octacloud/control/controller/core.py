@@ -1,8 +1,10 @@
-"""The controller: the operator's API (deploy, scale, undeploy, rollouts) and the loop that drives the parts.
+"""The controller: the operator's API (deploy, scale, undeploy, rollouts, the fleet's news) and the loop that
+drives the parts.
 
 Every ``health_interval_s`` it checks health (:mod:`.health`); every ``interval_s`` (and at once after a change)
-it reconciles (:mod:`.reconcile`), whose placement step is the scheduler's own re-evaluation loop; the executor
-(:mod:`.executor`) carries out what was decided without blocking the event loop the gateway shares.
+it reconciles (:mod:`.reconcile`), whose placement step is the scheduler's own re-evaluation loop carried out by
+:mod:`.executor`; replacements have one owner (:mod:`.replacement`), and nothing blocks the event loop the gateway
+shares (:mod:`.lifecycle`).
 
 The loop is level-triggered and never dies of an I/O error: an iteration that fails (the state store is locked
 or the disk is full) is logged and retried with back-off, and :meth:`Controller.ready` turns false while the loop
@@ -20,32 +22,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from octacloud.control.controller.deploys import DeployAdmission, Deployed, Deployer, route
+from octacloud.control.controller.adoption import Adoption
+from octacloud.control.controller.autoscale import Autoscaling
+from octacloud.control.controller.contracts import ControllerSettings, FootprintSource, NodeChange, Prober, Wakeup, log
+from octacloud.control.controller.deploys import DeployAdmission, Deployed, Deployer
+from octacloud.control.controller.events import EventLog
 from octacloud.control.controller.executor import Executor
+from octacloud.control.controller.fleet_changes import FleetChanges
 from octacloud.control.controller.health import HealthChecker
+from octacloud.control.controller.lifecycle import Lifecycle
 from octacloud.control.controller.reconcile import Reconciler
+from octacloud.control.controller.replacement import Replacements
+from octacloud.control.controller.reservations import Reservations
+from octacloud.control.controller.rollouts import rollout_status
 from octacloud.control.controller.state import ControllerStore, as_controller_store
-from octacloud.control.controller.world import (
-    ControllerSettings,
-    FootprintSource,
-    NodeChange,
-    Prober,
-    World,
-    log,
-)
 from octacloud.control.deploy_request import DeployRequest
-from octacloud.control.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
-from octacloud.control.fleet import CPU_CARD_MODEL
+from octacloud.control.deployments import Deployment, DeploymentSpec, Replica
 from octacloud.control.launcher import ReplicaLauncher
 from octacloud.control.sizing import Autoscaler, FleetCapacity, Sizing
-from octacloud.control.store import StateStore, Transition
+from octacloud.control.store import StateStore
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Health, Node
 from octacloud.gateway.routing import RouteTable
 from octacloud.observability.scheduling import SchedulingStats
 from octacloud.scheduler.framework.runner import Scheduler
-from octacloud.scheduler.framework.state import ClusterState
 from octacloud.scheduler.loop import LoopSettings, ReevaluationLoop
 from octacloud.storage.store import FsspecStore, ModelStore
 
@@ -83,53 +84,57 @@ class Controller:
     ) -> None:
         self.models: ModelStore = models if models is not None else FsspecStore(str(repository))
         """Where configs, versions and sizes are read (``--model-storage``; default: the repository folder)."""
-        self.w = World(
-            as_controller_store(store, clock), nodes, scheduler, launcher, repository, routes, clock, prober, footprint,
-            settings or ControllerSettings(), scheduling or SchedulingStats(),
-        )  # fmt: skip
-        self.loop = ReevaluationLoop(scheduler, loop)
-        self.executor = Executor(self.w)
-        self.deployer = Deployer(self.w, self.models, admission)
-        """Every deploy's checks, quota (``admission``: None, none) and event (:mod:`.deploys`)."""
-        self.health = HealthChecker(self.w, self.executor)
-        self.reconciler = Reconciler(self.w, self.executor, self.loop, autoscaler or Autoscaler())
-        self.loop_health = LoopHealth()
-
-    # ---- the seams and state other parts of the cloud read ------------------------------------------------
-
-    @property
-    def store(self) -> ControllerStore:
+        self.store: ControllerStore = as_controller_store(store, clock)
         """The state store as the controller sees it: read from memory, written behind by one thread."""
-        return self.w.store
+        self.launcher, self.repository, self.routes, self.clock = launcher, repository, routes, clock
+        self.settings = settings or ControllerSettings()
+        self.scheduling = scheduling or SchedulingStats()
+        """Decisions, their latency, preemptions and defragmentation moves, for the cloud's metrics."""
+        self.footprint = footprint
+        self.wakeup = Wakeup()
+        self.loop = ReevaluationLoop(scheduler, loop)
+        self.loop_health = LoopHealth()
+        self.events = events = EventLog(self.store)
+        store, settings, wakeup, scheduling = self.store, self.settings, self.wakeup, self.scheduling
+        self.reservations = reservations = Reservations(nodes, scheduler, footprint, store, wakeup)
+        self.lifecycle = lifecycle = Lifecycle(
+            store=store, launcher=launcher, routes=routes, reservations=reservations, events=events, clock=clock,
+            settings=settings, repository=repository, wakeup=wakeup,
+        )  # fmt: skip
+        self.replacements = replacements = Replacements(
+            store=store, lifecycle=lifecycle, reservations=reservations, events=events, clock=clock,
+            settings=settings, scheduling=scheduling, wakeup=wakeup,
+        )  # fmt: skip
+        self.health = health = HealthChecker(
+            store=store, launcher=launcher, prober=prober, lifecycle=lifecycle, replacements=replacements,
+            reservations=reservations, events=events, clock=clock, settings=settings, wakeup=wakeup,
+        )  # fmt: skip
+        self.executor = executor = Executor(
+            store=store, loop=self.loop, lifecycle=lifecycle, replacements=replacements, health=health,
+            reservations=reservations, events=events, clock=clock, scheduling=scheduling, wakeup=wakeup,
+        )  # fmt: skip
+        autoscaling = Autoscaling(store=store, routes=routes, footprint=footprint,
+                                  autoscaler=autoscaler or Autoscaler(), events=events, clock=clock)  # fmt: skip
+        self.reconciler = Reconciler(store=store, lifecycle=lifecycle, replacements=replacements, executor=executor,
+                                     reservations=reservations, autoscaling=autoscaling, events=events)  # fmt: skip
+        self.adoption = Adoption(
+            store=store, launcher=launcher, lifecycle=lifecycle, replacements=replacements, reservations=reservations,
+            routes=routes, events=events, footprint=footprint,
+        )  # fmt: skip
+        self.deployer = Deployer(store=store, models=self.models, footprint=footprint, reservations=reservations,
+                                 routes=routes, clock=clock, wakeup=wakeup, admission=admission)  # fmt: skip
+        """Every deploy's checks, quota (``admission``: None, none) and event (:mod:`.deploys`)."""
+        self.fleet = FleetChanges(store=store, reservations=reservations, lifecycle=lifecycle, health=health,
+                                  loop=self.loop, events=events, wakeup=wakeup)  # fmt: skip
 
     @property
     def nodes(self) -> list[Node]:
-        return self.w.nodes
-
-    @property
-    def launcher(self) -> ReplicaLauncher:
-        return self.w.launcher
-
-    @property
-    def repository(self) -> Path:
-        return self.w.repository
-
-    @property
-    def routes(self) -> RouteTable:
-        return self.w.routes
-
-    @property
-    def settings(self) -> ControllerSettings:
-        return self.w.settings
-
-    @property
-    def scheduling(self) -> SchedulingStats:
-        """Decisions, their latency, preemptions and defragmentation moves, for the cloud's metrics."""
-        return self.w.scheduling
+        return self.reservations.nodes
 
     @property
     def scheduler(self) -> Scheduler:
-        return self.w.scheduler
+        """The scheduler (replaced when a node joins the fleet)."""
+        return self.reservations.scheduler
 
     # ---- the operator's API ----------------------------------------------------------------------------
 
@@ -160,82 +165,44 @@ class Controller:
         return self.deployer.capacity(priority)
 
     def scale(self, name: str, replicas: int) -> Deployment:
-        d = self.w.store.get_deployment(name)
+        d = self.store.get_deployment(name)
         if not d.spec.min_replicas <= replicas <= d.spec.max_replicas:
             raise InvalidSpecError(
                 f"deployment {name!r}: replicas must be within {d.spec.min_replicas}..{d.spec.max_replicas}, "
                 f"got {replicas} (change min/max with deploy)"
             )
-        try:
-            memory = self.w.footprint(d.spec.model).memory_mib
-        except (NotFoundError, InvalidSpecError):
-            memory = 0
+        memory = self.reservations.memory_mib(d.spec.model)
         self.capacity(d.spec.priority).check(name, d.octants, replicas, memory)
         d.replicas = replicas
         d.generation += 1
-        self.w.store.put_deployment(d)
-        self.w.store.add_event("scale", name, f"{replicas} replica(s)", deployment=name, tenant=d.spec.tenant)
+        self.store.put_deployment(d)
+        self.store.add_event("scale", name, f"{replicas} replica(s)", deployment=name, tenant=d.spec.tenant)
         self.poke()
         return d
 
     def undeploy(self, name: str) -> None:
         """Remove a deployment (one set aside as unreadable too); its replicas are drained and stopped in the
         background."""
-        w = self.w
-        w.store.delete_deployment(name)  # NotFoundError when there is none
-        w.routes.remove(name)
-        w.store.delete_revisions(name)
-        w.store.add_event("undeploy", name, "removed", deployment=name)  # stamped with the tenant it had
-        for r in w.store.replicas(name):
-            self.executor.retire(r, "undeployed")
-        w.poke()
+        self.store.delete_deployment(name)  # NotFoundError when there is none
+        self.routes.remove(name)
+        self.store.delete_revisions(name)
+        self.store.add_event("undeploy", name, "removed", deployment=name)  # stamped with the tenant it had
+        for r in self.store.replicas(name):
+            self.lifecycle.retire(r, "undeployed")
+        self.poke()
 
     def status(self) -> list[tuple[Deployment, list[Replica]]]:
-        return [(d, self.w.store.replicas(d.spec.name)) for d in self.w.store.deployments()]
+        return [(d, self.store.replicas(d.spec.name)) for d in self.store.deployments()]
 
     def rollout_status(self, name: str) -> dict[str, Any]:
         """Where deployment ``name``'s rollout stands: its revisions and which replicas run the current one."""
-        w = self.w
-        d = w.store.get_deployment(name)
-        replicas = w.store.replicas(name)
-        history = w.store.revisions(name)
-        current = history[-1][0] if history else 0
-        rows = [
-            {
-                "id": r.id,
-                "state": r.state.value,
-                "revision": r.revision,
-                "up_to_date": w.template(r, d) == d.template(),
-                "replaces": r.replaces,
-                "ready_since": r.last_ready_at if r.state is ReplicaState.READY else None,
-                "message": r.message,
-            }
-            for r in replicas
-        ]
-        serving = [x for x in rows if not x["replaces"] and x["state"] != ReplicaState.STOPPING.value]
-        updated = sum(1 for x in serving if x["up_to_date"] and x["state"] == ReplicaState.READY.value)
-        return {
-            "deployment": name,
-            "revision": current,
-            "model": d.spec.model,
-            "version": d.spec.version,
-            "octants": d.octants,
-            "desired": d.replicas,
-            "updated": updated,
-            "complete": updated == d.replicas and len(serving) == d.replicas,
-            "replicas": rows,
-            "history": [
-                {"revision": n, "model": s.model, "version": s.version, "octants": o, "at": at}
-                for n, s, o, at in history
-            ],
-        }
+        return rollout_status(self.store, name)
 
     def rollout_undo(self, name: str, to_revision: int | None = None) -> Deployment:
         """Roll back to the model, version and octants of ``to_revision`` (default: the one before the current),
         as a new revision, replica by replica."""
-        w = self.w
-        d = w.store.get_deployment(name)
-        history = w.store.revisions(name)
+        d = self.store.get_deployment(name)
+        history = self.store.revisions(name)
         if to_revision is None:
             if len(history) < 2:
                 raise InvalidSpecError(f"deployment {name!r} has no earlier revision to go back to")
@@ -248,147 +215,50 @@ class Controller:
         spec = dataclasses.replace(d.spec, model=target[1].model, version=target[1].version, octants=target[2])
         return self.deploy(spec)
 
+    # ---- what the fleet's watchers saw (:mod:`.fleet_changes`) --------------------------------------------
+
+    def mark_node(self, name: str, health: Health) -> None:
+        self.fleet.mark_node(name, health)
+
+    def mark_card(self, node: str, gpu: int, health: Health, reason: str) -> None:
+        self.fleet.mark_card(node, gpu, health, reason)
+
+    def restart_gpu_replicas(self, node: str, why: str) -> None:
+        self.fleet.restart_gpu_replicas(node, why)
+
+    def node_changed(self, change: NodeChange) -> None:
+        self.fleet.node_changed(change)
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+
     def poke(self) -> None:
         """Reconcile now rather than at the next tick."""
-        self.w.poke()
+        self.wakeup.poke()
 
     def ready(self) -> tuple[bool, str]:
         """Whether the loop runs and completes iterations; when not, why (for readiness and status)."""
-        h, s = self.loop_health, self.w.settings
+        h, s, now = self.loop_health, self.settings, self.clock.monotonic()
         if not h.running:
             return False, "the controller's loop is not running"
-        failing = self.w.store.failing
-        if failing is not None and self.w.clock.monotonic() - failing[0] > s.stall_after_s:
-            since = self.w.clock.monotonic() - failing[0]
+        failing = self.store.failing
+        if failing is not None and now - failing[0] > s.stall_after_s:
+            since = now - failing[0]
             return False, f"the state store has refused the controller's writes for {since:.0f} s: {failing[1]}"
-        stalled = self.w.clock.monotonic() - h.last_ok_at
+        stalled = now - h.last_ok_at
         if stalled > s.stall_after_s:
             why = f": {h.failures} failed iteration(s) in a row, last: {h.last_error}" if h.failures else ""
             return False, f"the controller's loop has not completed an iteration for {stalled:.0f} s{why}"
         return True, ""
 
-    # ---- the loop ----------------------------------------------------------------------------------------
-
     def adopt(self) -> None:
-        """On start: rebuild the scheduler's state from the store, adopting replicas that still run, then the
-        replacements that were in flight (:meth:`_undo_unfinished`, then :meth:`_carry_on`)."""
-        w = self.w
-        for d in w.store.deployments():
-            route(w, d.spec)
-        carry_on, moved_away = self._undo_unfinished()
-        for r in sorted(w.store.replicas(), key=lambda r: not r.handle):  # what runs keeps its slice first
-            if not r.placed or w.holds(r.id) or r.id in moved_away:
-                continue
-            try:
-                w.scheduler.commit(w.request(r, w.store.get_deployment(r.deployment)), w.placement(r))
-            except (InvalidSpecError, NotFoundError) as exc:
-                log.warning("replica %s: cannot re-account its slice (%s); re-placing it", r.id, exc)
-                w.to_pending(r, f"slice lost across restart: {exc}")
-                continue
-            if not r.handle and r.pid is not None:  # stored before launchers had handles: a local PID
-                r.handle = str(r.pid)
-            if r.state is ReplicaState.PENDING:
-                continue  # placed, waiting for its slice to be free: launched by the health check
-            if not r.handle or not w.launcher.alive(r.handle):
-                r.state, r.handle, r.pid = ReplicaState.FAILED, "", None
-                r.message = "not running after controller restart"
-                w.store.put_replica(r)
-        for d in w.store.deployments():
-            w.route(d.spec.name)
-        for t in carry_on:
-            self._carry_on(t)
-        self._stop_strays()
-
-    def _stop_strays(self) -> None:
-        """Stop the replicas that run but that the store does not know: launched the moment before the previous
-        controller died, their handle never stored (the launcher finds them on the machine; a launcher that
-        cannot tell its cloud's replicas from others' finds none)."""
-        w = self.w
-        running = w.launcher.handles()
-        if not running:
-            return
-        known: set[str] = set()
-        for r in w.store.replicas():
-            if r.handle:
-                known.add(r.handle)
-            if r.pid is not None:  # records from before handles
-                known.add(str(r.pid))
-        for handle in running:
-            if handle not in known:
-                log.warning("replica process %s runs but no replica of the store has it: stopping it", handle)
-                self.executor.kill(handle)
-                w.event("stray replica stopped", handle, "it ran without a record (launched just before a restart)")
-
-    def _undo_unfinished(self) -> tuple[list[Transition], set[str]]:
-        """Sort the replacements a restart interrupted: one whose replacement is not READY (or no longer runs)
-        while the old replica still does is rolled back (the replacement stopped and forgotten, the old one
-        serves on, what a move placed on its slice goes back to pending); the others carry on from their phase.
-        Returns those that carry on, and the sources of the moves among them (their slice is already someone
-        else's: it is not re-accounted to them)."""
-        w, x = self.w, self.executor
-        replicas = {r.id: r for r in w.store.replicas()}
-        carry_on: list[Transition] = []
-        for t in w.store.transitions():
-            surge, old = replicas.get(t.replacement), replicas.get(t.source)
-            surge_runs = surge is not None and bool(surge.handle) and w.launcher.alive(surge.handle)
-            old_runs = old is not None and bool(old.handle) and w.launcher.alive(old.handle)
-            ready = surge is not None and surge_runs and surge.state is ReplicaState.READY
-            if surge is None or (old is None and not ready):
-                w.store.delete_transition(t.replacement)  # nothing left to take over from or to
-                continue
-            if ready or not old_runs or old is None:
-                w.transitions[t.replacement] = t
-                carry_on.append(t)
-                continue
-            if surge.handle and surge_runs:
-                x.kill(surge.handle)
-            w.store.delete_replica(surge.id)
-            w.store.delete_transition(t.replacement)
-            if old.state is ReplicaState.STOPPING:  # it was draining for a replacement that no longer runs
-                old.state = ReplicaState.READY
-                w.store.put_replica(old)
-            if t.kind == "move":
-                for waiter in w.store.replicas():
-                    if old.id in waiter.after:
-                        w.to_pending(waiter, "the move that made room for it was interrupted by a restart")
-                w.replica_event("move rolled back", old, f"{surge.id} was not ready at restart; {old.id} serves on")
-            else:
-                w.event("rollout failed", surge.id, f"not ready at restart; {old.id} serves on", t.deployment)
-        moved_away = {t.source for t in carry_on if t.kind == "move"}
-        return carry_on, moved_away
-
-    def _carry_on(self, t: Transition) -> None:
-        """Finish replacement ``t`` from the phase it had reached (its replacement is READY, or the replica it
-        replaces no longer runs)."""
-        w, x = self.w, self.executor
-        replicas = {r.id: r for r in w.store.replicas(t.deployment)}
-        surge, old = replicas.get(t.replacement), replicas.get(t.source)
-        if surge is None:
-            w.end_transition(t.replacement)
-            return
-        if surge.replaces and surge.state is ReplicaState.READY:  # it was ready, not yet routed
-            x.complete(surge)
-            return
-        if surge.replaces:  # neither runs any longer: the surge restarts as an ordinary replica
-            surge.replaces = ""
-            w.store.put_replica(surge)
-        w.route(t.deployment)
-        x.pin(surge.id)
-        if old is None:
-            w.end_transition(t.replacement)
-            x.pin(surge.id, pinned=False)
-        elif t.phase == "releasing" or not (old.handle and w.launcher.alive(old.handle)):
-            w.phase(t, "releasing")
-            x.release_stopped(old, t)
-            w.replica_event("stopped", old, f"replaced by {surge.id} (finished after a restart)")
-        else:
-            x.retire(old, f"replaced by {surge.id} (carried on after a restart)", transition=t)
+        """On start: take over from the previous controller (:mod:`.adoption`)."""
+        self.adoption.adopt()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set; an iteration that raises is retried with back-off, never fatal."""
-        w, h = self.w, self.loop_health
-        w.wake = asyncio.Event()
-        h.running, h.last_ok_at = True, w.clock.monotonic()
+        h, s = self.loop_health, self.settings
+        wake = self.wakeup.start()
+        h.running, h.last_ok_at = True, self.clock.monotonic()
         adopted = False
         next_full = 0.0
         try:
@@ -397,27 +267,27 @@ class Controller:
                     if not adopted:
                         self.adopt()
                         adopted = True
-                    if w.clock.monotonic() >= next_full or w.wake.is_set():
-                        w.wake.clear()
+                    if self.clock.monotonic() >= next_full or wake.is_set():
+                        wake.clear()
                         await self.reconcile()
-                        next_full = w.clock.monotonic() + w.settings.interval_s
+                        next_full = self.clock.monotonic() + s.interval_s
                     else:
                         await self.check_health()
                 except Exception as exc:
                     h.failures += 1
                     h.last_error = f"{type(exc).__name__}: {exc}"[:500]
                     log.exception("controller iteration failed (%d in a row); retrying", h.failures)
-                    delay = min(w.settings.backoff_max_s, w.settings.backoff_base_s * 2 ** min(h.failures - 1, 16))
+                    delay = min(s.backoff_max_s, s.backoff_base_s * 2 ** min(h.failures - 1, 16))
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), delay)
                     continue
-                h.failures, h.last_ok_at, h.last_error = 0, w.clock.monotonic(), ""
+                h.failures, h.last_ok_at, h.last_error = 0, self.clock.monotonic(), ""
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(w.wake.wait(), w.settings.health_interval_s)
+                    await asyncio.wait_for(wake.wait(), s.health_interval_s)
         finally:
             h.running = False
-            await self.executor.close()
-            await asyncio.to_thread(w.store.flush, w.settings.stop_grace_s + 5.0)
+            await self.lifecycle.close()
+            await asyncio.to_thread(self.store.flush, s.stop_grace_s + 5.0)
 
     async def reconcile(self) -> None:
         """One full pass: health, then desired vs actual, then the scheduler's loop."""
@@ -426,86 +296,3 @@ class Controller:
 
     async def check_health(self) -> None:
         await self.health.check()
-
-    # ---- the fleet ---------------------------------------------------------------------------------------
-
-    def mark_node(self, name: str, health: Health) -> None:
-        """A node failed (or recovered): its replicas are re-placed elsewhere on the next pass."""
-        w = self.w
-        w.scheduler.state.set_node_health(name, health)
-        w.store.add_event("node", name, health.value)
-        if health is Health.FAILED:
-            self._fail_over([r for r in w.store.replicas() if r.node == name], f"node {name} failed")
-        self.poke()
-
-    def mark_card(self, node: str, gpu: int, health: Health, reason: str) -> None:
-        """A card's health changed (NVML: an XID, ECC errors, a lost GPU): a DEGRADED card takes no new
-        replicas; a FAILED one also fails its replicas over to other cards (using the failover headroom)."""
-        w = self.w
-        w.scheduler.state.set_card_health(node, gpu, health)
-        w.store.add_event("node", node, f"card {gpu} {health.value}: {reason}")
-        if health is Health.FAILED:
-            on_card = [r for r in w.store.replicas() if r.node == node and gpu in r.gpus]
-            self._fail_over(on_card, f"card {gpu} of {node} failed ({reason})")
-        self.poke()
-
-    def restart_gpu_replicas(self, node: str, why: str) -> None:
-        """The GPU replicas of ``node`` lost their CUDA contexts (its MPS server died): each restarts on its
-        slice, with the usual back-off."""
-        gpu_cards = {g.index for n in self.w.nodes if n.name == node for g in n.gpus if g.model != CPU_CARD_MODEL}
-        for r in self.w.store.replicas():
-            if r.node == node and r.handle and gpu_cards.intersection(r.gpus):
-                self.executor.failed(r, why, kill=True)
-        self.poke()
-
-    def _fail_over(self, replicas: list[Replica], why: str) -> None:
-        w = self.w
-        for r in replicas:
-            if r.replaces:  # a replacement that was starting there: rolled back
-                self.executor.failed(r, why, kill=True)
-                continue
-            w.unroute(r.id, gone=True)  # first: the gateway stops routing to it, and ends what is in flight there
-            if r.handle:
-                self.executor.kill(r.handle)
-            w.release(r.id)
-            w.to_pending(r, why, failover=True)
-            w.replica_event("failover", r, f"{why}: re-placed elsewhere")
-
-    def node_changed(self, change: NodeChange) -> None:
-        """Apply what a fleet watcher saw: a new node joins the fleet (the scheduler may use it at once), a known
-        node that was lost comes back, or a node is lost (its replicas are re-placed on the others)."""
-        name = change.node.name
-        state = self.w.scheduler.state
-        if change.health is Health.FAILED:
-            if name in state.index and state.nodes[state.index[name]].health is not Health.FAILED:
-                self.mark_node(name, Health.FAILED)
-            return
-        if name not in state.index:
-            self._grow_fleet(change.node)
-            cards = f"{change.node.gpu_count} × {change.node.gpu_model or 'no card'}"
-            self.w.store.add_event("node", name, f"joined: {cards}")
-            self.poke()
-        elif state.nodes[state.index[name]].health is not Health.HEALTHY:
-            self.mark_node(name, Health.HEALTHY)
-
-    def _grow_fleet(self, node: Node) -> None:
-        """Rebuild the scheduler's state with ``node`` added, carrying over every allocation and health."""
-        old = self.w.scheduler.state
-        fresh = ClusterState([*(_all_healthy(n) for n in old.nodes), _all_healthy(node)])
-        scheduler = Scheduler(fresh, self.w.scheduler.profile)
-        for a in old:
-            scheduler.commit(a.request, a.placement)
-        for n in [*old.nodes, node]:
-            for g in n.gpus:
-                if g.health is not Health.HEALTHY:
-                    fresh.set_card_health(n.name, g.index, g.health)
-            if n.health is not Health.HEALTHY:
-                fresh.set_node_health(n.name, n.health)
-        self.w.scheduler = scheduler
-        self.loop.scheduler = scheduler
-        self.w.nodes.append(node)
-
-
-def _all_healthy(node: Node) -> Node:
-    gpus = tuple(dataclasses.replace(g, health=Health.HEALTHY) for g in node.gpus)
-    return dataclasses.replace(node, gpus=gpus, health=Health.HEALTHY)

@@ -14,13 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from octacloud.control.controller.world import World
+from octacloud.control.controller.contracts import FootprintSource, Wakeup
+from octacloud.control.controller.reservations import Reservations
+from octacloud.control.controller.state import ControllerStore
 from octacloud.control.deploy_request import DeployRequest, compare, resolve, summary
 from octacloud.control.deployments import Deployment, DeploymentSpec, ReplicaState
 from octacloud.control.models import check_model, unknown_model
 from octacloud.control.sizing import FleetCapacity, Sizing, inflight_per_replica, plan_size, reserve_percent
+from octacloud.core.clock import Clock
 from octacloud.core.errors import ConflictError, NotFoundError
-from octacloud.gateway.routing import Owner
+from octacloud.gateway.routing import Owner, RouteTable
 from octacloud.serving import is_model_name
 from octacloud.storage.store import ModelStore
 from octacloud.tenancy import Holding
@@ -47,17 +50,26 @@ class Deployed:
 
 
 class Deployer:
-    """Carries out :meth:`apply` on the controller's world; ``admission`` (None: no quotas) is asked last."""
+    """Carries out :meth:`apply`; ``admission`` (None: no quotas) is asked last."""
 
-    def __init__(self, world: World, models: ModelStore, admission: DeployAdmission | None = None) -> None:
-        self.w = world
-        self.models = models
-        self.admission = admission
+    def __init__(
+        self,
+        *,
+        store: ControllerStore,
+        models: ModelStore,
+        footprint: FootprintSource,
+        reservations: Reservations,
+        routes: RouteTable,
+        clock: Clock,
+        wakeup: Wakeup,
+        admission: DeployAdmission | None = None,
+    ) -> None:
+        self.store, self.models, self.footprint, self.reservations = store, models, footprint, reservations
+        self.routes, self.clock, self.wakeup, self.admission = routes, clock, wakeup, admission
 
     def apply(self, request: DeployRequest) -> Deployed:
-        w = self.w
         try:
-            old: Deployment | None = w.store.get_deployment(request.name)
+            old: Deployment | None = self.store.get_deployment(request.name)
         except NotFoundError:
             old = None
         spec = resolve(request, old.spec if old is not None else None)
@@ -72,19 +84,19 @@ class Deployer:
         if old is not None and spec.target_qps is None:  # an operator's (or the autoscaler's) count stays, in bounds
             replicas = min(max(old.replicas, spec.min_replicas), spec.max_replicas)
         if self.admission is not None:
-            others = [Holding(d.spec.name, d.octants, d.spec.max_replicas) for d in w.store.deployments()
+            others = [Holding(d.spec.name, d.octants, d.spec.max_replicas) for d in self.store.deployments()
                       if d.spec.tenant == spec.tenant and d.spec.name != spec.name]  # fmt: skip
             self.admission.admit(spec.tenant, Holding(spec.name, sizing.octants, spec.max_replicas), others)
         if old is None:
-            d = Deployment(spec, replicas, sizing.octants, created_at=w.clock.time())
+            d = Deployment(spec, replicas, sizing.octants, created_at=self.clock.time())
         else:
             d = Deployment(spec, replicas, sizing.octants, old.created_at, old.generation + 1)
         running = self._running(spec.name)
-        w.store.put_deployment(d)
+        self.store.put_deployment(d)
         changes, kept = compare(request, old, d)
         what = f"{spec.model} × {replicas} on {d.octants} octant(s)" + (f": {sizing.reason}" if sizing.reason else "")
         if old is None or old.template() != d.template():  # a new revision: what each replica runs changed
-            what += f", revision {w.store.add_revision(d, w.clock.time())}"
+            what += f", revision {self.store.add_revision(d, self.clock.time())}"
             if old is not None:
                 model, version, octants = old.template()
                 what += (
@@ -93,37 +105,37 @@ class Deployer:
                 )
         if old is not None:
             what += f"; {summary(changes, kept)}"
-        route(w, spec)
-        w.store.add_event("deploy", spec.name, what, deployment=spec.name, tenant=spec.tenant)
-        w.poke()
+        route(self.routes, self.footprint, spec)
+        self.store.add_event("deploy", spec.name, what, deployment=spec.name, tenant=spec.tenant)
+        self.wakeup.poke()
         return Deployed(d, sizing.reason, changes, kept)
 
     def _set_aside_owner(self, name: str) -> str | None:
         """The tenant of the stored deployment ``name`` that could not be read (None: there is none, or its record
         names no tenant); deploying that name again replaces it, for that tenant only."""
-        for u in self.w.store.unreadable():
+        for u in self.store.unreadable():
             if u.kind == "deployment" and u.key == name:
                 return u.tenant or None
         return None
 
     def _running(self, name: str) -> int:
         """Replicas of ``name`` that serve or are on their way to (what a rolling update replaces)."""
-        return sum(1 for r in self.w.store.replicas(name) if not r.replaces and r.state is not ReplicaState.STOPPING)
+        return sum(1 for r in self.store.replicas(name) if not r.replaces and r.state is not ReplicaState.STOPPING)
 
     def sizing(self, spec: DeploymentSpec) -> Sizing:
         """The size ``spec`` resolves to and why; raises when it could never be placed on this fleet."""
-        return plan_size(spec, lambda: self.w.footprint(spec.model), self.capacity(spec.priority))
+        return plan_size(spec, lambda: self.footprint(spec.model), self.capacity(spec.priority))
 
     def capacity(self, priority: int = 0) -> FleetCapacity:
         """What the fleet could ever give a deployment of ``priority`` (the failover reserve kept from it)."""
-        return FleetCapacity.of(self.w.nodes, reserve_percent(self.w.scheduler.profile, priority))
+        return FleetCapacity.of(self.reservations.nodes, reserve_percent(self.reservations.scheduler.profile, priority))
 
 
-def route(w: World, spec: DeploymentSpec) -> None:
+def route(routes: RouteTable, footprint: FootprintSource, spec: DeploymentSpec) -> None:
     """Tell the gateway's routes whose ``spec`` is, and a generative deployment's in-flight bound per replica
     (``sizing.inflight_per_replica``: a generation holds an engine slot for seconds)."""
-    w.routes.owners[spec.name] = Owner(spec.tenant, spec.published)
-    bound = inflight_per_replica(lambda: w.footprint(spec.model))
-    w.routes.inflight_per_replica.pop(spec.name, None)
+    routes.owners[spec.name] = Owner(spec.tenant, spec.published)
+    bound = inflight_per_replica(lambda: footprint(spec.model))
+    routes.inflight_per_replica.pop(spec.name, None)
     if bound is not None:
-        w.routes.inflight_per_replica[spec.name] = bound
+        routes.inflight_per_replica[spec.name] = bound

@@ -6,7 +6,8 @@
 * a FAILED replica restarts on its own slice once its back-off (``backoff_base_s`` × 2^restarts, at most
   ``backoff_max_s``) has passed, checked at every health tick rather than at the next full reconcile; one whose
   card or node is unusable goes back to pending (it may use the failover headroom);
-* a surge replica that becomes READY completes its replacement; one that fails rolls it back (see executor).
+* a placed replica whose slice has become free starts;
+* a surge replica that becomes READY moves its replacement on; one that fails undoes it (:mod:`.replacement`).
 
 Probes of all replicas run concurrently, each bounded by ``probe_timeout_s``.
 """
@@ -14,104 +15,163 @@ Probes of all replicas run concurrently, each bounded by ``probe_timeout_s``.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
-from octacloud.control.controller.executor import Executor
-from octacloud.control.controller.world import Probe, World
-from octacloud.control.deployments import Replica, ReplicaState
-from octacloud.control.launcher import LaunchFailedError
+from octacloud.control.controller.contracts import ControllerSettings, Probe, Prober, Wakeup
+from octacloud.control.controller.events import EventLog
+from octacloud.control.controller.lifecycle import Lifecycle
+from octacloud.control.controller.replacement import Replacements
+from octacloud.control.controller.reservations import Reservations
+from octacloud.control.controller.state import ControllerStore
+from octacloud.control.deployments import Deployment, Replica, ReplicaState
+from octacloud.control.launcher import LaunchFailedError, ReplicaLauncher
+from octacloud.core.clock import Clock
 from octacloud.core.errors import NotFoundError
 
 
+@dataclass(slots=True)
+class _Runtime:
+    """Per-replica bookkeeping that need not survive a controller restart."""
+
+    probe_failures: int = 0
+    """Failed readiness probes in a row (reset by one that passes)."""
+    next_restart_at: float = 0.0
+    """When a FAILED replica may restart."""
+
+
 class HealthChecker:
-    def __init__(self, world: World, executor: Executor) -> None:
-        self.w = world
-        self.x = executor
+    def __init__(
+        self,
+        *,
+        store: ControllerStore,
+        launcher: ReplicaLauncher,
+        prober: Prober,
+        lifecycle: Lifecycle,
+        replacements: Replacements,
+        reservations: Reservations,
+        events: EventLog,
+        clock: Clock,
+        settings: ControllerSettings,
+        wakeup: Wakeup,
+    ) -> None:
+        self.store, self.launcher, self.prober = store, launcher, prober
+        self.lifecycle, self.replacements, self.reservations = lifecycle, replacements, reservations
+        self.events, self.clock, self.settings, self.wakeup = events, clock, settings, wakeup
+        self._runtime: dict[str, _Runtime] = {}
+
+    def _rt(self, replica_id: str) -> _Runtime:
+        return self._runtime.setdefault(replica_id, _Runtime())
 
     async def check(self) -> None:
-        w = self.w
-        now = w.clock.monotonic()
+        now = self.clock.monotonic()
         probing: list[Replica] = []
-        for r in w.store.replicas():
-            if r.id in w.stopping:
+        replicas = self.store.replicas()
+        for gone in self._runtime.keys() - {r.id for r in replicas}:
+            del self._runtime[gone]
+        for r in replicas:
+            if self.lifecycle.is_stopping(r.id):
                 continue
             if r.state is ReplicaState.FAILED:
-                if now >= w.rt(r.id).next_restart_at:
+                if now >= self._rt(r.id).next_restart_at:
                     await self.restart(r)
                 continue
-            if r.state is ReplicaState.PENDING and r.placed and self.x.room_is_free(r):
+            if r.state is ReplicaState.PENDING and r.placed and self.lifecycle.room_is_free(r):
                 try:
-                    await self.x.launch(r, w.store.get_deployment(r.deployment))
+                    await self.start(r, self.store.get_deployment(r.deployment))
                 except NotFoundError:
                     pass
                 continue
             if r.state not in (ReplicaState.STARTING, ReplicaState.READY) or not r.handle:
                 continue
-            if not w.launcher.alive(r.handle):
-                why = getattr(w.launcher, "exit_reason", _untold)(r.handle)  # a launcher that can tell says why
-                self.x.failed(r, f"process exited: {why}" if why else "process exited")
-                continue
-            if not r.http_port:  # a remote replica reports where it serves once it has started
-                try:
-                    address = w.launcher.address(r.handle)
-                except LaunchFailedError as exc:
-                    self.x.failed(r, f"start failed: {exc}", kill=True)
-                    continue
-                if address is None:
-                    if now - r.started_at > w.settings.startup_timeout_s:
-                        self.x.failed(r, f"not started after {w.settings.startup_timeout_s:g} s", kill=True)
-                    continue
-                self.x.addressed(r, address)
-            probing.append(r)
-        timeout = w.settings.probe_timeout_s
-        results = await asyncio.gather(*(w.prober.probe(r, r.deployment, timeout) for r in probing))
+            if not self.launcher.alive(r.handle):
+                why = self.lifecycle.exit_reason(r.handle)
+                self.failed(r, f"process exited: {why}" if why else "process exited")
+            elif r.http_port or self._addressed(r, now):
+                probing.append(r)
+        timeout = self.settings.probe_timeout_s
+        results = await asyncio.gather(*(self.prober.probe(r, r.deployment, timeout) for r in probing))
         for r, probe in zip(probing, results, strict=True):
-            if r.id not in w.stopping:
+            if not self.lifecycle.is_stopping(r.id):
                 self._judge(r, probe, now)
 
+    def _addressed(self, r: Replica, now: float) -> bool:
+        """A remote replica reports where it serves once it has started: whether it has (and may be probed)."""
+        try:
+            address = self.launcher.address(r.handle)
+        except LaunchFailedError as exc:
+            self.failed(r, f"start failed: {exc}", kill=True)
+            return False
+        if address is None:
+            if now - r.started_at > self.settings.startup_timeout_s:
+                self.failed(r, f"not started after {self.settings.startup_timeout_s:g} s", kill=True)
+            return False
+        self.lifecycle.addressed(r, address)
+        return True
+
     def _judge(self, r: Replica, probe: Probe, now: float) -> None:
-        w = self.w
-        rt = w.rt(r.id)
+        rt = self._rt(r.id)
+        timeout = self.settings.startup_timeout_s
         if probe.ready:
             rt.probe_failures = 0
             if r.state is ReplicaState.STARTING:
-                r.state, r.last_ready_at, r.message = ReplicaState.READY, w.clock.time(), ""
-                w.store.put_replica(r)
-                w.replica_event("ready", r, f"serving on {r.node} cards {list(r.gpus)}")
+                r.state, r.last_ready_at, r.message = ReplicaState.READY, self.clock.time(), ""
+                self.store.put_replica(r)
+                self.events.replica("ready", r, f"serving on {r.node} cards {list(r.gpus)}")
                 if r.replaces:
-                    self.x.complete(r)
+                    self.replacements.ready(r)
                 else:
-                    w.route(r.deployment)
+                    self.lifecycle.route(r.deployment)
         elif r.state is ReplicaState.STARTING:
             if probe.failed:
-                self.x.failed(r, f"model failed to load: {probe.failed}", kill=True)
-            elif now - r.started_at > w.settings.startup_timeout_s:
-                self.x.failed(r, f"not ready after {w.settings.startup_timeout_s:g} s", kill=True)
+                self.failed(r, f"model failed to load: {probe.failed}", kill=True)
+            elif now - r.started_at > timeout:
+                self.failed(r, f"not ready after {timeout:g} s", kill=True)
         else:
             rt.probe_failures += 1
-            if rt.probe_failures >= w.settings.probe_failures_to_fail:
-                self.x.failed(r, f"{rt.probe_failures} readiness probes failed", kill=True)
+            if rt.probe_failures >= self.settings.probe_failures_to_fail:
+                self.failed(r, f"{rt.probe_failures} readiness probes failed", kill=True)
+
+    async def start(self, r: Replica, d: Deployment) -> None:
+        """Launch ``r`` on its slice; a launch that fails fails the replica."""
+        why = await self.lifecycle.launch(r, d)
+        if why:
+            self.failed(r, why)
+        elif r.state is ReplicaState.STARTING:  # launched: its probes count afresh
+            self._runtime[r.id] = _Runtime()
+
+    def failed(self, r: Replica, why: str, *, kill: bool = False) -> None:
+        """``r`` died or will never be ready: stop routing to it; restart it with back-off, or (a surge replica)
+        undo its replacement. ``kill``: its process may still run and is stopped in the background."""
+        self.lifecycle.unroute(r.id, gone=True)
+        if kill and r.handle:
+            self.lifecycle.kill(r.handle)
+        if r.replaces:
+            self.replacements.failed(r, why)
+            return
+        s = self.settings
+        delay = min(s.backoff_max_s, s.backoff_base_s * 2 ** min(r.restarts, 16))
+        self._rt(r.id).next_restart_at = self.clock.monotonic() + delay
+        r.state, r.handle, r.pid, r.message = ReplicaState.FAILED, "", None, why
+        self.store.put_replica(r)
+        self.events.replica("failed", r, f"{why}; restart in {delay:g} s")
+        self.lifecycle.route(r.deployment)
 
     async def restart(self, r: Replica) -> None:
         """Restart FAILED ``r`` on its slice, or send it back to pending when its slice is gone or unusable."""
-        w = self.w
         try:
-            d = w.store.get_deployment(r.deployment)
+            d = self.store.get_deployment(r.deployment)
         except NotFoundError:
             return  # an orphan: the next reconcile removes it
         if not r.placed:
-            w.to_pending(r, r.message, r.failover)
+            r.unplace(r.message, r.failover)
+            self.store.put_replica(r)
             return
-        state = w.scheduler.state
-        i = state.node_index(r.node)
-        if not w.holds(r.id) or not all(state.card_usable(i, g) for g in r.gpus):
-            w.release(r.id)
-            w.to_pending(r, f"card on {r.node} unusable", failover=True)
-            w.poke()
+        if not self.reservations.usable(r):
+            self.reservations.release(r.id)
+            r.unplace(f"card on {r.node} unusable", failover=True)
+            self.store.put_replica(r)
+            self.wakeup.poke()
             return
         r.restarts += 1
-        w.replica_event("restart", r, f"restart #{r.restarts} on {r.node}")
-        await self.x.launch(r, d)
-
-
-def _untold(_handle: str) -> str:
-    return ""
+        self.events.replica("restart", r, f"restart #{r.restarts} on {r.node}")
+        await self.start(r, d)
