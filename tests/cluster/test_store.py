@@ -81,19 +81,22 @@ def test_replacements_revisions_and_events_round_trip(store_url: str) -> None:
 
 
 def test_a_fleet_of_replicas_round_trips(store_url: str) -> None:
-    """A thousand-card fleet's replicas, written behind by the controller's store, read back after a restart."""
+    """A thousand-card fleet's replicas (four deployments of 250), written behind by the controller's store, read
+    back after a restart."""
     backing = StateStore(store_url)
     store = ControllerStore(backing)
-    store.put_deployment(Deployment(DeploymentSpec(name="mlp", model="mlp"), 1000, 2, 0.0))
+    for d in range(4):
+        store.put_deployment(Deployment(DeploymentSpec(name=f"mlp-{d}", model="mlp"), 250, 2, float(d)))
     for k in range(1000):
         node, card = divmod(k, 8)
-        store.put_replica(Replica(f"mlp-{k:04d}", "mlp", f"n{node:03d}", (card,), 250, ReplicaState.READY,
+        store.put_replica(Replica(f"mlp-{k:04d}", f"mlp-{k // 250}", f"n{node:03d}", (card,), 250, ReplicaState.READY,
                                   http_port=10_000 + k, handle=f"emu:h0:mlp-{k:04d}"))  # fmt: skip
     assert store.flush(300)
     store.close()
     backing.close()
     again = StateStore(store_url)
-    replicas = again.replicas("mlp")
+    replicas = again.replicas()
     assert len(replicas) == 1000 and replicas[123].http_port == 10_123 and replicas[123].node == "n015"
+    assert [len(again.replicas(f"mlp-{d}")) for d in range(4)] == [250] * 4
     assert ControllerStore(again).replicas() == replicas
     again.close()
