@@ -14,7 +14,6 @@ Probes of all replicas run concurrently, each bounded by ``probe_timeout_s``.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 from octacloud.control.controller.contracts import ControllerSettings, Probe, Prober, Wakeup
@@ -27,6 +26,10 @@ from octacloud.control.deployments import Deployment, Replica, ReplicaState
 from octacloud.control.launcher import LaunchFailedError, ReplicaLauncher
 from octacloud.core.clock import Clock
 from octacloud.core.errors import NotFoundError
+from octacloud.observability.replicas import bounded_gather
+
+PROBES_AT_ONCE = 128
+"""Readiness probes in flight at once (all of a fleet's at once wait in the replicas' queues past their timeout)."""
 
 
 @dataclass(slots=True)
@@ -89,8 +92,11 @@ class HealthChecker:
             elif r.http_port or self._addressed(r, now):
                 probing.append(r)
         timeout = self.settings.probe_timeout_s
-        results = await asyncio.gather(*(self.prober.probe(r, r.deployment, timeout) for r in probing))
+        # a few at a time: a fleet's probes at once wait in the replicas' queues past their timeout
+        results = await bounded_gather((self.prober.probe(r, r.deployment, timeout) for r in probing), PROBES_AT_ONCE)
         for r, probe in zip(probing, results, strict=True):
+            if isinstance(probe, BaseException):
+                raise probe
             if not self.lifecycle.is_stopping(r.id):
                 self._judge(r, probe, now)
 
