@@ -176,6 +176,33 @@ def run_documented_samples(work: Path, env: dict[str, str]) -> None:
             assert done.returncode == 0, f"{example.name}: {line!r}:\n{done.stdout}{done.stderr}"
 
 
+def roll_out_and_scale(up: Up, work: Path, env: dict[str, str]) -> None:
+    """What a newcomer does next: rolls out a new version by deploying it under the same name (the 2 replicas the
+    quick start's ``scale mlp 2`` asked for are kept, and the command says so), and scales a model that ``deploy``
+    started (``resnet50_int8``) as one that ``up`` started."""
+
+    def octacloud(*args: str) -> str:
+        done = subprocess.run([".venv/bin/octacloud", *args], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 0, f"octacloud {' '.join(args)} failed:\n{done.stdout}{done.stderr}"
+        return done.stdout
+
+    old = {r["id"] for r in up.deployments()["mlp"]["instances"]}
+    assert len(old) == 2
+    out = octacloud("deploy", "mlp_fp16", "--name", "mlp")
+    assert "keeps " in out and "2 replica(s)" in out and "changes model mlp → mlp_fp16" in out, out
+
+    def rolled() -> bool:
+        d = up.deployments()["mlp"]
+        ids = {r["id"] for r in d["instances"]}
+        return d["spec"]["model"] == "mlp_fp16" and len(up.ready("mlp")) == 2 == len(ids) and not ids & old
+
+    wait_until("mlp rolled out to mlp_fp16 with its 2 replicas", rolled, timeout=240)
+    out = octacloud("scale", "resnet50_int8", "2")
+    assert "resnet50_int8: 2 replica(s)" in out, out
+    wait_until("2 replicas of resnet50_int8", lambda: len(up.ready("resnet50_int8")) == 2, timeout=240)
+
+
 @pytest.fixture
 def work(tmp_path: Path) -> Iterator[Path]:
     if not (port_free(8000) and port_free(8001)):
@@ -250,6 +277,7 @@ def test_the_readme_quick_start_runs_as_printed(work: Path, tmp_path: Path) -> N
         assert grpc.returncode == 0 and "array(" in grpc.stdout, grpc.stdout + grpc.stderr
         if repo == examples_repository():  # the samples below need the real example models
             run_documented_samples(work, {**env, "OCTACLOUD_KEY": up.key})
+            roll_out_and_scale(up, work, {**env, "OCTACLOUD_KEY": up.key})
 
         # a second `up` on the same state refuses
         again = subprocess.run([str(work / ".venv/bin/octacloud"), "up", "--repository", str(repo), *up_args],
