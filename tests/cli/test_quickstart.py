@@ -242,6 +242,8 @@ def test_the_readme_quick_start_runs_as_printed(work: Path, tmp_path: Path) -> N
         for name in initial:
             wait_until(f"{name} ready", lambda name=name: len(up.ready(name)) == 1)
 
+        if not (work / "models").exists():  # `make up` builds the repository in the checkout's models/
+            (work / "models").symlink_to(repo, target_is_directory=True)
         for line, code, out in run_block(lines, work, env):
             assert code == 0, f"{line!r} failed ({code}):\n{out}"
             words = shlex.split(line, comments=True)
@@ -264,6 +266,8 @@ def test_the_readme_quick_start_runs_as_printed(work: Path, tmp_path: Path) -> N
                 assert "usage by deployment" in out, out
             elif command == "top":
                 assert "demo-a" in out and "demo-b" in out, out
+            elif command == "models":
+                assert all(name in out for name in initial), out
             else:
                 assert command == "export", f"the quick start has a command this test does not check: {line!r}"
 
