@@ -8,6 +8,7 @@ from octacloud.app import Cloud, CloudConfig
 from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
 from octacloud.scheduler.plugins.telemetry import TelemetryScore
+from octacloud.scheduler.telemetry import PricedTelemetry
 
 from .conftest import write_models
 
@@ -21,7 +22,8 @@ def test_telemetry_terms_of_the_profile_read_the_cloud_sampler(tmp_path: Path) -
     try:
         terms = [p for p in cloud.scheduler.profile.plugins() if isinstance(p, TelemetryScore)]
         assert {t.metric for t in terms} >= {"gpu_utilisation", "gpu_memory_bandwidth", "pcie_throughput"}
-        assert all(t.source is cloud.monitoring.sampler for t in terms)
+        # through the fleet's tariffs (power_price, power_cost), on the cloud's sampler
+        assert all(isinstance(t.source, PricedTelemetry) and t.source.source is cloud.monitoring.sampler for t in terms)
         assert cloud.monitoring.sampler.interval_s == 0.25
         assert cloud.monitoring.sampler.nvml is None  # a fleet of CPU cards: no NVML, no DCGM names
         assert cloud.rest_gateway.dashboard is not None and cloud.rest_gateway.metrics is not None

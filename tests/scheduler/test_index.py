@@ -35,8 +35,9 @@ from octacloud.sim.protocol import inflate
 from octacloud.sim.traces import read_nodes, read_pods
 from tests.scheduler.helpers import check_invariants, require_traces
 
-FALLBACK = {"random", "clustering", "cpu-idle-sketch", "multi-objective"}
-"""Profiles with a plugin that is not node-local (or a random choice): the runner visits every node."""
+FALLBACK = {"random", "clustering", "cpu-idle-sketch", "multi-objective", "domain-aware"}
+"""Profiles with a plugin that is not node-local (or a random choice): the runner visits every node
+(domain-aware's domain-reserve needs a backup spot outside the candidate's rack)."""
 
 
 def telemetry_for(nodes: Sequence[Node], seed: int) -> StaticTelemetry:
