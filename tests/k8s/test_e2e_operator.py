@@ -67,7 +67,7 @@ def cluster(control_plane: ControlPlane) -> Iterator[ControlPlane]:
 
             async def established() -> bool:
                 status = (await api.get(f"{CRD}/{crd['metadata']['name']}")).get("status") or {}
-                return any(c["type"] == "Established" and c["status"] == "True" for c in status.get("conditions", []))
+                return any(c["type"] == "Established" and c["status"] == "True" for c in status.get("conditions") or [])
 
             await eventually(established, "the CRD to be established")
 

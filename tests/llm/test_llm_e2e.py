@@ -78,6 +78,8 @@ def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CloudThread]:
             wait_until(f"{model} ready", lambda m=model: _ready(c, m), timeout=240)
         yield c
     finally:
+        while OPEN_CLIENTS:
+            OPEN_CLIENTS.pop().close()
         c.stop(stop_replicas=True)
 
 
@@ -85,8 +87,14 @@ def _ready(c: CloudThread, name: str) -> bool:
     return any(r["state"] == "ready" for r in c.deployment(name)["instances"])
 
 
+OPEN_CLIENTS: list[Any] = []
+"""The openai clients the tests made, closed with the cloud (their connection pools hold sockets)."""
+
+
 def client(c: CloudThread, tenant: str = "alice", **options: Any) -> Any:
-    return openai.OpenAI(base_url=f"{c.url}/v1", api_key=c.keys[tenant], max_retries=0, **options)  # type: ignore[attr-defined]
+    made = openai.OpenAI(base_url=f"{c.url}/v1", api_key=c.keys[tenant], max_retries=0, **options)  # type: ignore[attr-defined]
+    OPEN_CLIENTS.append(made)
+    return made
 
 
 def post(c: CloudThread, path: str, body: bytes | dict[str, Any], tenant: str = "alice") -> httpx.Response:

@@ -42,7 +42,8 @@ def test_publishes_three_variants_as_separate_versioned_models(converted: tuple[
     assert sorted(p.name for p in repo.iterdir()) == ["tiny", "tiny_fp16", "tiny_int8"]  # no staging left
     for v in result.variants:
         version_dir = repo / v.name / "1"
-        assert sorted(p.name for p in version_dir.iterdir()) == ["model.onnx", "parity.json", "profile.json"]
+        names = sorted(p.name for p in version_dir.iterdir())
+        assert names == ["model.onnx", "octacloud-manifest.json", "parity.json", "profile.json"]
         assert json.loads((version_dir / "parity.json").read_text())["passed"] is True
 
 

@@ -12,6 +12,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from octacloud.toolchain.examples import SENTENCES, example_models, fingerprint, read_state
+from octacloud.toolchain.gguf_examples import gguf_examples
 from octacloud.toolchain.profile import read_profile
 
 pytestmark = pytest.mark.models
@@ -66,7 +67,7 @@ def test_the_variants_shrink_the_weights(built_models: Path) -> None:
 
 def test_the_recorded_fingerprints_are_current(built_models: Path) -> None:
     state = {name: built.fingerprint for name, built in read_state(built_models).items()}
-    current = {e.name: fingerprint(e) for e in example_models()}
+    current = {e.name: fingerprint(e) for e in example_models()} | {g.name: g.fingerprint() for g in gguf_examples()}
     assert current == state, f"{built_models} is stale (a recipe or library changed): run `make models`"
 
 
