@@ -21,10 +21,8 @@ import pytest
 
 from tests import h2wire
 from tests.cluster.conftest import write_linear_model
-from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, wait_until
-from tests.security.test_gateway_h2_headers import INFER, Setup, VictimTraffic
-
-from .conftest import call, make_tenant
+from tests.cluster.test_cloud_e2e import config, wait_until
+from tests.security.test_gateway_h2_headers import INFER, Setup, VictimTraffic, victim_and_attacker
 
 pytestmark = pytest.mark.slow
 
@@ -50,15 +48,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         body_timeout_s=3.0,
         header_timeout_s=3.0,
     )
-    c = CloudThread(cfg)
-    try:
-        victim, attacker = make_tenant(c, "victim"), make_tenant(c, "attacker")
-        body = {"name": "v-lin", "model": "linear", "published": True}
-        assert call(c, victim, "POST", "/admin/deployments", body).status_code == 201
-        wait_until("the victim's deployment ready", lambda: bool(ready_ids(c, "v-lin")))
-        yield Setup(c, victim, attacker)
-    finally:
-        c.stop(stop_replicas=True)
+    with victim_and_attacker(cfg) as s:
+        yield s
 
 
 def rss() -> int:

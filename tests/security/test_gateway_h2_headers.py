@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import httpx
@@ -22,6 +23,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2
 
+from octacloud.app import CloudConfig
 from tests import h2wire
 from tests.cluster.conftest import IN, expected_output, write_linear_model
 from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, wait_until
@@ -51,6 +53,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     write_linear_model(root / "models")
     cfg = config(root, root / "models")
     cfg.limits = replace(cfg.limits, max_inflight_per_replica=64)  # the bursts below are not load to shed
+    with victim_and_attacker(cfg) as s:
+        yield s
+
+
+@contextmanager
+def victim_and_attacker(cfg: CloudConfig) -> Iterator[Setup]:
+    """A cloud of ``cfg`` with two tenants, the victim's published deployment ``v-lin`` ready."""
     c = CloudThread(cfg)
     try:
         victim, attacker = make_tenant(c, "victim"), make_tenant(c, "attacker")
