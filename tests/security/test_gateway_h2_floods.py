@@ -191,19 +191,37 @@ def test_partial_messages_are_bounded_per_connection_and_per_tenant_and_timed_ou
             out += h2wire.frame(h2wire.DATA, 0, sid, wire[i : i + 16384])
         return out
 
-    async def connection(streams: int, frames: Callable[[int], bytes]) -> None:
+    async def connection(streams: int, frames: Callable[[int], bytes], refused: asyncio.Event | None = None) -> None:
+        """Send ``streams`` calls; once the first six are answered (a connection holds at most two 1.5 MiB
+        messages, so at least six of eight are refused at once) set ``refused``; then read every answer."""
         async with opened(setup) as wire:
             for i in range(streams):
                 await wire.send(frames(1 + 2 * i))
             held.append(inputs.bytes.get("attacker", 0))
+            if refused is not None:
+                await wire.read_until(lambda fs: len(h2wire.statuses(fs)) >= 6, limit_s=30)
+                refused.set()
             got = await wire.read_until(lambda fs: len(h2wire.statuses(fs)) >= streams, limit_s=30)
             answers.extend(h2wire.statuses(got).values())
 
     def waiting(sid: int) -> bytes:
         return h2wire.header_frames(sid, h2wire.grpc_headers(INFER, [key]))
 
+    async def after(events: list[asyncio.Event], then: Awaitable[None]) -> None:
+        for event in events:
+            await event.wait()
+        await then
+
     async def attack(port: int) -> None:
-        await asyncio.gather(*(connection(8, partial) for _ in range(4)), connection(WAITING + 16, waiting))
+        # In order, so that each bound is the one that trips: the first connection alone fills its own 3 MiB;
+        # three more while it holds pass the tenant's 6 MiB; the HEADERS-only calls, once those are answered,
+        # pass the tenant's 64 waiting calls (interleaved, the tenant's bound could trip before any connection's).
+        first, rest = asyncio.Event(), [asyncio.Event() for _ in range(3)]
+        await asyncio.gather(
+            connection(8, partial, first),
+            *(after([first], connection(8, partial, event)) for event in rest),
+            after([first, *rest], connection(WAITING + 16, waiting)),
+        )
 
     victim, grown = under_attack(setup, attack)
     assert_unharmed(victim, grown)
