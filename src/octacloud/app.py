@@ -225,6 +225,7 @@ class Cloud:
         self.usage = ClusterUsage(
             self.controller,
             gpu_use=self.monitoring.sampler.gpu_use,
+            card_power=self.monitoring.sampler.card_power,
             replica_headers=internal,
             replica_tls=self.internal_tls,
         )

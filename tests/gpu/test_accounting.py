@@ -63,3 +63,23 @@ async def test_the_ledger_bills_gpu_used_next_to_the_slice_held(tmp_path: Path) 
     lines = {line.tenant: line.as_dict() for line in summarize(ledger.records(), by="tenant")}
     assert lines["acme"]["octant_seconds"] == 80.0  # 4 octants held for 20 s
     assert lines["acme"]["gpu_used_octant_seconds"] == 48.0  # 0.3 of a card used for 20 s
+
+
+async def test_the_cards_nvml_draw_is_the_ledgers_energy(tmp_path: Path) -> None:
+    cards = [FakeCard(power_mw=400_000), FakeCard(power_mw=212_500)]
+    clock = ManualClock(epoch=EPOCH)
+    sampler = TelemetrySampler(lambda: [NODE], _replicas, clock, nvml=NvmlCards(FakeNvml(cards)), nvml_node="gpu-a")
+    await sampler.sample()
+    assert sampler.card_power() == {("gpu-a", 0): 400.0, ("gpu-a", 1): 212.5}
+    ledger = Ledger.at(f"sqlite:///{tmp_path / 'ledger.db'}")
+    slices = [
+        Allocation("acme", "web", "web-aaaaaa", "H100", 500, "gpu-a", (0,)),
+        Allocation("globex", "api", "api-bbbbbb", "H100", 250, "gpu-a", (0,)),
+    ]
+    meter = Meter(ledger, FakeSource(slices, power=sampler.card_power()), clock, interval_s=10)
+    await run_for(meter, clock, 10)
+    lines = {line.tenant: line.as_dict() for line in summarize(ledger.records(), by="tenant")}
+    assert lines["acme"]["energy_wh"] == round(400 * 0.5 * 10 / 3600, 6)  # half the card's 400 W for 10 s
+    assert lines["globex"]["energy_wh"] == round(400 * 0.25 * 10 / 3600, 6)
+    assert sampler.card_power() == {}  # 10 s without a sample: stale, the ledger charges nothing from it
+    ledger.close()

@@ -38,6 +38,8 @@ class FakeSource:
     replicas: dict[str, Work] = field(default_factory=dict)
     stored: list[Stored] = field(default_factory=list)
     used: dict[str, int] = field(default_factory=dict)
+    power: dict[tuple[str, int], float] = field(default_factory=dict)
+    """(node, card) → watts it draws now: the fake power sampler."""
 
     def allocations(self) -> list[Allocation]:
         return list(self.allocs)
@@ -53,6 +55,9 @@ class FakeSource:
 
     def gpu_use(self) -> Mapping[str, int]:
         return dict(self.used)
+
+    def card_power(self) -> Mapping[tuple[str, int], float]:
+        return dict(self.power)
 
     def send(self, tenant: str, deployment: str, requests: int, bytes_in: int, bytes_out: int) -> None:
         t = self.counters.get((tenant, deployment), Traffic())

@@ -1,5 +1,5 @@
-"""``octacloud usage``: what each tenant used (octant-seconds, execution time, requests, traffic, storage, and a
-generative deployment's prompt and completion tokens)."""
+"""``octacloud usage``: what each tenant used (octant-seconds, execution time, requests, traffic, storage, a
+generative deployment's prompt and completion tokens, and the energy of its share of its cards)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from rich.table import Table
 from octacloud.cli.cloud import CACERT, KEY, URL, _call, _url, console, err
 
 COLUMNS = ("tenant", "group", "octant_seconds", "exec_seconds", "inferences", "requests", "bytes_in", "bytes_out",
-           "storage_gb_months", "prompt_tokens", "completion_tokens", "cost")  # fmt: skip
+           "storage_gb_months", "prompt_tokens", "completion_tokens", "energy_wh", "cost")  # fmt: skip
 
 
 def usage(
@@ -45,7 +45,7 @@ def usage(
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
-        writer.writerows({c: r[c] for c in COLUMNS} for r in rows)
+        writer.writerows({c: r.get(c, 0) for c in COLUMNS} for r in rows)
         typer.echo(buffer.getvalue(), nl=False)
         return
     priced = data.get("currency") is not None
@@ -53,7 +53,7 @@ def usage(
     by_tenant = data["by"] == "tenant"  # the group is the tenant: one column for both
     names = ["tenant"] if by_tenant else ["tenant", data["by"]]
     headers = [*names, "octant-s", "exec s", "inferences", "requests", "MB in", "MB out", "GB-months",
-               "prompt tok", "completion tok"]  # fmt: skip
+               "prompt tok", "completion tok", "Wh"]  # fmt: skip
     for col in [*headers, *(["cost"] if priced else [])]:
         table.add_column(col, justify="left" if col in names else "right")
     for r in rows:
@@ -61,7 +61,8 @@ def usage(
         cells = [*label, f"{r['octant_seconds']:.1f}", f"{r['exec_seconds']:.3f}",
                  str(r["inferences"]), str(r["requests"]), f"{r['bytes_in'] / 1e6:.3f}",
                  f"{r['bytes_out'] / 1e6:.3f}", f"{r['storage_gb_months']:.3g}",
-                 str(r.get("prompt_tokens", 0)), str(r.get("completion_tokens", 0))]  # fmt: skip
+                 str(r.get("prompt_tokens", 0)), str(r.get("completion_tokens", 0)),
+                 f"{r.get('energy_wh', 0):.3f}"]  # fmt: skip
         table.add_row(*cells, *([f"{r['cost']:.4f}"] if priced else []))
     console.print(table)
 

@@ -1,6 +1,7 @@
 """What the meter reads from the running cloud (:class:`octacloud.metering.UsageSource`).
 
 - slices: the scheduler's allocations (a replica's milli-GPU on its cards, the cards' model);
+- power: each card's draw as the telemetry sampler last measured it (NVML), for the energy of each slice;
 - traffic: the gateway's per-(calling tenant, deployment) counters;
 - work: each replica's own Triton counters, scraped from its metrics endpoint
   (``nv_inference_compute_infer_duration_us``, ``nv_inference_count``): the execution-time share of a shared
@@ -86,6 +87,7 @@ class ClusterUsage:
         storage_ttl_s: float = 60.0,
         now: Callable[[], float] = time.monotonic,
         gpu_use: Callable[[], Mapping[str, int]] | None = None,
+        card_power: Callable[[], Mapping[tuple[str, int], float]] | None = None,
         replica_headers: dict[str, str] | None = None,
         replica_tls: ssl.SSLContext | None = None,
     ) -> None:
@@ -93,6 +95,7 @@ class ClusterUsage:
         """Internal TLS: scrapes are HTTPS, the replica's certificate checked against the cloud CA."""
         self.controller = controller
         self._gpu_use = gpu_use
+        self._card_power = card_power
         self.replica_headers = replica_headers
         """Sent with every scrape of a replica (the cloud's internal secret)."""
         self.scrape_timeout_s = scrape_timeout_s
@@ -109,7 +112,17 @@ class ClusterUsage:
             models = {g.index: g.model for g in node.gpus}
             model = models.get(a.placement.gpus[0], node.gpu_model) if a.placement.gpus else node.gpu_model
             milli = a.placement.milli_per_gpu * len(a.placement.gpus)
-            out.append(Allocation(a.request.owner, deployment_of(a.request.name), a.request.name, model, milli))
+            out.append(
+                Allocation(
+                    a.request.owner,
+                    deployment_of(a.request.name),
+                    a.request.name,
+                    model,
+                    milli,
+                    a.placement.node,
+                    tuple(a.placement.gpus),
+                )
+            )
         return out
 
     def traffic(self) -> Mapping[tuple[str, str], Traffic]:
@@ -151,6 +164,10 @@ class ClusterUsage:
     def gpu_use(self) -> Mapping[str, int]:
         """What the telemetry sampler measured through NVML (nothing on a host without NVIDIA cards)."""
         return self._gpu_use() if self._gpu_use is not None else {}
+
+    def card_power(self) -> Mapping[tuple[str, int], float]:
+        """Each card's draw the telemetry sampler measured (nothing on a host without NVIDIA cards)."""
+        return self._card_power() if self._card_power is not None else {}
 
     def storage(self) -> list[Stored]:
         out = []

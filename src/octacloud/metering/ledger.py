@@ -45,6 +45,10 @@ class Metric(enum.Enum):
     GPU_USED = "gpu_used_milli_ms"
     """GPU actually used: the SM share NVML measured for the replica's process (its process utilisation
     samples), milli-GPU × milliseconds like ``ALLOC``; recorded only on NVIDIA cards."""
+    ENERGY = "energy_mj"
+    """Energy of the cards the replica's slice holds, millijoules (watts × milliseconds; 1 Wh = 3 600 000): each
+    card's measured power draw times the share of the card the slice holds (milli-GPU / 1000), integrated like
+    ``ALLOC``; recorded only where the card's draw is measured (NVML)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """The meter: turns what the cloud holds and measures into ledger records, one closed interval at a time.
 
 Intervals are aligned to multiples of ``interval_ms`` on the injected clock's wall time. Between closes the
-meter samples (every ``tick``) the slices each replica holds and integrates milli-GPU × time; at each close it
+meter samples (every ``tick``) the slices each replica holds and integrates milli-GPU × time, and the energy of
+its share of its cards (each card's measured draw × milli-GPU / 1000 × time); at each close it
 reads the cumulative counters (the gateway's traffic per tenant and deployment, each replica's execution
 time and inference count) and records their change since the last close, plus storage × interval length.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -41,13 +43,16 @@ MARK_LEAD_MS = 5
 
 @dataclass(frozen=True, slots=True)
 class Allocation:
-    """A replica's slice right now: ``milli`` is its milli-GPU summed over its cards (8 octants = 1000)."""
+    """A replica's slice right now: ``milli`` is its milli-GPU summed over its cards (8 octants = 1000), the
+    same share of each of ``gpus`` (card indices on ``node``)."""
 
     tenant: str
     deployment: str
     replica: str
     gpu_model: str
     milli: int
+    node: str = ""
+    gpus: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -113,6 +118,11 @@ class UsageSource(Protocol):
         """Replica → milli-GPU it is measured to use right now (NVML); replicas not measured are absent."""
         ...
 
+    def card_power(self) -> Mapping[tuple[str, int], float]:
+        """(node, card index) → the watts the card is measured to draw right now (NVML); cards whose draw is not
+        measured (CPU "cards", a stale sample) are absent."""
+        ...
+
 
 class Meter:
     def __init__(
@@ -136,6 +146,7 @@ class Meter:
         self._sampled_ms = self.start_ms
         self._alloc: dict[tuple[str, str, str, str], int] = {}
         self._used: dict[tuple[str, str, str, str], int] = {}
+        self._energy: dict[tuple[str, str, str, str], float] = {}  # millijoules, rounded when the interval closes
         self._traffic: dict[tuple[str, str], Traffic] = dict(source.traffic())
         self._mark: tuple[int, dict[tuple[str, str], Traffic]] | None = None  # (when, counters) inside the interval
         self._work: dict[str, Work] = {}  # the replicas' counters at the last close (or at prime())
@@ -162,11 +173,15 @@ class Meter:
         if dt <= 0:
             return
         used = self.source.gpu_use()
+        power = self.source.card_power()
         for a in self.source.allocations():
             key = (a.tenant, a.deployment, a.replica, a.gpu_model)
             self._alloc[key] = self._alloc.get(key, 0) + a.milli * dt
             if a.replica in used:  # never more than the slice it holds
                 self._used[key] = self._used.get(key, 0) + min(used[a.replica], a.milli) * dt
+            draws = [w for g in a.gpus if (w := power.get((a.node, g))) is not None and 0 <= w < math.inf]
+            if draws:  # its share of each measured card's draw (a reading that is no wattage counts nothing): W×ms=mJ
+                self._energy[key] = self._energy.get(key, 0.0) + sum(draws) * a.milli / len(a.gpus) / 1000 * dt
         self._sampled_ms = until_ms
 
     async def tick(self) -> int:
@@ -205,6 +220,11 @@ class Meter:
             for (t, d, r, model), q in self._used.items()
             if q > 0
         ]
+        records += [
+            UsageRecord(t, d, r, Metric.ENERGY, start, length, round(q), model)
+            for (t, d, r, model), q in self._energy.items()
+            if round(q) > 0
+        ]
         for (tenant, deployment), now in traffic.items():
             was = self._traffic.get((tenant, deployment), Traffic())
             for metric, q in (
@@ -238,6 +258,7 @@ class Meter:
         self._work = {r: w for r, w in {**self._work, **work}.items() if r in held or r in work}
         self._alloc = {}
         self._used = {}
+        self._energy = {}
         self.start_ms = self._sampled_ms = end_ms
         self.closed += 1
         return True

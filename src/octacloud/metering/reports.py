@@ -9,6 +9,11 @@ stored, and a generative model's tokens per million (prompt and completion apart
     gb_month_stored: 0.02
     prompt_mtok: 0.05
     completion_mtok: 0.20
+    kwh: 0.40
+
+Energy (each slice's share of its cards' measured draw) is reported in watt-hours and, with ``kwh``, priced per
+kilowatt-hour (what the operator charges tenants; the fleet file's tariffs are what the operator pays, a scheduling
+cost).
 
 Units: 1 octant-hour = 125 milli-GPU × 3 600 000 ms; 1 GB = 10^9 bytes; 1 month = 30 days; 1 mtok = 10^6 tokens.
 """
@@ -30,9 +35,10 @@ MILLI_MS_PER_OCTANT_HOUR = 125 * 3_600_000
 BYTES_PER_GB = 10**9
 TOKENS_PER_MTOK = 10**6
 MS_PER_MONTH = 30 * 86_400_000
+MJ_PER_WH = 3_600_000
 
 
-_PRICED = ("gb_transferred", "gb_month_stored", "prompt_mtok", "completion_mtok")
+_PRICED = ("gb_transferred", "gb_month_stored", "prompt_mtok", "completion_mtok", "kwh")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +52,8 @@ class PriceSheet:
     """Price of a million prompt tokens."""
     completion_mtok: float = 0.0
     """Price of a million generated tokens."""
+    kwh: float = 0.0
+    """Price of a kilowatt-hour of the energy a tenant's slices drew."""
 
     @classmethod
     def load(cls, path: Path) -> PriceSheet:
@@ -95,6 +103,7 @@ class UsageLine:
     gpu_used_milli_ms: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    energy_mj: int = 0
     cost: float = 0.0
 
     @property
@@ -104,6 +113,10 @@ class UsageLine:
     @property
     def octant_seconds(self) -> float:
         return self.alloc_milli_ms / 125_000
+
+    @property
+    def watt_hours(self) -> float:
+        return self.energy_mj / MJ_PER_WH
 
     @property
     def gb_months(self) -> float:
@@ -123,6 +136,7 @@ class UsageLine:
             "gpu_used_octant_seconds": round(self.gpu_used_milli_ms / 125_000, 3),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "energy_wh": round(self.watt_hours, 6),
             "cost": round(self.cost, 6),
         }
 
@@ -138,6 +152,7 @@ _FIELD = {
     Metric.GPU_USED: "gpu_used_milli_ms",
     Metric.PROMPT_TOKENS: "prompt_tokens",
     Metric.COMPLETION_TOKENS: "completion_tokens",
+    Metric.ENERGY: "energy_mj",
 }
 
 
@@ -197,6 +212,8 @@ def _cost(r: Total, prices: PriceSheet) -> float:
         return r.quantity / TOKENS_PER_MTOK * prices.prompt_mtok
     if r.metric is Metric.COMPLETION_TOKENS:
         return r.quantity / TOKENS_PER_MTOK * prices.completion_mtok
+    if r.metric is Metric.ENERGY:
+        return r.quantity / MJ_PER_WH / 1000 * prices.kwh
     return 0.0
 
 

@@ -243,6 +243,18 @@ class TelemetrySampler:
             return {}
         return {rid: round(t.gpu_busy * 1000) for rid, t in latest.replicas.items() if t.gpu_busy is not None}
 
+    def card_power(self) -> dict[tuple[str, int], float]:
+        """(node, card index) → watts the card draws now (NVML), for the ledger's energy; cards without a
+        measured draw are absent. Nothing once the latest sample is stale."""
+        latest = self.latest
+        if latest is None or self.clock.monotonic() - latest.monotonic > self.max_age_s:
+            return {}
+        return {
+            (k.node, k.gpu): card.values[dcgm.POWER]
+            for k, card in latest.cards.items()
+            if card.source == "nvml" and dcgm.POWER in card.values
+        }
+
     def _replica(self, r: ReplicaInfo, serving: ReplicaServing | None, now: float) -> ReplicaTelemetry:
         last = self._previous.get(r.id)
         if last is None or last.pid != r.pid:  # new, or restarted: its counters began again

@@ -30,6 +30,7 @@ _HELP = {
     UsageMetric.GPU_USED: "GPU the tenant's replicas actually used (NVML SM share), milli-GPU × milliseconds.",
     UsageMetric.PROMPT_TOKENS: "Prompt tokens the tenant sent to generative deployments.",
     UsageMetric.COMPLETION_TOKENS: "Tokens generative deployments generated for the tenant.",
+    UsageMetric.ENERGY: "Energy of the tenant's share of its cards' measured draw, millijoules (3 600 000 = 1 Wh).",
 }
 
 
@@ -70,6 +71,7 @@ class LedgerTotals:
                     "bytes_out": per.get(UsageMetric.BYTES_OUT, 0),
                     "prompt_tokens": per.get(UsageMetric.PROMPT_TOKENS, 0),
                     "completion_tokens": per.get(UsageMetric.COMPLETION_TOKENS, 0),
+                    "energy_wh": round(per.get(UsageMetric.ENERGY, 0) / 3_600_000, 3),
                 }
             )
         return out
