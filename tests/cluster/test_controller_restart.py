@@ -12,7 +12,7 @@ import pytest
 from octacloud.control.controller.state import ControllerStore
 from octacloud.control.deployments import Replica, ReplicaState
 from octacloud.control.launcher import Launched, LaunchSpec
-from octacloud.control.store import Transition
+from octacloud.control.transitions import Transition
 
 from .controller_fakes import Harness
 

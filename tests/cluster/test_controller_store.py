@@ -9,7 +9,8 @@ from sqlalchemy.exc import OperationalError
 
 from octacloud.control.controller.state import ControllerStore
 from octacloud.control.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
-from octacloud.control.store import StateStore, Transition
+from octacloud.control.store import StateStore
+from octacloud.control.transitions import Transition
 
 
 def test_reads_are_copies_and_match_what_is_stored(store_url: str) -> None:

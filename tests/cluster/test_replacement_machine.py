@@ -17,7 +17,7 @@ from octacloud.control.controller.replacement import (
     next_phase,
     plan_resume,
 )
-from octacloud.control.store import PHASES, Phase
+from octacloud.control.transitions import PHASES, Phase
 
 S, R, D, L = Phase.STARTING, Phase.ROUTING, Phase.DRAINING, Phase.RELEASING
 LIVE = [S, R, D, L]

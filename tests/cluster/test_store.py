@@ -6,7 +6,8 @@ import pytest
 
 from octacloud.control.controller.state import ControllerStore
 from octacloud.control.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
-from octacloud.control.store import StateStore, Transition
+from octacloud.control.store import StateStore
+from octacloud.control.transitions import Transition
 from octacloud.core import InvalidSpecError, NotFoundError
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from octacloud.control.controller.state import ControllerStore
 from octacloud.control.deployments import Deployment, DeploymentSpec, Replica, ReplicaState
-from octacloud.control.store import StateStore, Store, Transition
+from octacloud.control.store import StateStore, Store
+from octacloud.control.transitions import Transition
 from octacloud.core.errors import NotFoundError
 
 

@@ -11,7 +11,7 @@ what was placed there returns to pending. The source never stops serving before 
         │                  └───────────── source gone ────────────────────────────────▶ DONE
         └──failed──▶ UNDONE
 
-A replacement in flight is a :class:`~octacloud.control.store.Transition` in the store, stored with its surge
+A replacement in flight is a :class:`~octacloud.control.transitions.Transition` in the store, stored with its surge
 replica and again as it enters each phase, so that a restarted controller resumes it (:func:`plan_resume`: carry
 it on from its phase when the surge replica is READY or the source no longer runs, undo it when the source still
 serves and the surge replica does not). The surge replica stays pinned until the source is gone.
@@ -30,7 +30,7 @@ from octacloud.control.controller.lifecycle import Lifecycle
 from octacloud.control.controller.reservations import Reservations
 from octacloud.control.controller.state import ControllerStore
 from octacloud.control.deployments import Deployment, Replica, ReplicaState, new_replica_id
-from octacloud.control.store import PHASES, Phase, Transition
+from octacloud.control.transitions import PHASES, Phase, Transition
 from octacloud.core.clock import Clock
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.core.model import Placement

@@ -42,7 +42,8 @@ from sqlalchemy.exc import OperationalError
 
 from octacloud.control.deployments import Deployment, DeploymentSpec, Replica
 from octacloud.control.records import OPERATORS, Unreadable
-from octacloud.control.store import EventListener, StateStore, Transition, unknown_deployment
+from octacloud.control.store import EventListener, StateStore, unknown_deployment
+from octacloud.control.transitions import Transition
 from octacloud.core.clock import Clock, SystemClock
 from octacloud.core.errors import NotFoundError
 
