@@ -299,13 +299,13 @@ def test_whole_card_totals_follow_the_state_incrementally() -> None:
     workload = TargetWorkload.from_requests([req("w", 1000), req("e", 1000, 8, cpu=16_000)])
     plugin = ConsolidatingFragmentation(workload, whole_cards=True)
     plugin.whole_card_costs(state)
-    assert plugin._copies_total == [2] and plugin._free_total == 16_000
+    assert plugin._demand.copies_total == [2] and plugin._demand.free_total == 16_000
     place(state, req("x", 300), "a", (5,))
     plugin.whole_card_costs(state)
-    assert plugin._copies_total == [1] and plugin._free_total == 15_700
+    assert plugin._demand.copies_total == [1] and plugin._demand.free_total == 15_700
     state.release("x")
     plugin.whole_card_costs(state)
-    assert plugin._copies_total == [2] and plugin._free_total == 16_000
+    assert plugin._demand.copies_total == [2] and plugin._demand.free_total == 16_000
 
 
 def test_eight_card_requests_waiting_in_the_queue_raise_the_cost_of_breaking_a_whole_node() -> None:

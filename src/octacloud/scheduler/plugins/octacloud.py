@@ -43,7 +43,6 @@ Results are cached per (request shape, node signature) and per node version, as 
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from octacloud.scheduler.fragmentation import FragmentationModel, TargetWorkload
 from octacloud.scheduler.framework.api import MAX_NODE_SCORE, CycleContext
 from octacloud.scheduler.framework.state import ClusterState, NodeSignature
 from octacloud.scheduler.plugins.fit import cards_that_fit
+from octacloud.scheduler.plugins.octacloud_demand import CACHE_LIMIT, MultiClass, WholeCardDemand, scarcity_costs
 from octacloud.scheduler.registry import Args, PluginContext
 
 _Shape = tuple[int, int, int, bool]
@@ -63,10 +63,6 @@ _Eval = tuple[float, int, int, tuple[int, ...], tuple[int, ...], float]
 """(Δ unusable idle milli-GPU, growth of the share's card's dead space, free milli-GPU left on the node after the
 placement, the card for a share, copies of each multi-card class the placement removes from the node, ``ΔS``: its
 part below zero is the stranded idle GPU the placement puts to use)."""
-_Class = tuple[int, int, frozenset[str], int, float]
-_NEGLIGIBLE = 1e-4
-"""A chance below this is no cost (saves the per-node pass while multi-card capacity is plentiful)."""
-_CACHE_LIMIT = 1 << 17
 _SCRATCH = "octacloud.evaluations"
 
 DEFAULT_TOLERANCE = 50.0
@@ -101,16 +97,8 @@ class ConsolidatingFragmentation:
     _strand_cache: dict[tuple[str, int, int, tuple[int, ...]], float] = field(default_factory=dict, init=False)
     _share_sizes: tuple[int, ...] = field(default=(), init=False)
     _restricted: tuple[tuple[frozenset[str], float, float], ...] = field(default=(), init=False)
-    _multi: tuple[_Class, ...] = field(default=(), init=False)
-    _copies_cache: dict[NodeSignature, tuple[int, ...]] = field(default_factory=dict, init=False)
-    _copies_state: ClusterState | None = field(default=None, init=False)
-    _copies_seen: list[int] = field(default_factory=list, init=False)
-    _copies_node: list[tuple[int, ...]] = field(default_factory=list, init=False)
-    _copies_total: list[int] = field(default_factory=list, init=False)
-    _waiting: list[int] = field(default_factory=list, init=False)
-    """Milli-GPU of each multi-card class waiting in the loop's queue (:meth:`observe_queue`)."""
-    _free_node: list[int] = field(default_factory=list, init=False)
-    _free_total: int = field(default=0, init=False)
+    _multi: tuple[MultiClass, ...] = field(default=(), init=False)
+    _demand: WholeCardDemand = field(init=False)
     _dead: dict[int, int] = field(default_factory=dict, init=False)
     _cache: dict[_Shape, dict[NodeSignature, _Eval]] = field(default_factory=dict, init=False)
     _by_node: dict[_Shape, tuple[list[int], list[_Eval | None]]] = field(default_factory=dict, init=False)
@@ -134,7 +122,7 @@ class ConsolidatingFragmentation:
         self._share_sizes = filler_sizes(self.workload)
         self._restricted = self.workload.restricted_demand if self.scarcity else ()
         self._multi = self.workload.multi_demand if self.whole_cards else ()
-        self._waiting = [0] * len(self._multi)
+        self._demand = WholeCardDemand(self._multi)
 
     # ---- score -----------------------------------------------------------------------------------------
 
@@ -214,7 +202,7 @@ class ConsolidatingFragmentation:
         r, state = ctx.request, ctx.state
         if r.gpu_memory_mib or r.gpu_models:  # card choice depends on more than the signature
             return [self._evaluate(ctx, i) for i in nodes]
-        if state is not self._state or self._size > _CACHE_LIMIT:
+        if state is not self._state or self._size > CACHE_LIMIT:
             self._state = state
             self._cache.clear()
             self._by_node.clear()
@@ -265,7 +253,9 @@ class ConsolidatingFragmentation:
                 return (float("inf"), 0, left, (), (), 0.0)
             after = list(free)
             after[best[3]] -= r.gpu_milli
-            lost = self._lost(state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after)))
+            lost = self._demand.lost(
+                state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after))
+            )
             # once capacity has come back D is off: near-equal nodes are told apart by the card's remainder instead
             tie = best[1] if pairing else best[2]
             return (best[0], tie, left, (best[3],), lost, strand_delta)
@@ -276,135 +266,29 @@ class ConsolidatingFragmentation:
                 after[g] = 0
         stranding = strand(gpu_model, cpu_after, after, memory_after) - strand_before
         growth = frag(gpu_model, cpu_after, after) - frag_before + stranding
-        lost = self._lost(state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after)))
+        lost = self._demand.lost(state.signature[node], NodeSignature(gpu_model, cpu_after, memory_after, tuple(after)))
         return (growth, 0, left, (), lost, stranding)
 
-    # ---- M: whole cards for the multi-card requests -----------------------------------------------------
+    # ---- R and M: the demand to come (octacloud_demand) ------------------------------------------------
 
     def copies(self, sig: NodeSignature) -> tuple[int, ...]:
-        """How many requests of each multi-card class a node in state ``sig`` can still host: its whole free
-        cards, CPU and memory divided by the class's (0 where its model is not allowed)."""
-        value = self._copies_cache.get(sig)
-        if value is None:
-            model, cpu, memory, free = sig
-            whole = sum(1 for f in free if f >= MILLI_PER_GPU)
-            value = tuple(
-                0
-                if models and model not in models
-                else min(
-                    whole // cards,
-                    max(cpu, 0) // cpu_milli if cpu_milli else whole,
-                    max(memory, 0) // mib if mib else whole,
-                )
-                for cards, cpu_milli, models, mib, _ in self._multi
-            )
-            if len(self._copies_cache) >= _CACHE_LIMIT:
-                self._copies_cache.clear()
-            self._copies_cache[sig] = value
-        return value
+        """How many requests of each multi-card class a node in state ``sig`` can still host
+        (:meth:`WholeCardDemand.copies`)."""
+        return self._demand.copies(sig)
 
     def observe_queue(self, pending: Sequence[Request]) -> None:
-        """Record the multi-card demand that waits: each queued request of two or more whole cards counts toward
-        its class (the class of the same cards and models with the nearest CPU request) in ``M``'s mean."""
-        waiting = [0] * len(self._multi)
-        for r in pending:
-            if r.num_gpu < 2 or r.gpu_milli < MILLI_PER_GPU:
-                continue
-            best: tuple[int, int] | None = None
-            for k, (cards, cpu_milli, models, _mib, _share) in enumerate(self._multi):
-                if cards == r.num_gpu and models == r.gpu_models:
-                    d = abs(cpu_milli - r.cpu_milli)
-                    if best is None or d < best[0]:
-                        best = (d, k)
-            if best is not None:
-                waiting[best[1]] += r.num_gpu * MILLI_PER_GPU
-        self._waiting = waiting
-
-    def _lost(self, before: NodeSignature, after: NodeSignature) -> tuple[int, ...]:
-        if not self._multi:
-            return ()
-        return tuple(b - a for b, a in zip(self.copies(before), self.copies(after), strict=True))
+        """Record the multi-card demand that waits in the loop's queue (:meth:`WholeCardDemand.observe_queue`)."""
+        self._demand.observe_queue(pending)
 
     def whole_card_costs(self, state: ClusterState) -> tuple[float, ...]:
-        """``M`` per copy of each multi-card class a placement removes: ``cards × 1000 × Φ((μ − C) / σ)``, or
-        ``()`` while every chance is negligible.
-
-        As for ``R``, the requests to come are taken to ask for what is free now, drawn from the workload: class
-        ``k`` (``cards`` whole cards on one node, its CPU and memory) asks for ``μ_k = q_k · free + w_k`` milli-GPU
-        (``q_k``: its share of the GPU demand; ``w_k``: what of the class waits in the loop's queue, the live
-        demand, :meth:`observe_queue`), with ``σ²_k = μ_k · cards · 1000``; the cluster can host ``C_k``
-        milli-GPU of it (the copies that nodes' whole free cards, CPU and memory still take, × cards × 1000). A
-        placement that removes a copy risks one request of the class with chance ``Φ((μ_k − C_k) / σ_k)``; that
-        request fails and leaves its cards' worth idle. Totals are kept per node and updated only on the nodes
-        whose version changed since the last decision.
-        """
-        self._track(state)
-        costs: list[float] = []
-        total = float(self._free_total)
-        multi = zip(self._multi, self._copies_total, self._waiting, strict=True)
-        for (cards, _cpu, _models, _mib, share), hosted, waiting in multi:
-            size = cards * MILLI_PER_GPU
-            mean = share * total + waiting
-            chance = 0.0
-            if mean > 0:
-                chance = 0.5 * math.erfc((hosted * size - mean) / (math.sqrt(2.0 * mean * size)))
-            costs.append(size * chance if chance >= _NEGLIGIBLE else 0.0)
-        return tuple(costs) if any(costs) else ()
-
-    def _track(self, state: ClusterState) -> None:
-        sigs, versions = state.signature, state.version
-        if state is not self._copies_state or len(self._copies_seen) != len(sigs):
-            self._copies_state = state
-            self._copies_seen = list(versions)
-            self._copies_node = [self.copies(sig) for sig in sigs]
-            self._copies_total = [sum(c[k] for c in self._copies_node) for k in range(len(self._multi))]
-            self._free_node = [sum(sig.free_gpu) for sig in sigs]
-            self._free_total = sum(self._free_node)
-            return
-        seen = self._copies_seen
-        for i in [i for i, (a, b) in enumerate(zip(versions, seen, strict=True)) if a != b]:
-            seen[i] = versions[i]
-            new = self.copies(sigs[i])
-            old = self._copies_node[i]
-            for k in range(len(new)):
-                self._copies_total[k] += new[k] - old[k]
-            self._copies_node[i] = new
-            free = sum(sigs[i].free_gpu)
-            self._free_total += free - self._free_node[i]
-            self._free_node[i] = free
+        """``M`` per copy of each multi-card class a placement removes, or ``()`` while every chance is negligible
+        (:meth:`WholeCardDemand.costs`)."""
+        return self._demand.costs(state)
 
     def scarcity_costs(self, state: ClusterState) -> dict[str, float]:
-        """``R`` per milli-GPU on each GPU model: the chance that capacity taken on the model now is capacity the
-        workload's restricted requests will miss.
-
-        The requests still to come are taken to ask for what is free now (``free``, all models), drawn from the
-        workload: the requests restricted to a model set ``A`` ask for ``q_A · free`` (``q_A``: their share of
-        the workload's GPU demand), spread over ``A``'s models in proportion to what each has free. On a model
-        ``M`` that gives a restricted demand with mean ``μ_M`` and variance ``σ²_M = Σ q_A-parts · E[X²]/E[X]``
-        (a compound Poisson count of requests of size ``X``); the chance that it exceeds what ``M`` has free is
-        ``Φ((μ_M − free_M) / σ_M)``. A placement of ``g`` milli-GPU on ``M`` then displaces about ``g`` times
-        that chance of restricted demand, which fails and leaves as much idle elsewhere: ``R = g · Φ(…)``, the
-        same unit as ``F``, ``S`` and ``D``. Workloads without restricted requests have no ``R``.
-        """
-        free = state.free_gpu_milli_by_model()  # kept by the state as it changes: no walk over every node
-        total = sum(free.values())
-        mean: dict[str, float] = {}
-        variance: dict[str, float] = {}
-        for models, share, moment in self._restricted:
-            free_set = sum(free.get(m, 0) for m in models)
-            if free_set <= 0:
-                continue
-            demand = share * total
-            for m in models:
-                part = demand * free.get(m, 0) / free_set
-                mean[m] = mean.get(m, 0.0) + part
-                variance[m] = variance.get(m, 0.0) + part * moment
-        costs: dict[str, float] = {}
-        for m, mu in mean.items():
-            sd = math.sqrt(variance[m])
-            if sd > 0:
-                costs[m] = 0.5 * math.erfc((free.get(m, 0) - mu) / (sd * math.sqrt(2.0)))
-        return costs
+        """``R`` per milli-GPU on each GPU model
+        (:func:`~octacloud.scheduler.plugins.octacloud_demand.scarcity_costs`)."""
+        return scarcity_costs(self._restricted, state)
 
     def dead_space(self, free: int) -> int:
         """``D``: the milli-GPU of a shared card's ``free`` that no combination of the workload's share sizes fills
@@ -452,7 +336,7 @@ class ConsolidatingFragmentation:
                 usable = copies * milli * num
                 if usable < free_gpu:
                     value += p * (free_gpu - usable)
-            if len(self._strand_cache) >= _CACHE_LIMIT:
+            if len(self._strand_cache) >= CACHE_LIMIT:
                 self._strand_cache.clear()
             self._strand_cache[key] = value
         return value
