@@ -27,6 +27,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "schedule",
     "serve",
     "simulate",
+    "simulate_generate",
     "simulate_racks",
     "tenant",
     "top",

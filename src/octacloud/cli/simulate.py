@@ -7,7 +7,8 @@
 * ``octacloud simulate compare DIR [DIR...] [--published fgd_published_alloc.csv]`` lines our results up with
   the paper's, with the LP lower bound of the same seeds next to every policy;
 * ``octacloud simulate generate workload|fleet|suite`` writes seeded openb-format workloads and fleets
-  (:mod:`octacloud.sim.generate`); ``rack-loss`` and ``generate racks`` are in ``cli/simulate_racks.py``.
+  (:mod:`octacloud.sim.generate`), in ``cli/simulate_generate.py``; ``rack-loss`` and ``generate racks`` are in
+  ``cli/simulate_racks.py``.
 """
 
 from __future__ import annotations
@@ -101,60 +102,22 @@ def simulate(
     try:
         if plots:
             require("plots")
-        fleet = _existing(nodes, "--nodes")
-        traces = [_existing(p, "--pods") for p in (pods or [])]
-        if not traces:
-            raise InvalidSpecError("--pods is required (repeat it for several traces)")
-        if len({t.stem for t in traces}) != len(traces):
-            raise InvalidSpecError("--pods: two traces have the same file name; results are keyed by it")
-        if out is None:
-            raise InvalidSpecError("--out is required: the folder for alloc.csv, frag.csv, summary.json and PNGs")
-        if jobs < 1:
-            raise InvalidSpecError(f"--jobs must be >= 1, got {jobs}")
+        fleet, traces, out = _inputs(nodes, pods, out, jobs)
         policies = check_policies([p.strip() for p in policy.split(",") if p.strip()])
         seed_list = parse_seeds(seeds)
         memory_table = None if gpu_memory is None else _existing(gpu_memory, "--gpu-memory")
         _check_traces(fleet, traces, memory_table)
+        runs = [(t, p, s) for t in traces for p in policies for s in seed_list]
+        specs: list[object]
         if arrivals is None:
             if not 0 < tune <= 10:
                 raise InvalidSpecError(f"--tune must be in (0, 10], got {tune}")
-            specs = [
-                RunSpec(fleet, t, p, s, tune, memory_table, bound) for t in traces for p in policies for s in seed_list
-            ]
+            specs = [RunSpec(fleet, t, p, s, tune, memory_table, bound) for t, p, s in runs]
         else:
-            if defrag < 0:
-                raise InvalidSpecError(f"--defrag: moves per pass must be >= 0, got {defrag}")
-            if reservations < 0:
-                raise InvalidSpecError(f"--reservations must be >= 0, got {reservations}")
-            if defrag and not queue:
-                raise InvalidSpecError("--defrag needs --queue: defragmentation makes room for requests that wait")
-            if duration <= 0 or not 0 <= warmup < duration or period <= 0:
-                raise InvalidSpecError(
-                    f"churn: need --duration > 0, 0 <= --warmup < --duration and --period > 0 "
-                    f"(got {duration}, {warmup}, {period})"
-                )
+            _check_churn(defrag, reservations, queue, duration, warmup, period)
             arrival_spec, lifetime_spec = parse_arrivals(arrivals), parse_lifetime(lifetime)
-            churn_specs = [
-                ChurnSpec(
-                    fleet,
-                    t,
-                    p,
-                    s,
-                    arrival_spec,
-                    lifetime_spec,
-                    duration,
-                    queue,
-                    period,
-                    warmup,
-                    defrag,
-                    memory_table,
-                    reservations,
-                    serve_releases,
-                )
-                for t in traces
-                for p in policies
-                for s in seed_list
-            ]
+            churn = (arrival_spec, lifetime_spec, duration, queue, period, warmup, defrag, memory_table)
+            specs = [ChurnSpec(fleet, t, p, s, *churn, reservations, serve_releases) for t, p, s in runs]
         out.mkdir(parents=True, exist_ok=True)
     except (InvalidSpecError, MissingExtraError) as exc:
         raise _fail(f"{exc} (or pass --no-plots)" if isinstance(exc, MissingExtraError) else str(exc)) from None
@@ -165,9 +128,39 @@ def simulate(
         if arrivals is None:
             _run_protocol(specs, out, jobs, plots)
         else:
-            _run_churn(churn_specs, out, jobs, plots)
+            _run_churn(specs, out, jobs, plots)
     except InvalidSpecError as exc:
         raise _fail(str(exc)) from None
+
+
+def _inputs(nodes: Path | None, pods: list[Path] | None, out: Path | None, jobs: int) -> tuple[Path, list[Path], Path]:
+    """The fleet, the traces and the output folder, checked: each is given, exists and is told apart."""
+    fleet = _existing(nodes, "--nodes")
+    traces = [_existing(p, "--pods") for p in (pods or [])]
+    if not traces:
+        raise InvalidSpecError("--pods is required (repeat it for several traces)")
+    if len({t.stem for t in traces}) != len(traces):
+        raise InvalidSpecError("--pods: two traces have the same file name; results are keyed by it")
+    if out is None:
+        raise InvalidSpecError("--out is required: the folder for alloc.csv, frag.csv, summary.json and PNGs")
+    if jobs < 1:
+        raise InvalidSpecError(f"--jobs must be >= 1, got {jobs}")
+    return fleet, traces, out
+
+
+def _check_churn(defrag: int, reservations: int, queue: bool, duration: float, warmup: float, period: float) -> None:
+    """Churn mode's own options, checked before any run starts."""
+    if defrag < 0:
+        raise InvalidSpecError(f"--defrag: moves per pass must be >= 0, got {defrag}")
+    if reservations < 0:
+        raise InvalidSpecError(f"--reservations must be >= 0, got {reservations}")
+    if defrag and not queue:
+        raise InvalidSpecError("--defrag needs --queue: defragmentation makes room for requests that wait")
+    if duration <= 0 or not 0 <= warmup < duration or period <= 0:
+        raise InvalidSpecError(
+            f"churn: need --duration > 0, 0 <= --warmup < --duration and --period > 0 "
+            f"(got {duration}, {warmup}, {period})"
+        )
 
 
 def _check_traces(fleet: Path, traces: Sequence[Path], gpu_memory: Path | None = None) -> None:
@@ -405,113 +398,6 @@ generate_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(generate_app, name="generate")
-
-
-@generate_app.command("workload")
-def generate_workload(
-    pods: Path = typer.Option(..., "--pods", help="The base trace (openb pod file)."),
-    nodes: Path = typer.Option(..., "--nodes", help="The fleet the family is meant for (restrictions must fit it)."),
-    spec: str = typer.Option(
-        ..., "--spec", help="SHARE@MODEL[|MODEL], comma-separated, plus cpu=X / mem=X; e.g. 0.1@T4,0.05@G3,cpu=1.5."
-    ),
-    seed: int = typer.Option(7, "--seed", help="Which pods are restricted (a family is a pure function of it)."),
-    out: Path = typer.Option(..., "--out", help="The pod file to write."),
-    gpu_memory: Path | None = typer.Option(None, "--gpu-memory", help="model,gpu_memory_mib table for the fleet."),
-) -> None:
-    """Write a workload family: the base trace with SHARE of its GPU request restricted to model sets."""
-    from octacloud.sim.generate import parse_workload_spec, restrict_workload, write_pods
-    from octacloud.sim.traces import read_gpu_memory_table, read_nodes, read_pods
-
-    try:
-        table = None if gpu_memory is None else read_gpu_memory_table(_existing(gpu_memory, "--gpu-memory"))
-        fleet = read_nodes(_existing(nodes, "--nodes"), gpu_memory=table)
-        base = [p.request for p in read_pods(_existing(pods, "--pods"))]
-        family, description = restrict_workload(base, fleet, parse_workload_spec(spec), seed=seed)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_pods(out, family)
-    except InvalidSpecError as exc:
-        raise _fail(str(exc)) from None
-    except OSError as exc:
-        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
-    typer.echo(json.dumps(description, indent=2))
-
-
-@generate_app.command("fleet")
-def generate_fleet_command(
-    out: Path = typer.Option(..., "--out", help="The node file to write (with a gpu_memory_mib column)."),
-    count: int = typer.Option(200, "--count", help="Nodes (generated fleets)."),
-    mix: str | None = typer.Option(None, "--mix", help="MODEL[:WEIGHT],... e.g. A100-80G:3,H800:1,A10:3.5,L40:2.5."),
-    gpus: int = typer.Option(8, "--gpus", help="GPUs per node."),
-    cpu: str = typer.Option("128", "--cpu", help="Cores per node, one or several choices: 96,128."),
-    memory: str = typer.Option("1024", "--memory-gib", help="Host memory per node in GiB, choices: 768,1024."),
-    card_memory: str = typer.Option("", "--card-gib", help="Card memory for models the table lacks: MODEL=GiB,..."),
-    sample: Path | None = typer.Option(None, "--sample", help="Instead: a stratified sample of this node file."),
-    fraction: float = typer.Option(0.25, "--fraction", help="With --sample: the share of each node kind kept."),
-    seed: int = typer.Option(7, "--seed", help="The generator's seed."),
-) -> None:
-    """Write a fleet: COUNT nodes of GPUS cards in the proportions of --mix, or a sample of a node file."""
-    from octacloud.sim.generate import generate_fleet, parse_mix, sample_fleet, write_nodes
-    from octacloud.sim.traces import read_nodes
-
-    try:
-        if sample is not None:
-            rows = sample_fleet(read_nodes(_existing(sample, "--sample")), fraction, seed=seed)
-        else:
-            if mix is None:
-                raise InvalidSpecError("--mix is required unless --sample is given")
-            cards: dict[str, int] = {}
-            for item in (i.strip() for i in card_memory.split(",") if i.strip()):
-                model, eq, gib = item.partition("=")
-                if not eq or not gib.strip().isdigit():
-                    raise InvalidSpecError(f"--card-gib {card_memory!r}: each item is MODEL=GiB")
-                cards[model.strip()] = int(gib)
-            rows = generate_fleet(
-                count,
-                parse_mix(mix),
-                gpus=gpus,
-                cpu_cores=_int_choices(cpu, "--cpu"),
-                memory_gib=_int_choices(memory, "--memory-gib"),
-                gpu_memory_gib=cards,
-                seed=seed,
-            )
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_nodes(out, rows)
-    except InvalidSpecError as exc:
-        raise _fail(str(exc)) from None
-    except OSError as exc:
-        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
-    typer.echo(f"{len(rows)} nodes, {sum(r[3] for r in rows)} GPUs written to {out}")
-
-
-def _int_choices(text: str, option: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise InvalidSpecError(f"{option} {text!r}: expected whole numbers separated by commas") from None
-    if not values or any(v <= 0 for v in values):
-        raise InvalidSpecError(f"{option} {text!r}: expected numbers > 0")
-    return values
-
-
-@generate_app.command("suite")
-def generate_suite(
-    traces: Path = typer.Option(..., "--traces", help="The openb folder (base traces and node files)."),
-    out: Path = typer.Option(..., "--out", help="Folder for fleet_*.csv, gen_*.csv and suite.json."),
-) -> None:
-    """Write the robustness suite of docs/beating-fgd.md: its fleets and workload families."""
-    from octacloud.sim.generate import SUITE_FAMILIES, write_suite
-
-    try:
-        if not traces.is_dir():
-            raise InvalidSpecError(f"--traces {traces}: no such folder")
-        entries = write_suite(traces, out)
-    except InvalidSpecError as exc:
-        raise _fail(str(exc)) from None
-    except OSError as exc:
-        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
-    fleets = {f.name: f.fleet for f in SUITE_FAMILIES}
-    for entry in entries:
-        typer.echo(f"gen_{entry['family']}.csv  fleet_{fleets[str(entry['family'])]}.csv  {entry['spec']}")
 
 
 def register(root: typer.Typer) -> None:
