@@ -26,11 +26,13 @@ from typing import IO, TYPE_CHECKING, Any
 import typer
 from rich.table import Table
 
+from octacloud.cli import up_options as opt
 from octacloud.cli.cloud import console, err
-from octacloud.control.deploy_request import DEFAULT_MAX_REPLICAS
+from octacloud.cli.up_options import UpOptions, cloud_config
 from octacloud.database import private_folder
 
 if TYPE_CHECKING:
+    from octacloud.app import CloudConfig
     from octacloud.control.store import Store
 
 LOCK_FILE = "up.lock"
@@ -207,229 +209,105 @@ def _numpy_type(datatype: str) -> str:
 
 
 def up(
-    repository: Path = typer.Option(Path("models"), "--repository", "-r", help="Model repository (Triton layout)."),
-    fleet: Path | None = typer.Option(
-        None, "--fleet", help="Fleet file (YAML, see docs/cloud.md); default: this host's GPUs, else a demo fleet."
-    ),
-    state_dir: Path = typer.Option(Path("var"), "--state-dir", help="Where the state store and replica logs live."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address the gateway binds."),
-    http_port: int = typer.Option(8000, "--http-port", help="Gateway port for OIP REST, the admin API, dashboard."),
-    grpc_port: int = typer.Option(8001, "--grpc-port", help="Gateway port for OIP gRPC."),
-    policy: str = typer.Option("octacloud", "--policy", help="Scheduling profile (built-in name or file)."),
-    interval: float = typer.Option(5.0, "--interval", help="Seconds between reconcile passes."),
-    cpu_nodes: int = typer.Option(
-        2, "--cpu-nodes", help="Without GPUs or --fleet: nodes of the demo fleet carved out of this host (1: the host)."
-    ),
-    cpu_cards: int = typer.Option(4, "--cpu-cards", help="Without GPUs or --fleet: CPU 'cards' per node."),
-    deploy: list[str] = typer.Option(
-        [],
-        "--deploy",
-        help="Once up, deploy MODEL (1 replica on the smallest slice that holds it) unless a deployment of that name "
-        "exists.",
-    ),
-    deploy_max_replicas: int = typer.Option(
-        DEFAULT_MAX_REPLICAS,
-        "--deploy-max-replicas",
-        help="How far `scale` may take a model deployed by --deploy (the default is `deploy`'s too).",
-    ),
-    tls_cert: Path | None = typer.Option(None, "--tls-cert", help="Serve REST and gRPC over TLS with this cert."),
-    tls_key: Path | None = typer.Option(None, "--tls-key", help="The TLS certificate's private key."),
-    tls_client_ca: Path | None = typer.Option(None, "--tls-client-ca", help="Require client certs from this CA."),
-    allow_insecure: bool = typer.Option(False, "--allow-insecure", help="Allow plain text off loopback."),
-    meter_interval: float = typer.Option(10.0, "--meter-interval", help="Seconds per usage-ledger interval."),
-    prices: Path | None = typer.Option(None, "--prices", help="Price sheet (YAML) for usage reports."),
-    telemetry_interval: float = typer.Option(
-        1.0, "--telemetry-interval", help="Seconds between GPU telemetry samples (the dashboard and the scheduler)."
-    ),
-    backend: str = typer.Option("local", "--backend", help="Where replicas run: local (this machine) or ray."),
-    ray_address: str | None = typer.Option(
-        None, "--ray-address", "--ray", help="The Ray cluster (HOST:PORT; default: auto). Implies --backend ray."
-    ),
-    model_storage: str | None = typer.Option(
-        None,
-        "--model-storage",
-        help="The model store replicas fetch from into their node's cache: a folder, "
-        "s3://bucket/prefix (any S3-compatible endpoint) or another fsspec URL (docs/storage.md). Default: "
-        "--repository, served in place.",
-    ),
-    storage_credentials: Path | None = typer.Option(
-        None,
-        "--storage-credentials",
-        help="S3 credentials file (AWS format; may name endpoint_url) for "
-        "--model-storage (default: AWS_* variables, AWS_PROFILE, ~/.aws).",
-    ),
-    model_cache: Path | None = typer.Option(
-        None, "--model-cache", help="The node model cache folder (on Ray: <folder>/<node>; default: STATE/model-cache)."
-    ),
-    model_cache_size: str | None = typer.Option(
-        None, "--model-cache-size", help="Each node cache's size limit, e.g. 50GiB (default: no limit)."
-    ),
-    warm_copies: int = typer.Option(
-        0, "--warm-copies", help="Nodes per deployment that keep its model cached for failovers (docs/storage.md)."
-    ),
-    limit: list[str] = typer.Option([], "--limit", help="Gateway bound NAME=VALUE (docs/security.md); repeatable."),
-    gateway_workers: int = typer.Option(
-        1,
-        "--gateway-workers",
-        help="Processes serving the REST and gRPC ports (SO_REUSEPORT); 1: the cloud's own process "
-        "(docs/gateway.md, Gateway workers).",
-    ),
-    internal_tls: str = typer.Option(
-        "auto", "--internal-tls", help="TLS from the gateway to replicas: auto (on Ray), on, off (docs/security.md)."
-    ),
-    emulate: bool = typer.Option(
-        False,
-        "--emulate",
-        help="Emulated replicas: real OIP endpoints with no model compute, many per process "
-        "(docs/fleet-scale.md); for fleets this machine could never hold.",
-    ),
-    emulated_latency_ms: float = typer.Option(
-        2.0, "--emulated-latency-ms", help="With --emulate: each batch's latency."
-    ),
-    emulated_load_ms: float = typer.Option(0.0, "--emulated-load-ms", help="With --emulate: each model's load time."),
-    emulated_hosts: int = typer.Option(4, "--emulated-hosts", help="With --emulate: processes the replicas share."),
+    repository: Path = opt.REPOSITORY,
+    fleet: Path | None = opt.FLEET,
+    state_dir: Path = opt.STATE_DIR,
+    host: str = opt.HOST,
+    http_port: int = opt.HTTP_PORT,
+    grpc_port: int = opt.GRPC_PORT,
+    policy: str = opt.POLICY,
+    interval: float = opt.INTERVAL,
+    cpu_nodes: int = opt.CPU_NODES,
+    cpu_cards: int = opt.CPU_CARDS,
+    deploy: list[str] = opt.DEPLOY,
+    deploy_max_replicas: int = opt.DEPLOY_MAX_REPLICAS,
+    tls_cert: Path | None = opt.TLS_CERT,
+    tls_key: Path | None = opt.TLS_KEY,
+    tls_client_ca: Path | None = opt.TLS_CLIENT_CA,
+    allow_insecure: bool = opt.ALLOW_INSECURE,
+    meter_interval: float = opt.METER_INTERVAL,
+    prices: Path | None = opt.PRICES,
+    telemetry_interval: float = opt.TELEMETRY_INTERVAL,
+    backend: str = opt.BACKEND,
+    ray_address: str | None = opt.RAY_ADDRESS,
+    model_storage: str | None = opt.MODEL_STORAGE,
+    storage_credentials: Path | None = opt.STORAGE_CREDENTIALS,
+    model_cache: Path | None = opt.MODEL_CACHE,
+    model_cache_size: str | None = opt.MODEL_CACHE_SIZE,
+    warm_copies: int = opt.WARM_COPIES,
+    limit: list[str] = opt.LIMIT,
+    gateway_workers: int = opt.GATEWAY_WORKERS,
+    internal_tls: str = opt.INTERNAL_TLS,
+    emulate: bool = opt.EMULATE,
+    emulated_latency_ms: float = opt.EMULATED_LATENCY_MS,
+    emulated_load_ms: float = opt.EMULATED_LOAD_MS,
+    emulated_hosts: int = opt.EMULATED_HOSTS,
 ) -> None:
     """Run the cloud: fleet, controller, replicas on slices, and the OIP gateway (on this machine, or on Ray)."""
-    from octacloud.app import Cloud, CloudConfig, ray_cloud
-    from octacloud.control.controller import ControllerSettings
-    from octacloud.core.errors import OctacloudError
-    from octacloud.idlespin import GATEWAY_SPIN_ENV, REPLICA_SPIN_ENV, window_us_from_env
-    from octacloud.security.tls import TlsConfig
+    options = UpOptions(**locals())
+    _run(options, cloud_config(options))
 
-    for flag, value in (("--interval", interval), ("--meter-interval", meter_interval),
-                        ("--telemetry-interval", telemetry_interval)):  # fmt: skip
-        if not value > 0:
-            err.print(f"[red]error:[/] {flag} must be a positive number of seconds, got {value:g}")
-            raise typer.Exit(2)
-    for name in (GATEWAY_SPIN_ENV, REPLICA_SPIN_ENV):  # the replicas it starts read the second
-        try:
-            window_us_from_env(name)
-        except ValueError as exc:
-            err.print(f"[red]error:[/] {exc}")
-            raise typer.Exit(2) from None
-    if model_storage is None and not repository.is_dir():
-        err.print(f"[red]error:[/] model repository {repository} does not exist (build the examples: make models)")
-        raise typer.Exit(2)
-    from octacloud.storage.sizes import parse_size
 
-    try:
-        cache_size = parse_size(model_cache_size) if model_cache_size is not None else None
-    except OctacloudError as exc:
-        err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from None
-    if backend not in ("local", "ray"):
-        err.print(f"[red]error:[/] --backend must be local or ray, got {backend!r}")
-        raise typer.Exit(2)
-    if (tls_cert is None) != (tls_key is None):
-        err.print("[red]error:[/] --tls-cert and --tls-key go together")
-        raise typer.Exit(2)
-    from octacloud.gateway.limits import GatewayLimits
-    from octacloud.security.internal_tls import InternalTlsMode
-
-    try:
-        limits = GatewayLimits.parse(limit)
-        internal_tls_mode = InternalTlsMode.parse(internal_tls)
-    except OctacloudError as exc:
-        err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(2) from None
-    if gateway_workers < 1:
-        err.print(f"[red]error:[/] --gateway-workers must be at least 1, got {gateway_workers}")
-        raise typer.Exit(2)
-    if deploy_max_replicas < 1:
-        err.print(f"[red]error:[/] --deploy-max-replicas must be at least 1, got {deploy_max_replicas}")
-        raise typer.Exit(2)
-    emulation = None
-    if emulate:
-        from octacloud.control.emulated import EmulationSettings
-        from octacloud.serving.emulated import EmulatedLatency
-
-        if backend == "ray" or ray_address is not None:
-            err.print("[red]error:[/] --emulate runs replicas on this machine: it does not go with --backend ray")
-            raise typer.Exit(2)
-        try:
-            latency = EmulatedLatency(emulated_latency_ms)
-            emulation = EmulationSettings(latency, load_ms=emulated_load_ms, hosts=emulated_hosts)
-        except (ValueError, OctacloudError) as exc:
-            err.print(f"[red]error:[/] {exc}")
-            raise typer.Exit(2) from None
-    config = CloudConfig(
-        repository=repository,
-        state_dir=state_dir,
-        fleet_file=fleet,
-        host=host,
-        http_port=http_port,
-        grpc_port=grpc_port,
-        policy=policy,
-        cpu_cards=cpu_cards,
-        cpu_nodes=cpu_nodes,
-        controller=ControllerSettings(interval_s=interval),
-        tls=TlsConfig(tls_cert, tls_key, tls_client_ca) if tls_cert is not None and tls_key is not None else None,
-        allow_insecure=allow_insecure,
-        meter_interval_s=meter_interval,
-        telemetry_interval_s=telemetry_interval,
-        prices=prices,
-        ray_address=ray_address,
-        model_storage=model_storage,
-        storage_credentials=storage_credentials,
-        model_cache=model_cache,
-        model_cache_size=cache_size,
-        warm_copies=max(0, warm_copies),
-        limits=limits,
-        gateway_workers=gateway_workers,
-        internal_tls=internal_tls_mode,
-        emulation=emulation,
-    )
-    on_ray = backend == "ray" or ray_address is not None
-    scheme = "https" if config.tls is not None else "http"
-
-    async def main() -> None:
-        configure_logging()
-        try:
-            cloud = ray_cloud(config) if on_ray else Cloud(config)
-        except OctacloudError as exc:
-            err.print(f"[red]error:[/] {exc}")
-            raise typer.Exit(2) from None
-        log_events(cloud.store)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, cloud.request_stop)
-        from octacloud.cli.down import adopted, left_running
-
-        before = cloud.controller.store.replicas()  # what the previous `up` left
-        await cloud.start()  # (the controller adopts what still runs before start returns)
-        _print_fleet_summary(cloud)
-        for model in deploy:
-            _deploy_once(cloud, model, deploy_max_replicas)
-        base = f"{scheme}://{host}:{cloud.http_port}"
-        console.print(
-            f"octacloud is up: OIP REST {base}  gRPC {host}:{cloud.grpc_port}  dashboard {base}/dashboard/\n"
-            "  (Ctrl-C stops the cloud; replicas keep running until `octacloud down`)",
-            soft_wrap=True,
-            highlight=False,
-        )
-        if cloud.admin_key is not None:
-            console.print(
-                f"admin API key (shown once; also in {state_dir / 'admin.key'}, mode 0600):\n  {cloud.admin_key}",
-                soft_wrap=True,
-            )
-        _print_sample(cloud, deploy, base, f"{host}:{cloud.grpc_port}", state_dir / "admin.key")
-        if found := adopted(before, cloud.controller.store.replicas()):
-            console.print(found, soft_wrap=True, highlight=False)
-        await cloud.serve_forever()
-        console.print(left_running(cloud.controller.store.replicas(), state_dir), soft_wrap=True, highlight=False)
-
+def _run(o: UpOptions, config: CloudConfig) -> None:
+    """Hold the state dir's lock and run the cloud on its event loop until it is asked to stop."""
+    from octacloud.idlespin import GATEWAY_SPIN_ENV
     from octacloud.protocols.server import new_event_loop
 
-    info = {"backend": "ray" if on_ray else "local", "ray_address": ray_address, "host": host}
+    info = {"backend": "ray" if o.on_ray else "local", "ray_address": o.ray_address, "host": o.host}
     try:
         with (
-            hold_up_lock(state_dir, info),
+            hold_up_lock(o.state_dir, info),
             asyncio.Runner(loop_factory=lambda: new_event_loop(GATEWAY_SPIN_ENV)) as runner,
         ):
-            runner.run(main())
+            runner.run(_serve(o, config))
     except CloudRunningError as exc:
-        err.print(f"[red]error:[/] {exc} on the state dir {state_dir}: one cloud per state dir")
+        err.print(f"[red]error:[/] {exc} on the state dir {o.state_dir}: one cloud per state dir")
         raise typer.Exit(2) from None
+
+
+async def _serve(o: UpOptions, config: CloudConfig) -> None:
+    """Start the cloud, deploy ``--deploy``'s models, print the banner, serve until stopped, and say what stays."""
+    from octacloud.app import Cloud, ray_cloud
+    from octacloud.cli.down import adopted, left_running
+    from octacloud.core.errors import OctacloudError
+
+    configure_logging()
+    try:
+        cloud = ray_cloud(config) if o.on_ray else Cloud(config)
+    except OctacloudError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    log_events(cloud.store)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, cloud.request_stop)
+    before = cloud.controller.store.replicas()  # what the previous `up` left
+    await cloud.start()  # (the controller adopts what still runs before start returns)
+    _print_fleet_summary(cloud)
+    for model in o.deploy:
+        _deploy_once(cloud, model, o.deploy_max_replicas)
+    _print_banner(cloud, o, "https" if config.tls is not None else "http")
+    if found := adopted(before, cloud.controller.store.replicas()):
+        console.print(found, soft_wrap=True, highlight=False)
+    await cloud.serve_forever()
+    console.print(left_running(cloud.controller.store.replicas(), o.state_dir), soft_wrap=True, highlight=False)
+
+
+def _print_banner(cloud: Any, o: UpOptions, scheme: str) -> None:
+    """Where the cloud answers, the admin key (once), and a request to paste."""
+    base = f"{scheme}://{o.host}:{cloud.http_port}"
+    console.print(
+        f"octacloud is up: OIP REST {base}  gRPC {o.host}:{cloud.grpc_port}  dashboard {base}/dashboard/\n"
+        "  (Ctrl-C stops the cloud; replicas keep running until `octacloud down`)",
+        soft_wrap=True,
+        highlight=False,
+    )
+    if cloud.admin_key is not None:
+        console.print(
+            f"admin API key (shown once; also in {o.state_dir / 'admin.key'}, mode 0600):\n  {cloud.admin_key}",
+            soft_wrap=True,
+        )
+    _print_sample(cloud, o.deploy, base, f"{o.host}:{cloud.grpc_port}", o.state_dir / "admin.key")
 
 
 def _deploy_once(cloud: Any, model: str, max_replicas: int) -> None:
