@@ -203,6 +203,16 @@ def class_json(c: PriorityClass) -> dict[str, Any]:
 def tenant_routes(
     keys: KeyStore, ledger: Ledger | None, prices: PriceSheet | None, priorities: PriorityClasses
 ) -> list[Route]:
+    """The tenancy API under ``/admin``: tenants, their priority-class grants, keys, priority classes, usage. A
+    tenant's ``priority-classes`` routes come before its ``{action}`` route, which would match them too."""
+    tenants, switch = _tenant_routes(keys)
+    grants = _grant_routes(keys, priorities)
+    return [*tenants, *grants, switch, *_key_routes(keys), *_class_routes(priorities), *_usage_routes(ledger, prices)]
+
+
+def _tenant_routes(keys: KeyStore) -> tuple[list[Route], Route]:
+    """``/admin/tenants``: list, create, set a quota; and disable or enable (the route last of a tenant's)."""
+
     async def list_tenants(request: Request) -> JSONResponse:
         p = require_principal(request)
         tenants = keys.tenants() if p.is_admin else [keys.tenant(p.tenant)]
@@ -237,6 +247,41 @@ def tenant_routes(
             merged["burst"] = None  # a new rate without a burst: one second of it (default_burst), not the old one
         return JSONResponse(tenant_json(keys.set_quota(request.path_params["name"], _quota(merged))))
 
+    routes = [
+        Route("/admin/tenants", list_tenants, methods=["GET"]),
+        Route("/admin/tenants", create_tenant, methods=["POST"]),
+        Route("/admin/tenants/{name}/quota", set_quota, methods=["POST"]),
+    ]
+    return routes, Route("/admin/tenants/{name}/{action:str}", set_disabled, methods=["POST"])
+
+
+def _grant_routes(keys: KeyStore, priorities: PriorityClasses) -> list[Route]:
+    """``/admin/tenants/{name}/priority-classes``: grant a tenant a class, revoke it."""
+
+    async def grant(request: Request) -> JSONResponse:
+        require_admin(request)
+        tenant = keys.tenant(request.path_params["name"]).name
+        body = await json_object(request)
+        unknown = sorted(set(body) - {"class", "default"})
+        if unknown or not isinstance(body.get("class"), str):
+            raise InvalidSpecError('body must be {"class": <priority class>, "default": <bool>}')
+        g = priorities.grant(tenant, body["class"], _flag(body, "default"))
+        return JSONResponse({"tenant": g.tenant, "class": g.priority_class, "default": g.default}, status_code=201)
+
+    async def revoke_grant(request: Request) -> JSONResponse:
+        require_admin(request)
+        priorities.revoke(request.path_params["name"], request.path_params["cls"])
+        return JSONResponse({"revoked": request.path_params["cls"], "tenant": request.path_params["name"]})
+
+    return [
+        Route("/admin/tenants/{name}/priority-classes", grant, methods=["POST"]),
+        Route("/admin/tenants/{name}/priority-classes/{cls}", revoke_grant, methods=["DELETE"]),
+    ]
+
+
+def _key_routes(keys: KeyStore) -> list[Route]:
+    """``/admin/keys``: list, create, revoke (a tenant key: its own tenant's only)."""
+
     async def list_keys(request: Request) -> JSONResponse:
         p = require_principal(request)
         wanted = request.query_params.get("tenant") or None
@@ -266,6 +311,16 @@ def tenant_routes(
         if key_id not in mine:
             raise NotFoundError(f"no key with id {key_id!r}")
         return JSONResponse(key_json(keys.revoke_key(key_id)))
+
+    return [
+        Route("/admin/keys", list_keys, methods=["GET"]),
+        Route("/admin/keys", create_key, methods=["POST"]),
+        Route("/admin/keys/{id}", revoke_key, methods=["DELETE"]),
+    ]
+
+
+def _class_routes(priorities: PriorityClasses) -> list[Route]:
+    """``/admin/priority-classes``: list, define, remove."""
 
     async def list_classes(request: Request) -> JSONResponse:
         """Admins: every class and every grant; a tenant: the classes it may name, and its default."""
@@ -301,20 +356,15 @@ def tenant_routes(
         priorities.remove(request.path_params["name"])
         return JSONResponse({"deleted": request.path_params["name"]})
 
-    async def grant(request: Request) -> JSONResponse:
-        require_admin(request)
-        tenant = keys.tenant(request.path_params["name"]).name
-        body = await json_object(request)
-        unknown = sorted(set(body) - {"class", "default"})
-        if unknown or not isinstance(body.get("class"), str):
-            raise InvalidSpecError('body must be {"class": <priority class>, "default": <bool>}')
-        g = priorities.grant(tenant, body["class"], _flag(body, "default"))
-        return JSONResponse({"tenant": g.tenant, "class": g.priority_class, "default": g.default}, status_code=201)
+    return [
+        Route("/admin/priority-classes", list_classes, methods=["GET"]),
+        Route("/admin/priority-classes", define_class, methods=["POST"]),
+        Route("/admin/priority-classes/{name}", remove_class, methods=["DELETE"]),
+    ]
 
-    async def revoke_grant(request: Request) -> JSONResponse:
-        require_admin(request)
-        priorities.revoke(request.path_params["name"], request.path_params["cls"])
-        return JSONResponse({"revoked": request.path_params["cls"], "tenant": request.path_params["name"]})
+
+def _usage_routes(ledger: Ledger | None, prices: PriceSheet | None) -> list[Route]:
+    """``/admin/usage``: the ledger's totals (a tenant: its own), priced by ``prices``."""
 
     async def usage(request: Request) -> JSONResponse:
         p = require_principal(request)
@@ -336,18 +386,4 @@ def tenant_routes(
         body.update({"tenant": tenant, "from_ms": since, "to_ms": until})
         return JSONResponse(body)
 
-    return [
-        Route("/admin/tenants", list_tenants, methods=["GET"]),
-        Route("/admin/tenants", create_tenant, methods=["POST"]),
-        Route("/admin/tenants/{name}/quota", set_quota, methods=["POST"]),
-        Route("/admin/tenants/{name}/priority-classes", grant, methods=["POST"]),
-        Route("/admin/tenants/{name}/priority-classes/{cls}", revoke_grant, methods=["DELETE"]),
-        Route("/admin/tenants/{name}/{action:str}", set_disabled, methods=["POST"]),
-        Route("/admin/keys", list_keys, methods=["GET"]),
-        Route("/admin/keys", create_key, methods=["POST"]),
-        Route("/admin/keys/{id}", revoke_key, methods=["DELETE"]),
-        Route("/admin/priority-classes", list_classes, methods=["GET"]),
-        Route("/admin/priority-classes", define_class, methods=["POST"]),
-        Route("/admin/priority-classes/{name}", remove_class, methods=["DELETE"]),
-        Route("/admin/usage", usage, methods=["GET"]),
-    ]
+    return [Route("/admin/usage", usage, methods=["GET"])]
