@@ -11,6 +11,7 @@ model does, so that the answers say nothing about the host's file system.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -27,6 +28,7 @@ from octacloud.core import fields
 from octacloud.core.domains import domain_dict
 from octacloud.core.errors import InvalidSpecError, NotFoundError
 from octacloud.metering import Ledger, PriceSheet
+from octacloud.scheduler.framework.state import ClusterState
 from octacloud.serving import is_model_name
 from octacloud.tenancy import ANONYMOUS_ADMIN, KeyStore, Principal
 from octacloud.tenancy.api import (
@@ -88,21 +90,21 @@ def build_admin_app(
     def caller(request: Request) -> Principal:
         return require_principal(request) if keys is not None else ANONYMOUS_ADMIN
 
-    def set_aside(p: Principal, name: str) -> bool:
-        """Whether ``name`` is a deployment of ``p``'s that the store set aside as unreadable."""
-        return any(u.kind == "deployment" and u.key == name and p.may_manage(u.tenant)
-                   for u in controller.store.unreadable())  # fmt: skip
+    return Starlette(
+        routes=[
+            *_deployment_routes(controller, caller, priorities),
+            *_fleet_routes(controller, caller),
+            *rollout_routes(controller, caller),
+            *(tenant_routes(keys, ledger, prices, priorities) if keys is not None and priorities is not None else []),
+        ],
+        exception_handlers=EXCEPTION_HANDLERS,
+    )
 
-    def owned(p: Principal, name: str) -> Deployment:
-        try:
-            d = controller.store.get_deployment(name)
-        except NotFoundError:  # one set aside: its owner is told why and what to do, anyone else "no such"
-            if set_aside(p, name):
-                raise
-            raise NotFoundError(f"no deployment named {name!r}") from None
-        if not p.may_manage(d.spec.tenant):
-            raise NotFoundError(f"no deployment named {name!r}")
-        return d
+
+def _deployment_routes(
+    controller: Controller, caller: Callable[[Request], Principal], priorities: PriorityClasses | None
+) -> list[Route]:
+    """``/admin/deployments``: list, create or update, get, delete, scale (a tenant: its own deployments only)."""
 
     async def list_deployments(request: Request) -> JSONResponse:
         p = caller(request)
@@ -144,12 +146,14 @@ def build_admin_app(
     async def get_deployment(request: Request) -> JSONResponse:
         name = request.path_params["name"]
         p = caller(request)
-        return JSONResponse(deployment_json(owned(p, name), controller.store.replicas(name), internal=p.is_admin))
+        return JSONResponse(
+            deployment_json(_owned(controller, p, name), controller.store.replicas(name), internal=p.is_admin)
+        )
 
     async def scale(request: Request) -> JSONResponse:
         name = request.path_params["name"]
         p = caller(request)
-        owned(p, name)
+        _owned(controller, p, name)
         body = await json_object(request)
         if set(body) != {"replicas"}:
             raise InvalidSpecError('body must be {"replicas": <integer>}')
@@ -159,67 +163,87 @@ def build_admin_app(
     async def delete(request: Request) -> JSONResponse:
         name = request.path_params["name"]
         p = caller(request)
-        if not set_aside(p, name):  # (its owner may delete one that is set aside)
-            owned(p, name)
+        if not _set_aside(controller, p, name):  # (its owner may delete one that is set aside)
+            _owned(controller, p, name)
         controller.undeploy(name)
         return JSONResponse({"deleted": name})
+
+    return [
+        Route("/admin/deployments", list_deployments, methods=["GET"]),
+        Route("/admin/deployments", create_deployment, methods=["POST"]),
+        Route("/admin/deployments/{name}", get_deployment, methods=["GET"]),
+        Route("/admin/deployments/{name}", delete, methods=["DELETE"]),
+        Route("/admin/deployments/{name}/scale", scale, methods=["POST"]),
+    ]
+
+
+def _fleet_routes(controller: Controller, caller: Callable[[Request], Principal]) -> list[Route]:
+    """``/admin/fleet`` (admins) and ``/admin/events`` (a tenant: its own deployments' events)."""
 
     async def fleet(request: Request) -> JSONResponse:
         if not caller(request).is_admin:
             raise ForbiddenError("the fleet is visible to admin keys only")
-        state = controller.scheduler.state
-        nodes = []
-        for i, node in enumerate(state.nodes):
-            cards = []
-            for g in node.gpus:
-                holders = [
-                    {"replica": a.request.name, "milli": a.placement.milli_per_gpu, "owner": a.request.owner}
-                    for a in state.on_node[i].values()
-                    if g.index in a.placement.gpus
-                ]
-                cards.append(
-                    {
-                        "index": g.index,
-                        "model": g.model,
-                        "memory_mib": g.memory_mib,
-                        "health": g.health.value,
-                        "free_milli": state.free_gpu[i][g.index],
-                        "replicas": holders,
-                    }
-                )
-            nodes.append(
-                {
-                    "name": node.name,
-                    "health": node.health.value,
-                    "labels": dict(node.labels),
-                    "domains": domain_dict(node),
-                    "cards": cards,
-                }
-            )
-        return JSONResponse(
-            {
-                "nodes": nodes,
-                "allocated_milli": state.allocated_gpu_milli,
-                "total_milli": state.total_gpu_milli,
-            }
-        )
+        return JSONResponse(fleet_json(controller.scheduler.state))
 
     async def events(request: Request) -> JSONResponse:
         p = caller(request)
         limit = query_whole(request, "limit", 100, 1, MAX_EVENTS)
         return JSONResponse({"events": controller.store.events(limit, tenant=None if p.is_admin else p.tenant)})
 
-    return Starlette(
-        routes=[
-            Route("/admin/deployments", list_deployments, methods=["GET"]),
-            Route("/admin/deployments", create_deployment, methods=["POST"]),
-            Route("/admin/deployments/{name}", get_deployment, methods=["GET"]),
-            Route("/admin/deployments/{name}", delete, methods=["DELETE"]),
-            Route("/admin/deployments/{name}/scale", scale, methods=["POST"]),
-            Route("/admin/fleet", fleet, methods=["GET"]),
-            Route("/admin/events", events, methods=["GET"]),
-            *rollout_routes(controller, caller),
-            *(tenant_routes(keys, ledger, prices, priorities) if keys is not None and priorities is not None else []),
-        ],
-        exception_handlers=EXCEPTION_HANDLERS,
-    )
+    return [Route("/admin/fleet", fleet, methods=["GET"]), Route("/admin/events", events, methods=["GET"])]
+
+
+def _set_aside(controller: Controller, p: Principal, name: str) -> bool:
+    """Whether ``name`` is a deployment of ``p``'s that the store set aside as unreadable."""
+    return any(u.kind == "deployment" and u.key == name and p.may_manage(u.tenant)
+               for u in controller.store.unreadable())  # fmt: skip
+
+
+def _owned(controller: Controller, p: Principal, name: str) -> Deployment:
+    """``p``'s deployment ``name``; one of another tenant's answers as a missing one does."""
+    try:
+        d = controller.store.get_deployment(name)
+    except NotFoundError:  # one set aside: its owner is told why and what to do, anyone else "no such"
+        if _set_aside(controller, p, name):
+            raise
+        raise NotFoundError(f"no deployment named {name!r}") from None
+    if not p.may_manage(d.spec.tenant):
+        raise NotFoundError(f"no deployment named {name!r}")
+    return d
+
+
+def fleet_json(state: ClusterState) -> dict[str, Any]:
+    """The fleet as ``GET /admin/fleet`` shows it: each node, its cards and the replicas on each card."""
+    nodes = []
+    for i, node in enumerate(state.nodes):
+        cards = []
+        for g in node.gpus:
+            holders = [
+                {"replica": a.request.name, "milli": a.placement.milli_per_gpu, "owner": a.request.owner}
+                for a in state.on_node[i].values()
+                if g.index in a.placement.gpus
+            ]
+            cards.append(
+                {
+                    "index": g.index,
+                    "model": g.model,
+                    "memory_mib": g.memory_mib,
+                    "health": g.health.value,
+                    "free_milli": state.free_gpu[i][g.index],
+                    "replicas": holders,
+                }
+            )
+        nodes.append(
+            {
+                "name": node.name,
+                "health": node.health.value,
+                "labels": dict(node.labels),
+                "domains": domain_dict(node),
+                "cards": cards,
+            }
+        )
+    return {
+        "nodes": nodes,
+        "allocated_milli": state.allocated_gpu_milli,
+        "total_milli": state.total_gpu_milli,
+    }
