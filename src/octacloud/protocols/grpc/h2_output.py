@@ -124,12 +124,7 @@ class ConnectionOutput:
                 out = await method.call(message, context)
             else:
                 out = (await method.call(method.parse(message), context)).SerializeToString()
-        except Abort as a:
-            self._fail(s, a.code, a.details, extra=metadata_block(a.trailing))
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
+        except Exception as e:  # (a cancelled call's CancelledError is no Exception: it goes on)
             self._fail_with(s, e)
             return
         finally:
@@ -156,17 +151,17 @@ class ConnectionOutput:
             async for response in method.call(requests(), context):
                 out = response if method.parse is None else response.SerializeToString()
                 self._respond(s, b"\x00" + U32.pack(len(out)) + out, None)
-        except Abort as a:
-            self._fail(s, a.code, a.details, extra=metadata_block(a.trailing))
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
+        except Exception as e:  # (as in _unary)
             self._fail_with(s, e)
             return
         self._respond(s, b"", metadata_block(context.trailing) + OK_TRAILERS)
 
     def _fail_with(self, s: Stream, error: Exception) -> None:
+        """End the call that raised ``error``: an :class:`Abort` with its code, details and trailing metadata;
+        anything else with its status from the one error table (logged when it is an internal error)."""
+        if isinstance(error, Abort):
+            self._fail(s, error.code, error.details, extra=metadata_block(error.trailing))
+            return
         code = code_of(error)
         if code is grpc.StatusCode.INTERNAL and not isinstance(error, ModelExecutionError):
             log.exception("internal error", exc_info=error)
