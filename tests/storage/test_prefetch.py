@@ -58,7 +58,7 @@ def test_warm_once_prefetches_each_deployment_to_its_spare_nodes_only() -> None:
     controller = SimpleNamespace(
         scheduler=SimpleNamespace(state=state),
         status=lambda: [(deployment, [SimpleNamespace(node="a")])],
-        lifecycle=SimpleNamespace(prefetch=lambda *args: asked.append(args)),
+        prefetch=lambda *args: asked.append(args),
     )
     warm_once(controller, 2)  # type: ignore[arg-type]
     assert asked == [("b", "mlp", "2")]

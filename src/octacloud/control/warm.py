@@ -27,7 +27,7 @@ def warm_once(controller: Controller, copies: int) -> None:
     for d, replicas in controller.status():
         running = {r.node for r in replicas if r.node}
         for node in warm_copy_nodes(free, running, copies):
-            controller.lifecycle.prefetch(node, d.spec.model, d.spec.version)
+            controller.prefetch(node, d.spec.model, d.spec.version)
 
 
 async def keep_warm_copies(controller: Controller, copies: int, stop: asyncio.Event) -> None:

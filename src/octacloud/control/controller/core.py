@@ -191,6 +191,11 @@ class Controller:
             self.lifecycle.retire(r, "undeployed")
         self.poke()
 
+    def prefetch(self, node: str, model: str, version: str) -> None:
+        """Fetch ``model`` at ``version`` into ``node``'s cache ahead of a replica, when the launcher can (a warm
+        copy for the failover reserve); never blocks, and a failure is logged, never raised."""
+        self.lifecycle.prefetch(node, model, version)
+
     def status(self) -> list[tuple[Deployment, list[Replica]]]:
         return [(d, self.store.replicas(d.spec.name)) for d in self.store.deployments()]
 
