@@ -35,6 +35,7 @@ from octacloud.core.model import Node
 from octacloud.database import private_folder
 from octacloud.gateway.fronts import Fronts, gateway_fronts
 from octacloud.gateway.grpc_proxy import GrpcGateway
+from octacloud.gateway.latency import RouteLatency, RouteLatencyCollector
 from octacloud.gateway.limits import GatewayLimits
 from octacloud.gateway.rest import RestGateway
 from octacloud.gateway.routing import RouteTable
@@ -47,7 +48,7 @@ from octacloud.observability.dcgm import CardReading
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
 from octacloud.scheduler.policies import PRODUCT_DEFAULT, cloud_profile, slice_prior
-from octacloud.scheduler.telemetry import PricedTelemetry
+from octacloud.scheduler.telemetry import MeasuredNetwork, PricedTelemetry
 from octacloud.security import internal_auth
 from octacloud.security.internal_tls import RENEW_INTERVAL_S, InternalCa, InternalClientTls, InternalTlsMode
 from octacloud.security.tls import TlsConfig, check_exposure
@@ -186,11 +187,21 @@ class Cloud:
             if config.fleet_file is not None
             else {}
         )
-        telemetry = PricedTelemetry(self.monitoring.sampler, tariffs, clock.time)
-        """The sampler's measurements with each node's power price now (its tariff) and cost (× its draw)."""
+        self.routes = RouteTable()
+        self.route_latency = RouteLatency(
+            self.routes,
+            nodes=lambda: {a.request.name: a.placement.node for a in self.controller.scheduler.state},
+            on_report=lambda deployment, replica, message: self.store.add_event(
+                "network", replica, message, deployment=deployment
+            ),
+        )
+        """The gateway's measured round trip to every replica: routing's tie-break, the nodes' network latency."""
+        network = MeasuredNetwork(self.monitoring.sampler, self.route_latency.node_latency_us)
+        telemetry = PricedTelemetry(network, tariffs, clock.time)
+        """The sampler's measurements with each node's round trip to the gateway, power price now (its tariff) and
+        cost (× its draw)."""
         profile = cloud_profile(config.policy, telemetry=telemetry, model_cache=self.cached_models)
         scheduler = Scheduler(ClusterState(self.nodes), profile)
-        self.routes = RouteTable()
         self._prober = HttpProber(
             headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())],
             on_ready=self._readmit,
@@ -247,6 +258,7 @@ class Cloud:
             ledger=self.ledger,
             extra=[
                 SharingCollector(self.mps),
+                RouteLatencyCollector(self.route_latency),
                 *([ModelCacheCollector(cache_stats)] if isinstance(cache_stats, FleetCacheStats) else []),
             ],
         )
@@ -360,6 +372,7 @@ class Cloud:
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self._watch_fleet(self.watcher)))
         self._tasks.append(asyncio.create_task(self.meter.run(self._stop)))
+        self._tasks.append(asyncio.create_task(self.route_latency.run(self._stop)))
         renew = getattr(self.controller.launcher, "renew_certificates", None)
         if self.internal_ca is not None and renew is not None:
             self._tasks.append(asyncio.create_task(self._renew_certificates(renew)))

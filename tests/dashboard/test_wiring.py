@@ -1,4 +1,5 @@
-"""The cloud wires monitoring in: the sampler is every profile's telemetry source; /metrics and /dashboard exist."""
+"""The cloud wires monitoring in: the sampler (with the gateway's measured round trips) is every profile's telemetry
+source; /metrics and /dashboard exist."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from octacloud.app import Cloud, CloudConfig
 from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
 from octacloud.scheduler.plugins.telemetry import TelemetryScore
-from octacloud.scheduler.telemetry import PricedTelemetry
+from octacloud.scheduler.telemetry import MeasuredNetwork, PricedTelemetry
 
 from .conftest import write_models
 
@@ -22,8 +23,12 @@ def test_telemetry_terms_of_the_profile_read_the_cloud_sampler(tmp_path: Path) -
     try:
         terms = [p for p in cloud.scheduler.profile.plugins() if isinstance(p, TelemetryScore)]
         assert {t.metric for t in terms} >= {"gpu_utilisation", "gpu_memory_bandwidth", "pcie_throughput"}
-        # through the fleet's tariffs (power_price, power_cost), on the cloud's sampler
-        assert all(isinstance(t.source, PricedTelemetry) and t.source.source is cloud.monitoring.sampler for t in terms)
+        # through the fleet's tariffs (power_price, power_cost) and the gateway's measured round trips
+        # (network_latency_us), on the cloud's sampler
+        sources = [t.source.source for t in terms if isinstance(t.source, PricedTelemetry)]
+        assert len(sources) == len(terms) and all(isinstance(s, MeasuredNetwork) for s in sources)
+        assert all(s.source is cloud.monitoring.sampler for s in sources)  # type: ignore[attr-defined]
+        assert sources[0].latency == cloud.route_latency.node_latency_us  # type: ignore[attr-defined]
         assert cloud.monitoring.sampler.interval_s == 0.25
         assert cloud.monitoring.sampler.nvml is None  # a fleet of CPU cards: no NVML, no DCGM names
         assert cloud.rest_gateway.dashboard is not None and cloud.rest_gateway.metrics is not None

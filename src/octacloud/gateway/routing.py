@@ -3,7 +3,9 @@
 The mechanism (connections, retries, counting) lives in the proxies; this module only chooses. The default
 is the power of two choices on outstanding requests (as Ray Serve's router): sample two ready replicas, send
 to the one with fewer requests in flight. It balances as well as least-outstanding with O(1) work and no
-herding on a replica that just became free.
+herding on a replica that just became free. When both have as many in flight and both round trips from the
+gateway are measured (``gateway.latency``), the nearer one goes first if it is nearer by more than
+:data:`LATENCY_TIE_US` (closer than that, the measurement cannot tell them apart and the draw decides).
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class NotAdmitted:
 
 MAX_CONSECUTIVE_FAILURES = 3
 
+LATENCY_TIE_US = 20
+"""Round trips within this many microseconds of each other count as equal (replicas on one host, or on racks a
+few switch hops apart, differ by less than a loaded machine's measurement noise)."""
+
 GONE_MEMORY_S = 30.0
 """How long the route table remembers a replica found dead (long enough for every gateway worker to hear)."""
 
@@ -126,6 +132,9 @@ class RouteTable:
     gone: dict[str, float] = field(default_factory=dict)
     """Replica id → when it was found dead (the route table's clock), for :data:`GONE_MEMORY_S` (gateway
     workers learn of it from the route snapshots)."""
+    latency_us: dict[str, int] = field(default_factory=dict)
+    """Replica id → the round trip measured to it from the gateway (``gateway.latency``), microseconds: breaks
+    ties between replicas with as many requests in flight. Replaced whole by each round of measurements."""
     inflight_elsewhere: dict[str, int] = field(default_factory=dict)
     """In a gateway worker: deployment → requests the other workers have in flight, as they last pushed it (every
     0.25 s; ``gateway.sharing``). They count against the deployment's in-flight bound here too."""
@@ -239,14 +248,20 @@ class RouteTable:
         return max(1, math.ceil(min(waits))) if waits else 1
 
     def choose(self, deployment: str, exclude: Sequence[str] = ()) -> Endpoint | None:
-        """Power of two choices among healthy endpoints not in ``exclude``; None when there is none."""
+        """Power of two choices among healthy endpoints not in ``exclude`` (fewer in flight, then the lower
+        measured latency); None when there is none."""
         healthy = self.healthy(deployment, exclude)
         if not healthy:
             return None
         if len(healthy) == 1:
             return healthy[0]
         a, b = self.rng.sample(healthy, 2)
-        return a if a.outstanding <= b.outstanding else b
+        if a.outstanding != b.outstanding:
+            return a if a.outstanding < b.outstanding else b
+        la, lb = self.latency_us.get(a.replica_id), self.latency_us.get(b.replica_id)
+        if la is not None and lb is not None and abs(la - lb) > LATENCY_TIE_US:
+            return a if la < lb else b
+        return a
 
     def tenant_traffic(self, tenant: str, deployment: str) -> Traffic:
         t = self.traffic.get((tenant, deployment))

@@ -62,6 +62,7 @@ def route_snapshot(table: RouteTable) -> Snapshot:
         "owners": {name: [o.tenant, o.published] for name, o in table.owners.items()},
         "inflight": dict(table.inflight_per_replica),
         "gone": [rid for rid, at in table.gone.items() if table.now() - at <= GONE_MEMORY_S],
+        "latency": dict(table.latency_us),
     }
 
 
@@ -85,6 +86,10 @@ def apply_snapshot(table: RouteTable, snapshot: Snapshot) -> None:
     gone = snapshot.get("gone", [])  # absent in a snapshot of an older main process
     if not (isinstance(gone, list) and all(isinstance(g, str) for g in gone)):
         raise ShareError("gone is not a list of replica ids")
+    latency = snapshot.get("latency", {})  # absent in a snapshot of an older main process
+    if not (isinstance(latency, dict) and all(isinstance(k, str) for k in latency)):
+        raise ShareError("latency is not a mapping of replica id to microseconds")
+    new_latency = {k: _count(v) for k, v in latency.items()}
     for replica_id in gone:
         if replica_id not in table.gone:  # found dead since the last snapshot: end what is in flight to it
             table.drop_endpoint(replica_id, gone=True)
@@ -96,6 +101,7 @@ def apply_snapshot(table: RouteTable, snapshot: Snapshot) -> None:
     table.owners.update(new_owners)
     table.inflight_per_replica.clear()
     table.inflight_per_replica.update(new_inflight)
+    table.latency_us = new_latency
 
 
 def _endpoint(item: Any) -> Endpoint:

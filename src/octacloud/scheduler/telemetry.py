@@ -20,7 +20,7 @@ KNOWN_METRICS: Mapping[str, str] = MappingProxyType(
         "gpu_utilisation": "mean SM utilisation of the node's cards, 0..1",
         "gpu_memory_bandwidth": "mean memory-bandwidth utilisation of the node's cards, 0..1",
         "pcie_throughput": "PCIe throughput utilisation, 0..1",
-        "network_latency_us": "p50 round-trip to the gateway, microseconds",
+        "network_latency_us": "round trip to the gateway (least TCP handshake to the node's replicas), µs",
         "network_load": "NIC utilisation, 0..1",
         "power_price": "electricity price at the node's site now, per kWh (the fleet file's tariff)",
         "power_cost": "power_price × the measured power_draw_w / 1000: what running the node costs per hour now",
@@ -57,6 +57,28 @@ class StaticTelemetry:
 
     def update(self, node: str, **metrics: float) -> None:
         self._values.setdefault(node, {}).update(metrics)
+
+
+class MeasuredNetwork:
+    """``source``'s snapshot with each node's ``network_latency_us`` as ``latency()`` measures it now (the gateway's
+    round trips to the node's replicas); nodes not measured keep what ``source`` says. A snapshot is computed
+    once per pair of (source snapshot, latency mapping) objects: the prober replaces its mapping each round."""
+
+    def __init__(self, source: TelemetrySource, latency: Callable[[], Mapping[str, float]]) -> None:
+        self.source, self.latency = source, latency
+        self._last: tuple[NodeTelemetry, Mapping[str, float], NodeTelemetry] | None = None
+
+    def snapshot(self) -> NodeTelemetry:
+        base, measured = self.source.snapshot(), self.latency()
+        if not measured:
+            return base
+        if self._last is not None and self._last[0] is base and self._last[1] is measured:
+            return self._last[2]
+        out = {node: dict(metrics) for node, metrics in base.items()}
+        for node, us in measured.items():
+            out.setdefault(node, {})["network_latency_us"] = float(us)
+        self._last = (base, measured, out)
+        return out
 
 
 MINUTES_PER_DAY = 24 * 60
