@@ -116,6 +116,25 @@ def test_usage_by_tenant_has_one_tenant_column(admin: FakeAdmin) -> None:
     assert [c.strip() for c in row.strip("│ ").split("│")][:2] == ["acme", "1.0"]
 
 
+def test_usage_shows_energy_next_to_octant_seconds(admin: FakeAdmin) -> None:
+    line = {"tenant": "acme", "group": "web", "octant_seconds": 80.0, "exec_seconds": 0.5, "inferences": 3,
+            "requests": 3, "bytes_in": 10, "bytes_out": 20, "storage_gb_months": 0.0, "energy_wh": 2.0833,
+            "cost": 0.0}  # fmt: skip
+    admin.answers["/admin/usage"] = {"by": "deployment", "lines": [line], "total": {**line, "tenant": "*"},
+                                     "currency": None}  # fmt: skip
+    result = CliRunner().invoke(app, ["usage"])
+    assert result.exit_code == 0, result.output
+    header = next(row for row in result.output.splitlines() if "octant-s" in row)
+    cells = [c.strip() for c in header.strip("┃│ ").split("┃")]
+    row = next(row for row in result.output.splitlines() if "acme" in row)
+    assert [c.strip() for c in row.strip("│ ").split("│")][cells.index("Wh")] == "2.083"
+    result = CliRunner().invoke(app, ["usage", "--format", "csv"])
+    assert result.output.splitlines()[0].endswith("completion_tokens,energy_wh,cost")
+    assert result.output.splitlines()[1].endswith(",2.0833,0.0")
+    del line["energy_wh"]  # an older cloud's answer: no energy, shown as 0
+    assert CliRunner().invoke(app, ["usage", "--format", "csv"]).output.splitlines()[1].endswith(",0,0.0")
+
+
 def test_deploy_prints_how_auto_sizing_chose(admin: FakeAdmin) -> None:
     admin.answers["/admin/deployments"] = {
         "spec": {"name": "bert"},
