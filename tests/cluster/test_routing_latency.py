@@ -123,6 +123,9 @@ async def test_a_failing_report_or_meter_costs_nothing_else() -> None:
     latency = RouteLatency(table, Broken(), on_report=report)
     await latency.measure()
     assert table.latency_us == {"m-far": 900} and latency.over == {"m-far"}
+    table.remove("m")  # the deployment is gone: its routes are forgotten, nothing is over the budget
+    await latency.measure()
+    assert latency.over == set() and latency.measured == {} and table.latency_us == {}
 
 
 def test_the_nodes_latency_is_the_schedulers_network_latency_us() -> None:

@@ -169,10 +169,8 @@ class RouteLatency:
             elif r.latency_us <= self.budget_us and r.replica in self.over:
                 self.over.discard(r.replica)
                 self._report(r, f"route to {r.replica}: {r.latency_us} µs round trip, within the budget again")
-        self.over = {rid for rid in self.over if rid in measured or self._still_routed(rid)}  # gone: forgotten
-
-    def _still_routed(self, replica: str) -> bool:
-        return any(e.replica_id == replica for endpoints in self.routes.routes.values() for e in endpoints)
+        routed = {e.replica_id for endpoints in self.routes.routes.values() for e in endpoints}
+        self.over = {rid for rid in self.over if rid in measured or rid in routed}  # a replica gone: forgotten
 
     def _report(self, route: Route, message: str) -> None:
         log.warning("%s", message)
