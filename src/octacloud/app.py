@@ -126,19 +126,12 @@ class Cloud:
     ) -> None:
         self.config = config
         self.watcher = watcher
-        check_exposure(config.host, config.tls, config.allow_insecure)
-        if config.gateway_workers < 1:
-            raise InvalidSpecError(f"gateway workers must be at least 1, got {config.gateway_workers}")
-        if config.tls is not None:
-            config.tls.check()
+        _check(config)
         prices = PriceSheet.load(config.prices) if config.prices is not None else None
         private_folder(config.state_dir)  # keys, secrets, the database: its owner's alone
         clock = clock or SystemClock()
-        self.nodes = (
-            nodes
-            if nodes is not None
-            else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards, cpu_nodes=config.cpu_nodes)
-        )
+        self.nodes = nodes if nodes is not None else discover_fleet(config.fleet_file, cpu_cards=config.cpu_cards,
+                                                                   cpu_nodes=config.cpu_nodes)  # fmt: skip
         self.models = open_store(config.model_storage or config.repository, config.storage_credentials)
         """The model store: configs, versions and sizes are read here, replicas fetch from it."""
         if config.model_storage is not None:
@@ -147,81 +140,27 @@ class Cloud:
             except StoreUnavailableError as exc:  # cached models still start: say so, and go on
                 log.error("%s (replicas whose model is cached on their node still start)", exc)
         self.store = StateStore.at(config.state_dir / "octacloud.db")
-        secret_file = config.state_dir / internal_auth.FILE_NAME
-        self.internal_secret = internal_auth.ensure_secret(secret_file)
-        """Proves to replicas that a request comes from this cloud (see ``cluster.internal_auth``)."""
-        internal = {internal_auth.HEADER: self.internal_secret}
-        self.internal_ca: InternalCa | None = (
-            getattr(launcher, "internal_ca", None) if launcher is not None else internal_ca(config, remote=False)
-        )
-        """The cloud's internal CA when the gateway → replica hop runs over TLS (None: plain text on loopback)."""
-        client_tls = InternalClientTls.issue(self.internal_ca) if self.internal_ca else None
-        self.internal_tls = client_tls.context() if client_tls is not None else None
-        """What every client of replicas (gateway, prober, scrapers) connects with under internal TLS."""
-        gpu_node = local_nvml_node(self.nodes)
-        self.mps: dict[str, MpsDaemon] = (
-            {gpu_node: MpsDaemon(config.state_dir, cards=tuple(g.index for g in _node(self.nodes, gpu_node).gpus))}
-            if gpu_node is not None
-            else {}
-        )
-        """This host's GPU node's MPS control daemon (none on a host without NVIDIA GPUs)."""
-        self.card_health = CardHealthWatch(gpu_node) if gpu_node is not None else None
-        """Turns this host's NVML readings (XIDs, ECC, a lost GPU) into card health for the controller."""
+        internal = self._secure_hops(launcher)
+        self._local_gpu()
         self.monitoring = CloudMonitoring(
-            lambda: self.controller,
-            self.nodes,
-            slice_prior(),
-            clock,
-            interval_s=config.telemetry_interval_s,
-            replica_headers=internal,
-            replica_tls=self.internal_tls,
-            on_card_readings=self._card_readings,
-        )
+            lambda: self.controller, self.nodes, slice_prior(), clock, interval_s=config.telemetry_interval_s,
+            replica_headers=internal, replica_tls=self.internal_tls, on_card_readings=self._card_readings,
+        )  # fmt: skip
         """Telemetry (the scheduler's telemetry source), the cloud's ``/metrics`` and the dashboard."""
-        self.cached_models: CacheIndex = getattr(launcher, "cache_index", None) or CacheIndex(
-            self.cache_root if config.model_storage is not None else None
-        )
+        cache_root = self.cache_root if config.model_storage is not None else None
+        self.cached_models: CacheIndex = getattr(launcher, "cache_index", None) or CacheIndex(cache_root)
         """Which models each node's cache holds (the ``model-cache`` scoring term reads it)."""
-        tariffs = (
-            fleet_tariffs(read_fleet_document(config.fleet_file), str(config.fleet_file))
-            if config.fleet_file is not None
-            else {}
-        )
         self.routes = RouteTable()
         self.route_latency = RouteLatency(
-            self.routes,
-            nodes=lambda: {a.request.name: a.placement.node for a in self.controller.scheduler.state},
-            on_report=lambda deployment, replica, message: self.store.add_event(
-                "network", replica, message, deployment=deployment
-            ),
-        )
+            self.routes, nodes=lambda: {a.request.name: a.placement.node for a in self.controller.scheduler.state},
+            on_report=lambda deployment, replica, why: self.store.add_event("network", replica, why,
+                                                                             deployment=deployment),
+        )  # fmt: skip
         """The gateway's measured round trip to every replica: routing's tie-break, the nodes' network latency."""
-        network = MeasuredNetwork(self.monitoring.sampler, self.route_latency.node_latency_us)
-        telemetry = PricedTelemetry(network, tariffs, clock.time)
-        """The sampler's measurements with each node's round trip to the gateway, power price now (its tariff) and
-        cost (× its draw)."""
-        profile = cloud_profile(config.policy, telemetry=telemetry, model_cache=self.cached_models)
-        scheduler = Scheduler(ClusterState(self.nodes), profile)
-        self._prober = HttpProber(
-            headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())],
-            on_ready=self._readmit,
-            tls=self.internal_tls,
-        )
+        self._prober = HttpProber(headers=[(internal_auth.HEADER_BYTES, self.internal_secret.encode())],
+                                  on_ready=self._readmit, tls=self.internal_tls)  # fmt: skip
         self.keys = KeyStore(self.store.engine, server_secret(config.state_dir / "server.secret"), clock)
-        self.controller = Controller(
-            store=self.store,
-            nodes=self.nodes,
-            scheduler=scheduler,
-            launcher=launcher or self._local_launcher(),
-            repository=self.cache_root if config.model_storage is not None else config.repository.resolve(),
-            routes=self.routes,
-            clock=clock,
-            prober=self._prober,
-            footprint=RepositoryFootprints(self.models),
-            settings=config.controller,
-            models=self.models,
-            admission=TenantQuotas(self.keys),  # every deploy is held to its tenant's quota, whoever asks
-        )
+        self.controller = self._controller(self._scheduler(clock), launcher, clock)
         self._started = False
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -233,24 +172,70 @@ class Cloud:
         self.admin_key = bootstrap_admin_key(self.keys, config.state_dir / "admin.key")
         """The admin key created by this start (None when one existed): the CLI shows it once."""
         self.ledger = Ledger(self.store.engine)
-        self.usage = ClusterUsage(
-            self.controller,
-            gpu_use=self.monitoring.sampler.gpu_use,
-            card_power=self.monitoring.sampler.card_power,
-            replica_headers=internal,
-            replica_tls=self.internal_tls,
-        )
+        self.usage = ClusterUsage(self.controller, gpu_use=self.monitoring.sampler.gpu_use,
+                                  card_power=self.monitoring.sampler.card_power, replica_headers=internal,
+                                  replica_tls=self.internal_tls)  # fmt: skip
         self.meter = Meter(self.ledger, self.usage, clock, config.meter_interval_s)
+        self._gateways(prices, clock)
+        self.http_port = config.http_port
+        self.grpc_port = config.grpc_port
+
+    def _secure_hops(self, launcher: ReplicaLauncher | None) -> dict[str, str]:
+        """The internal secret and, when the gateway → replica hop runs over TLS, the internal CA and the client
+        context every client of replicas uses; returns the headers that prove a request is this cloud's."""
+        secret_file = self.config.state_dir / internal_auth.FILE_NAME
+        self.internal_secret = internal_auth.ensure_secret(secret_file)
+        """Proves to replicas that a request comes from this cloud (see ``cluster.internal_auth``)."""
+        self.internal_ca: InternalCa | None = (
+            getattr(launcher, "internal_ca", None) if launcher is not None else internal_ca(self.config, remote=False)
+        )
+        """The cloud's internal CA when the gateway → replica hop runs over TLS (None: plain text on loopback)."""
+        client_tls = InternalClientTls.issue(self.internal_ca) if self.internal_ca else None
+        self.internal_tls = client_tls.context() if client_tls is not None else None
+        """What every client of replicas (gateway, prober, scrapers) connects with under internal TLS."""
+        return {internal_auth.HEADER: self.internal_secret}
+
+    def _local_gpu(self) -> None:
+        """This host's GPU node, if it has NVIDIA GPUs: its MPS daemon and the watch on its cards' health."""
+        gpu_node = local_nvml_node(self.nodes)
+        cards = tuple(g.index for g in _node(self.nodes, gpu_node).gpus) if gpu_node is not None else ()
+        self.mps: dict[str, MpsDaemon] = {gpu_node: MpsDaemon(self.config.state_dir, cards=cards)} if gpu_node else {}
+        """This host's GPU node's MPS control daemon (none on a host without NVIDIA GPUs)."""
+        self.card_health = CardHealthWatch(gpu_node) if gpu_node is not None else None
+        """Turns this host's NVML readings (XIDs, ECC, a lost GPU) into card health for the controller."""
+
+    def _scheduler(self, clock: Clock) -> Scheduler:
+        """The scheduler over the fleet, with the cloud's policy, the sampler's telemetry priced by each node's
+        tariff, and the nodes' model caches."""
+        fleet_file = self.config.fleet_file
+        tariffs = fleet_tariffs(read_fleet_document(fleet_file), str(fleet_file)) if fleet_file is not None else {}
+        network = MeasuredNetwork(self.monitoring.sampler, self.route_latency.node_latency_us)
+        telemetry = PricedTelemetry(network, tariffs, clock.time)
+        """The sampler's measurements with each node's round trip to the gateway, power price now (its tariff) and
+        cost (× its draw)."""
+        profile = cloud_profile(self.config.policy, telemetry=telemetry, model_cache=self.cached_models)
+        return Scheduler(ClusterState(self.nodes), profile)
+
+    def _controller(self, scheduler: Scheduler, launcher: ReplicaLauncher | None, clock: Clock) -> Controller:
+        config = self.config
+        repository = self.cache_root if config.model_storage is not None else config.repository.resolve()
+        return Controller(
+            store=self.store, nodes=self.nodes, scheduler=scheduler, launcher=launcher or self._local_launcher(),
+            repository=repository, routes=self.routes, clock=clock, prober=self._prober,
+            footprint=RepositoryFootprints(self.models), settings=config.controller, models=self.models,
+            admission=TenantQuotas(self.keys),  # every deploy is held to its tenant's quota, whoever asks
+        )  # fmt: skip
+
+    def _gateways(self, prices: PriceSheet | None, clock: Clock) -> None:
+        """The REST gateway (with the admin API, the dashboard and ``/metrics``) and the gRPC gateway."""
+        config = self.config
         # behind workers, this process's gateways only serve the admin paths: the workers took the rate budget
         front_guard = self.guard if config.gateway_workers == 1 else Guard(self.keys, Unlimited(clock))
         self.grpc_gateway = GrpcGateway(
-            self.routes,
-            ready=self._ready,
-            guard=front_guard,
-            limits=config.limits,
+            self.routes, ready=self._ready, guard=front_guard, limits=config.limits,
             internal_secret=self.internal_secret,
             replica_ssl=InternalClientTls.issue(self.internal_ca).context() if self.internal_ca else None,
-        )  # a context of its own: the gRPC hop offers ALPN h2 on it
+        )  # fmt: skip  # a context of its own: the gRPC hop offers ALPN h2 on it
         admin = build_admin_app(self.controller, self.keys, self.ledger, prices)
         cache_stats = getattr(self.controller.launcher, "cache_stats", None)  # the Ray launcher's node caches
         dashboard, metrics = self.monitoring.apps(
@@ -263,18 +248,10 @@ class Cloud:
             ],
         )
         self.rest_gateway = RestGateway(
-            self.routes,
-            admin=admin,
-            ready=self._ready,
-            guard=front_guard,
-            dashboard=dashboard,
-            metrics=metrics,
-            limits=config.limits,
-            internal_secret=self.internal_secret,
+            self.routes, admin=admin, ready=self._ready, guard=front_guard, dashboard=dashboard, metrics=metrics,
+            limits=config.limits, internal_secret=self.internal_secret,
             pool=UpstreamPool(tls=self.internal_tls) if self.internal_tls is not None else None,
-        )
-        self.http_port = config.http_port
-        self.grpc_port = config.grpc_port
+        )  # fmt: skip
 
     @property
     def cache_root(self) -> Path:
@@ -287,14 +264,10 @@ class Cloud:
                 workdir, self.config.emulation, environment=self._node_environment, internal_ca=self.internal_ca
             )
         c = self.config
-        fetch = (
-            StoreFetch(self.models, self.cache_root, c.model_cache_size, c.storage_credentials)
-            if c.model_storage is not None
-            else None
-        )
-        return LocalProcessLauncher(
-            workdir, environment=self._node_environment, internal_ca=self.internal_ca, fetch=fetch
-        )  # replicas bind loopback
+        fetch = None if c.model_storage is None else StoreFetch(self.models, self.cache_root, c.model_cache_size,
+                                                                c.storage_credentials)  # fmt: skip
+        return LocalProcessLauncher(workdir, environment=self._node_environment, internal_ca=self.internal_ca,
+                                    fetch=fetch)  # fmt: skip  # replicas bind loopback
 
     def _node_environment(self) -> dict[str, str]:
         """What every local replica gets from its node: the internal secret's file, and the MPS daemon's folders
@@ -347,20 +320,12 @@ class Cloud:
             self.http_port, self.grpc_port = self._fronts.http_port, self._fronts.grpc_port
             return
         self.gateway_workers = GatewayWorkers(
-            config.gateway_workers,
-            routes=self.routes,
-            keys=self.keys,
-            admin_app=self.rest_gateway,
-            secret=self.internal_secret,
-            state_dir=config.state_dir,
-            store_url=self.store.url,
-            host=config.host,
-            limits=config.limits,
-            tls=config.tls,
-            ready=self._ready,
+            config.gateway_workers, routes=self.routes, keys=self.keys, admin_app=self.rest_gateway,
+            secret=self.internal_secret, state_dir=config.state_dir, store_url=self.store.url, host=config.host,
+            limits=config.limits, tls=config.tls, ready=self._ready,
             on_event=lambda message: self.controller.store.add_event("gateway", "workers", message),
             internal_ca=self.internal_ca,
-        )
+        )  # fmt: skip
         self.http_port, self.grpc_port = await self.gateway_workers.start(config.http_port, config.grpc_port)
 
     async def start(self) -> None:
@@ -469,6 +434,15 @@ class Cloud:
                 self.controller.node_changed(change)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), interval)
+
+
+def _check(config: CloudConfig) -> None:
+    """Refuse a configuration that cannot be served safely or at all (before anything is opened)."""
+    check_exposure(config.host, config.tls, config.allow_insecure)
+    if config.gateway_workers < 1:
+        raise InvalidSpecError(f"gateway workers must be at least 1, got {config.gateway_workers}")
+    if config.tls is not None:
+        config.tls.check()
 
 
 def bootstrap_admin_key(keys: KeyStore, path: Path) -> str | None:
