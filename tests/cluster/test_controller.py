@@ -271,14 +271,19 @@ async def test_the_loop_survives_store_errors_and_readiness_reports_it(tmp_path:
     h.deploy("a")
     c = h.controller
     broken = {"on": False}
-    real = h.store.replicas
+    real, peek = h.store.replicas, h.store.peek_replicas
 
     def replicas(deployment: str | None = None) -> list:  # type: ignore[type-arg]
         if broken["on"]:
             raise OperationalError("SELECT", {}, Exception("database is locked"))
         return real(deployment)
 
+    def peek_replicas(deployment: str | None = None) -> list:  # type: ignore[type-arg]
+        replicas(deployment)
+        return peek(deployment)
+
     h.store.replicas = replicas  # type: ignore[method-assign]
+    h.store.peek_replicas = peek_replicas  # type: ignore[method-assign]
     stop = asyncio.Event()
     task = asyncio.create_task(c.run(stop))
     for _ in range(200):

@@ -5,7 +5,9 @@ state already holds their outcome):
 * **evict**: the victim is drained and stopped, then waits to be placed again;
 * **move**: a running replica is replaced by make-before-break on its new slice (:mod:`.replacement`); one that
   runs nothing just takes its new slice;
-* **start**: the replica takes its slice and starts once what still occupies that slice (``after``) has left.
+* **start**: the replica takes its slice and starts once what still occupies that slice (``after``) has left; the
+  starts a pass can make at once are launched together once every operation is carried out, a few at a time
+  (:meth:`~.health.HealthChecker.launch_all`).
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class Executor:
     async def execute(self, operations: Sequence[PassOperation], deployments: dict[str, Deployment]) -> None:
         """Carry out a pass's operations, in order."""
         self.replacements.new_pass()
-        by_id = {r.id: r for r in self.store.replicas()}
+        by_id = {r.id: r for r in self.store.replicas()} if operations else {}
+        starts: list[tuple[Replica, Deployment]] = []
         for op in operations:
             if isinstance(op, Evict):
                 victim = by_id.get(op.victim.request.name)
@@ -90,7 +93,8 @@ class Executor:
                 if mover is not None and mover.deployment in deployments:
                     await self._move(mover, op.destination, deployments[mover.deployment])
             elif isinstance(op, Start):
-                await self._start(op, by_id, deployments)
+                self._start(op, by_id, deployments, starts)
+        await self.health.launch_all(self.health.start(r, d) for r, d in starts)
 
     async def _move(self, mover: Replica, destination: Placement, d: Deployment) -> None:
         if mover.handle and mover.state is not ReplicaState.STOPPING:
@@ -101,7 +105,14 @@ class Executor:
         self.scheduling.moved()
         self.events.replica("moved", mover, f"to {destination.node} cards {list(destination.gpus)} (not running)")
 
-    async def _start(self, op: Start, by_id: dict[str, Replica], deployments: dict[str, Deployment]) -> None:
+    def _start(
+        self,
+        op: Start,
+        by_id: dict[str, Replica],
+        deployments: dict[str, Deployment],
+        starts: list[tuple[Replica, Deployment]],
+    ) -> None:
+        """Give ``op``'s replica its slice; one whose slice is free joins ``starts``."""
         r = by_id.get(op.request.name)
         if r is None or r.deployment not in deployments:
             self.reservations.release(op.request.name)
@@ -122,6 +133,6 @@ class Executor:
         waits = f" once {', '.join(op.after)} left" if op.after else ""
         self.events.replica("placed", r, f"{p.node} cards {list(p.gpus)} × {p.milli_per_gpu} milli{waits}")
         if self.lifecycle.room_is_free(r):
-            await self.health.start(r, deployments[r.deployment])
+            starts.append((r, deployments[r.deployment]))
         else:  # it waits for its slice: its model downloads to the node meanwhile
             self.lifecycle.prefetch(r.node, *r.runs(deployments[r.deployment])[:2])

@@ -9,19 +9,23 @@
 * a placed replica whose slice has become free starts;
 * a surge replica that becomes READY moves its replacement on; one that fails undoes it (:mod:`.replacement`).
 
-Probes of all replicas run concurrently, each bounded by ``probe_timeout_s``.
+Probes of all replicas run concurrently (at most :data:`PROBES_AT_ONCE` at a time), each bounded by
+``probe_timeout_s``; starts and restarts too (at most :data:`~.lifecycle.LAUNCHES_AT_ONCE`); a deployment whose replicas
+became ready is routed once per check, not once per replica.
 """
 
 from __future__ import annotations
 
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from octacloud.control.controller.contracts import ControllerSettings, Probe, Prober, Wakeup
 from octacloud.control.controller.events import EventLog
-from octacloud.control.controller.lifecycle import Lifecycle
+from octacloud.control.controller.lifecycle import LAUNCHES_AT_ONCE, Lifecycle
 from octacloud.control.controller.replacement import Replacements
 from octacloud.control.controller.reservations import Reservations
-from octacloud.control.controller.state import ControllerStore
+from octacloud.control.controller.state import ControllerStore, copied
 from octacloud.control.deployments import Deployment, Replica, ReplicaState
 from octacloud.control.launcher import LaunchFailedError, ReplicaLauncher
 from octacloud.core.clock import Clock
@@ -68,7 +72,8 @@ class HealthChecker:
     async def check(self) -> None:
         now = self.clock.monotonic()
         probing: list[Replica] = []
-        replicas = self.store.replicas()
+        launching: list[Coroutine[Any, Any, None]] = []
+        replicas = sorted(self.store.peek_replicas(), key=lambda r: r.id)  # (a look at each; copies of those acted on)
         for gone in self._runtime.keys() - {r.id for r in replicas}:
             del self._runtime[gone]
         for r in replicas:
@@ -76,29 +81,51 @@ class HealthChecker:
                 continue
             if r.state is ReplicaState.FAILED:
                 if now >= self._rt(r.id).next_restart_at:
-                    await self.restart(r)
+                    launching.append(self.restart(copied(r)))
                 continue
             if r.state is ReplicaState.PENDING and r.placed and self.lifecycle.room_is_free(r):
-                try:
-                    await self.start(r, self.store.get_deployment(r.deployment))
-                except NotFoundError:
-                    pass
+                launching.append(self._start_placed(copied(r)))
                 continue
             if r.state not in (ReplicaState.STARTING, ReplicaState.READY) or not r.handle:
                 continue
             if not self.launcher.alive(r.handle):
                 why = self.lifecycle.exit_reason(r.handle)
-                self.failed(r, f"process exited: {why}" if why else "process exited")
-            elif r.http_port or self._addressed(r, now):
+                self.failed(copied(r), f"process exited: {why}" if why else "process exited")
+            elif r.http_port:
                 probing.append(r)
+            elif self._addressed(c := copied(r), now):
+                probing.append(c)
+        await self.launch_all(launching)
         timeout = self.settings.probe_timeout_s
         # a few at a time: a fleet's probes at once wait in the replicas' queues past their timeout
         results = await bounded_gather((self.prober.probe(r, r.deployment, timeout) for r in probing), PROBES_AT_ONCE)
+        route: set[str] = set()
         for r, probe in zip(probing, results, strict=True):
             if isinstance(probe, BaseException):
                 raise probe
-            if not self.lifecycle.is_stopping(r.id):
-                self._judge(r, probe, now)
+            if self.lifecycle.is_stopping(r.id):
+                continue
+            if probe.ready and r.state is ReplicaState.READY:  # serving as it was: nothing to change
+                self._rt(r.id).probe_failures = 0
+            else:
+                self._judge(copied(r), probe, now, route)
+        for deployment in sorted(route):
+            self.lifecycle.route(deployment)
+
+    @staticmethod
+    async def launch_all(launches: Iterable[Coroutine[Any, Any, None]]) -> None:
+        """Run ``launches`` (starts, restarts), :data:`LAUNCHES_AT_ONCE` at a time; the first that raised is raised
+        once all have ended (a failed launch fails its replica and raises nothing: what raises is the store)."""
+        for outcome in await bounded_gather(launches, LAUNCHES_AT_ONCE):
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    async def _start_placed(self, r: Replica) -> None:
+        try:
+            d = self.store.get_deployment(r.deployment)
+        except NotFoundError:
+            return  # removed meanwhile: the next reconcile retires it
+        await self.start(r, d)
 
     def _addressed(self, r: Replica, now: float) -> bool:
         """A remote replica reports where it serves once it has started: whether it has (and may be probed)."""
@@ -114,7 +141,8 @@ class HealthChecker:
         self.lifecycle.addressed(r, address)
         return True
 
-    def _judge(self, r: Replica, probe: Probe, now: float) -> None:
+    def _judge(self, r: Replica, probe: Probe, now: float, route: set[str]) -> None:
+        """Act on ``r``'s probe; ``route`` collects the deployments to route once the check has judged them all."""
         rt = self._rt(r.id)
         timeout = self.settings.startup_timeout_s
         if probe.ready:
@@ -126,7 +154,7 @@ class HealthChecker:
                 if r.replaces:
                     self.replacements.ready(r)
                 else:
-                    self.lifecycle.route(r.deployment)
+                    route.add(r.deployment)
         elif r.state is ReplicaState.STARTING:
             if probe.failed:
                 self.failed(r, f"model failed to load: {probe.failed}", kill=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,11 @@ from octacloud.control.launcher import LaunchSpec, ReplicaAddress, ReplicaLaunch
 from octacloud.control.slices import Slice, slice_environment, thread_budget
 from octacloud.core.clock import Clock
 from octacloud.gateway.routing import Endpoint, RouteTable
+
+LAUNCHES_AT_ONCE = 8
+"""Launches in flight at once, each in a thread of the controller's own (the event loop's default pool is a few
+threads, shared with everything else that waits off the loop): one after another, a fleet's deploy waits for each
+launch's store flush and its launcher's answer in turn."""
 
 Stopped = Callable[[Replica], None]
 """Told that a retired replica has stopped (its process exited; its record and slice are the handler's)."""
@@ -63,6 +69,7 @@ class Lifecycle:
         self._stopping: dict[str, _Stop] = {}
         """Replicas being drained and stopped in the background, by id."""
         self._background: set[asyncio.Task[None]] = set()
+        self._launching: ThreadPoolExecutor | None = None
 
     # ---- routing -----------------------------------------------------------------------------------------
 
@@ -70,10 +77,10 @@ class Lifecycle:
         """Route ``deployment`` to its READY replicas (those being stopped are out already)."""
         ready = [
             Endpoint(r.id, r.host or "127.0.0.1", r.http_port or 0, r.grpc_port or 0)
-            for r in self.store.replicas(deployment)
+            for r in self.store.peek_replicas(deployment)  # (read only: a copy each would cost what it has)
             if r.state is ReplicaState.READY and r.http_port and r.id not in self._stopping
         ]
-        self.routes.update(deployment, ready)
+        self.routes.update(deployment, sorted(ready, key=lambda e: e.replica_id))
 
     def unroute(self, replica_id: str, gone: bool = False) -> list[Endpoint]:
         """Stop routing new requests to ``replica_id`` at once; returns its endpoints (to watch them drain).
@@ -90,10 +97,8 @@ class Lifecycle:
 
     def room_is_free(self, r: Replica) -> bool:
         """True once every replica named in ``r.after`` has stopped (and so left ``r``'s slice)."""
-        if not r.after:
-            return True
-        live = {x.id for x in self.store.replicas()}
-        return all(a not in live for a in r.after)  # a stop clears its id from ``after``; a gone one counts too
+        # a stop clears its id from ``after``; a gone one counts too
+        return not any(self.store.has_replica(a) for a in r.after)
 
     async def launch(self, r: Replica, d: Deployment) -> str:
         """Start ``r`` on its slice (it is placed and holds the slice in the scheduler's state). Returns '' or why
@@ -106,11 +111,13 @@ class Lifecycle:
         r.after = []
         try:
             await self.store.drained()  # what a restart reads is never behind what runs
-            launched = await asyncio.to_thread(self.launcher.launch, spec)
+            launched = await asyncio.get_running_loop().run_in_executor(
+                self._launch_threads(), self.launcher.launch, spec
+            )
         except Exception as exc:
             log.exception("replica %s: launch failed", r.id)
             return f"launch failed: {exc}"
-        if not any(x.id == r.id for x in self.store.replicas(r.deployment)):  # removed while it launched
+        if not self.store.has_replica(r.id):  # removed while it launched
             self.kill(launched.handle)
             return ""
         r.handle, r.pid, r.host, r.http_port, r.grpc_port, r.metrics_port = launched.handle, None, "", None, None, None
@@ -120,6 +127,11 @@ class Lifecycle:
         else:
             self.store.put_replica(r)
         return ""
+
+    def _launch_threads(self) -> ThreadPoolExecutor:
+        if self._launching is None:
+            self._launching = ThreadPoolExecutor(LAUNCHES_AT_ONCE, thread_name_prefix="octacloud-launch")
+        return self._launching
 
     def prefetch(self, node: str, model: str, version: str) -> None:
         """Ask the launcher (one that can) to fetch ``model`` to ``node`` ahead of a replica; never blocks."""
@@ -212,10 +224,9 @@ class Lifecycle:
 
     def free_waiters(self, stopped: str) -> None:
         """``stopped`` left its slice: what waited for it may start."""
-        for waiter in self.store.replicas():
-            if stopped in waiter.after:
-                waiter.after = [a for a in waiter.after if a != stopped]
-                self.store.put_replica(waiter)
+        for waiter in self.store.waiting_for(stopped):
+            waiter.after = [a for a in waiter.after if a != stopped]
+            self.store.put_replica(waiter)
 
     async def _stop_handle(self, handle: str, grace: float) -> None:
         try:
@@ -246,3 +257,6 @@ class Lifecycle:
         pending = self.in_progress()
         if pending:
             await asyncio.wait(pending, timeout=self.settings.stop_grace_s + 5.0)
+        if self._launching is not None:
+            self._launching.shutdown(wait=False)
+            self._launching = None

@@ -28,7 +28,7 @@ from octacloud.control.controller.executor import Executor
 from octacloud.control.controller.lifecycle import Lifecycle
 from octacloud.control.controller.replacement import Replacements
 from octacloud.control.controller.reservations import Reservations
-from octacloud.control.controller.state import ControllerStore
+from octacloud.control.controller.state import ControllerStore, copied
 from octacloud.control.deployments import Deployment, Replica, ReplicaState, new_replica_id
 from octacloud.core.model import Request
 
@@ -75,13 +75,13 @@ class Reconciler:
         for name in list(deployments):
             self._guard(deployments, name, partial(self.autoscaling.autoscale, {name: deployments[name]}))
         revisions = {name: self._revision(name) for name in deployments}
-        for r in self.store.replicas():
+        for r in self.store.peek_replicas():  # (a look at each; a copy of the few retired)
             if self.lifecycle.is_stopping(r.id):
                 continue
             if r.state is ReplicaState.STOPPING:  # its stop was interrupted (a restart, a store error): finish it
-                self.lifecycle.retire(r, "stopping")
+                self.lifecycle.retire(copied(r), "stopping")
             elif r.deployment not in stored:
-                self.lifecycle.retire(r, "deployment removed")
+                self.lifecycle.retire(copied(r), "deployment removed")
         for name, d in list(deployments.items()):
             self._guard(deployments, name, partial(self._update, d, revisions[name]))
         waiting, requests = self._requests(deployments)
@@ -103,7 +103,10 @@ class Reconciler:
         def ask(r: Replica) -> None:
             asked[r.id] = self.reservations.request(r, deployments[r.deployment])
 
-        pending = [r for r in self.store.replicas() if r.state is ReplicaState.PENDING and not r.placed]
+        peek = self.store.peek_replicas()
+        pending = [
+            copied(r) for r in sorted(peek, key=lambda r: r.id) if r.state is ReplicaState.PENDING and not r.placed
+        ]
         for r in pending:
             if r.deployment in deployments:
                 self._guard(deployments, r.deployment, partial(ask, r))
@@ -111,9 +114,10 @@ class Reconciler:
         return waiting, {r.id: asked[r.id] for r in waiting}
 
     def _live(self, name: str) -> list[Replica]:
+        """``name``'s replicas that are not being stopped, as stored (look, or change a copy)."""
         return [
             r
-            for r in self.store.replicas(name)
+            for r in sorted(self.store.peek_replicas(name), key=lambda r: r.id)
             if not self.lifecycle.is_stopping(r.id) and r.state is not ReplicaState.STOPPING
         ]
 
@@ -123,15 +127,16 @@ class Reconciler:
 
     def _count(self, d: Deployment, revision: int) -> None:
         replicas = [r for r in self._live(d.spec.name) if not r.replaces]
-        for r in replicas:
+        for i, r in enumerate(replicas):
             if not r.octants:  # from before templates: it runs what its deployment asked for when it started
+                r = replicas[i] = copied(r)
                 r.model, r.version, r.octants, r.revision = *d.template(), revision
                 self.store.put_replica(r)
         surplus = len(replicas) - d.replicas
         if surplus > 0:  # the least useful first: pending, then not ready, then newest
             order = sorted(replicas, key=lambda r: (r.state is ReplicaState.READY, r.placed, -r.started_at, r.id))
             for r in order[:surplus]:
-                self.lifecycle.retire(r, "scaled down")
+                self.lifecycle.retire(copied(r), "scaled down")
         model, version, octants = d.template()
         for _ in range(-surplus):
             new = Replica(new_replica_id(d.spec.name), d.spec.name, model=model, version=version, octants=octants)
@@ -140,7 +145,7 @@ class Reconciler:
 
     def _roll_out(self, d: Deployment, revision: int) -> None:
         live = self._live(d.spec.name)
-        outdated = [r for r in live if not r.replaces and r.template() != d.template()]
+        outdated = [copied(r) for r in live if not r.replaces and r.template() != d.template()]
         for r in outdated:
             if (r.state is ReplicaState.PENDING and not r.placed) or r.state is ReplicaState.FAILED:
                 self.reservations.release(r.id)

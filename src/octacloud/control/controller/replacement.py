@@ -265,11 +265,10 @@ class Replacements:
 
     def _unplace_waiters(self, source: str, why: str) -> None:
         """What was placed on ``source``'s slice goes back to pending (the slice is the source's again)."""
-        for waiter in self.store.replicas():
-            if source in waiter.after:
-                self.reservations.release(waiter.id)
-                waiter.unplace(why)
-                self.store.put_replica(waiter)
+        for waiter in self.store.waiting_for(source):
+            self.reservations.release(waiter.id)
+            waiter.unplace(why)
+            self.store.put_replica(waiter)
 
     # ---- a move that failed within one pass --------------------------------------------------------------
 
