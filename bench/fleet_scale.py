@@ -48,7 +48,7 @@ from typing import Any
 from octacloud.admin.dashboard.state import dashboard_state
 from octacloud.app import Cloud, CloudConfig
 from octacloud.control.controller import ControllerSettings, NodeChange
-from octacloud.control.deployments import DeploymentSpec, ReplicaState
+from octacloud.control.deployments import MAX_REPLICAS, DeploymentSpec, ReplicaState
 from octacloud.control.emulated import EmulatedLauncher, EmulationSettings
 from octacloud.control.fleet_gen import FleetShape, generated_fleet
 from octacloud.core.model import Health
@@ -326,21 +326,26 @@ async def scale_out(cloud: Cloud, size: Size, timings: Timings, args: argparse.N
     free = sum(1 for i, n in enumerate(state.nodes) for g in n.gpus if state.free_gpu[i][g.index] == 1000)
     old_cards = sum(n.gpu_count for n in state.nodes)
     wanted = min(old_cards, free + 100 * size.cards)
-    c.deploy(DeploymentSpec(name="wide", model="mlp", octants=8, tenant="admin", min_replicas=wanted,
-                            max_replicas=wanted, priority=100))  # fmt: skip
-    await until("the old fleet's free cards taken", lambda: sum(1 for r in c.store.replicas("wide") if r.node) >= free,
-                args.timeout)  # fmt: skip
+    parts = -(-wanted // MAX_REPLICAS)  # a deployment holds at most MAX_REPLICAS
+    for k in range(parts):
+        n = wanted // parts + (k < wanted % parts)
+        c.deploy(DeploymentSpec(name=f"wide-{k}", model="mlp", octants=8, tenant="admin", min_replicas=n,
+                                max_replicas=n, priority=100))  # fmt: skip
+
+    def wide() -> list[Any]:
+        return [r for k in range(parts) for r in c.store.replicas(f"wide-{k}")]
+
+    await until("the old fleet's free cards taken", lambda: sum(1 for r in wide() if r.node) >= free, args.timeout)
     await asyncio.sleep(2 * c.settings.health_interval_s)
-    waiting = sum(1 for r in c.store.replicas("wide") if not r.node)
+    waiting = sum(1 for r in wide() if not r.node)
     joining = [dataclasses.replace(n, name=f"x-{n.name}") for n in generated_fleet(FleetShape(nodes=100,
                cards=size.cards, racks=4))]  # fmt: skip
     timings.reset()
     for node in joining:
         c.node_changed(NodeChange(node, Health.HEALTHY))
-    placed_s = await until("the waiting work placed", lambda: all(r.node for r in c.store.replicas("wide")),
-                           args.timeout, 0.05)  # fmt: skip
+    placed_s = await until("the waiting work placed", lambda: all(r.node for r in wide()), args.timeout, 0.05)
     passes = len(timings.seconds["pass"])
-    on_new = sum(1 for r in c.store.replicas("wide") if r.node.startswith("x-"))
+    on_new = sum(1 for r in wide() if r.node.startswith("x-"))
     ready_s = await until("the wide deployment ready", lambda: all_ready(cloud, size.replicas + wanted), args.timeout)
     return {"waiting": waiting, "placed_on_new": on_new, "placed_s": placed_s, "passes_to_place": passes,
             "ready_s": placed_s + ready_s}  # fmt: skip

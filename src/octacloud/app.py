@@ -366,8 +366,8 @@ class Cloud:
         if self.gateway_workers is not None:
             await self.gateway_workers.stop(grace=1.0)
         await self.grpc_gateway.close()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+        for task in self._tasks:  # one still busy after 10 s (a meter's scrape of a fleet) is cancelled
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(task, 10)
         await self._prober.close()
         await self.usage.close()
