@@ -76,6 +76,18 @@ class History:
 
 def render(state: dict[str, Any], history: History) -> RenderableType:
     """One frame: a pure function of the dashboard document and the history kept so far."""
+    return Group(
+        _header(state, history),
+        *(_node_panel(node) for node in state["fleet"]["nodes"]),
+        _deployments(state, history),
+        _replicas(state["replicas"]),
+        _tenants(state["tenants"]),
+        Panel(_events(state["events"]), title="events", expand=True),
+    )
+
+
+def _header(state: dict[str, Any], history: History) -> Text:
+    """The fleet's allocation and fragmentation with their history, the replicas, the scheduler's figures."""
     fleet = state["fleet"]
     replicas = state["replicas"]
     ready = sum(1 for r in replicas if r["state"] == "ready")
@@ -90,32 +102,37 @@ def render(state: dict[str, Any], history: History) -> RenderableType:
         f"replicas {ready}/{len(replicas)} ready, {sched['pending']} pending   ",
         f"decision {'–' if ms is None else f'{ms:.2f} ms'}   preemptions {sched['preemptions']}",
     )
+    return header
 
-    nodes = []
-    for node in fleet["nodes"]:
-        lines = Text()
-        for card in node["cards"]:
-            lines.append(f"card {card['index']:>2} {card['model'][:10]:<10} ")
-            for cell in card["octants"]:
-                if cell is None:
-                    lines.append(FREE, style="grey50")
-                else:
-                    style = colour(cell["deployment"]) + ("" if cell["state"] == "ready" else " dim")
-                    lines.append(OCTANT, style=style)
-            t = card.get("telemetry") or {}
-            label = "util" if t.get("source") == "nvml" else "busy"
-            memory = t.get("memory_used_mib")
-            lines.append(f"  {(1000 - card['free_milli']) // 125}/8  {label} {_pct(t.get('utilisation')):>5}")
-            lines.append("" if memory is None else f"  {memory:,.0f} MiB")
-            if not card["usable"]:
-                lines.append("  unusable", style="red")
-            lines.append("\n")
-        lines.rstrip()
-        d = node.get("domains") or {}
-        where = "/".join(d.get(k) or "-" for k in ("zone", "rack", "power_feed")) if any(d.values()) else ""
-        title = f"{node['name']} ({node['health']})" + (f" {where}" if where else "")
-        nodes.append(Panel(lines, title=title, expand=False))
 
+def _node_panel(node: dict[str, Any]) -> Panel:
+    """A node: each card's octants by deployment, its use and memory, and where the node stands."""
+    lines = Text()
+    for card in node["cards"]:
+        lines.append(f"card {card['index']:>2} {card['model'][:10]:<10} ")
+        for cell in card["octants"]:
+            if cell is None:
+                lines.append(FREE, style="grey50")
+            else:
+                style = colour(cell["deployment"]) + ("" if cell["state"] == "ready" else " dim")
+                lines.append(OCTANT, style=style)
+        t = card.get("telemetry") or {}
+        label = "util" if t.get("source") == "nvml" else "busy"
+        memory = t.get("memory_used_mib")
+        lines.append(f"  {(1000 - card['free_milli']) // 125}/8  {label} {_pct(t.get('utilisation')):>5}")
+        lines.append("" if memory is None else f"  {memory:,.0f} MiB")
+        if not card["usable"]:
+            lines.append("  unusable", style="red")
+        lines.append("\n")
+    lines.rstrip()
+    d = node.get("domains") or {}
+    where = "/".join(d.get(k) or "-" for k in ("zone", "rack", "power_feed")) if any(d.values()) else ""
+    title = f"{node['name']} ({node['health']})" + (f" {where}" if where else "")
+    return Panel(lines, title=title, expand=False)
+
+
+def _deployments(state: dict[str, Any], history: History) -> Table:
+    """Each deployment: its tenant, size, readiness, request rate and latency with their history, batch sizes."""
     deployments = Table(title="deployments", expand=True, title_justify="left")
     for column in ("deployment", "tenant", "oct", "ready", "req/s", "", "latency", "batch sizes"):
         deployments.add_column(column, justify="right" if column in ("oct", "ready", "req/s", "latency") else "left")
@@ -131,7 +148,11 @@ def render(state: dict[str, Any], history: History) -> RenderableType:
             f"{latency[-1][1]:.1f} ms" if latency else "–",
             " ".join(f"{size}:{n}" for size, n in d["batch_sizes"].items()) or "–",
         )
+    return deployments
 
+
+def _replicas(replicas: list[dict[str, Any]]) -> Table:
+    """Each replica: its state, slice, use, restarts and last message."""
     table = Table(title="replicas", expand=True, title_justify="left")
     for column in ("replica", "state", "slice", "busy", "cpu", "restarts", "message"):
         table.add_column(column)
@@ -142,26 +163,34 @@ def render(state: dict[str, Any], history: History) -> RenderableType:
             r["id"], r["state"], where, _pct(r["busy"]), "–" if cpu is None else f"{cpu:.2f}", str(r["restarts"]),
             r["message"][:60],
         )  # fmt: skip
+    return table
 
-    tenants = Table(title="tenants", expand=True, title_justify="left")
+
+def _tenants(tenants: list[dict[str, Any]]) -> Table:
+    """Each tenant: its deployments, replicas, octants and usage."""
+    table = Table(title="tenants", expand=True, title_justify="left")
     for column in ("tenant", "deployments", "replicas", "octants", "octant-seconds", "requests", "inferences"):
-        tenants.add_column(column, justify="left" if column == "tenant" else "right")
-    for t in state["tenants"]:
+        table.add_column(column, justify="left" if column == "tenant" else "right")
+    for t in tenants:
         u = t.get("usage") or {}
-        tenants.add_row(
+        table.add_row(
             Text(str(t["tenant"]), style=colour(str(t["tenant"]))),
             str(t["deployments"]), str(t["replicas"]), str(t["octants"]),
             f"{u['octant_seconds']:,}" if u else "–", f"{u['requests']:,}" if u else "–",
             f"{u['inferences']:,}" if u else "–",
         )  # fmt: skip
+    return table
 
-    events = Text()
-    for e in state["events"][:8]:
-        events.append(time.strftime("%H:%M:%S ", time.localtime(e["at"])), style="grey50")
-        events.append(f"{e['kind']:<14}", style="bold")
-        events.append(f"{e['subject']} — {e['message']}\n")
-    events.rstrip()
-    return Group(header, *nodes, deployments, table, tenants, Panel(events, title="events", expand=True))
+
+def _events(events: list[dict[str, Any]]) -> Text:
+    """The last eight events, newest first."""
+    text = Text()
+    for e in events[:8]:
+        text.append(time.strftime("%H:%M:%S ", time.localtime(e["at"])), style="grey50")
+        text.append(f"{e['kind']:<14}", style="bold")
+        text.append(f"{e['subject']} — {e['message']}\n")
+    text.rstrip()
+    return text
 
 
 def _key(key: str | None, state_dir: Path) -> str | None:
