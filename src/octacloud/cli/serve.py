@@ -48,7 +48,6 @@ def serve(
     serve_as: str | None = typer.Option(None, help="With --fetch-model: the name clients use (default: the model)."),
 ) -> None:
     """Serve the models of REPOSITORY over the Open Inference Protocol (REST and gRPC), as Triton does."""
-    from octacloud.idlespin import REPLICA_SPIN_ENV, window_us_from_env
     from octacloud.protocols.server import ServerSettings, run
     from octacloud.serving import ControlMode
 
@@ -68,28 +67,16 @@ def serve(
         mode = ControlMode.EXPLICIT
     if not repository.is_dir():
         raise typer.BadParameter(f"{repository} is not a directory", param_hint="--repository")
-    try:
-        window_us_from_env(REPLICA_SPIN_ENV)
-    except ValueError as e:
-        typer.echo(f"octacloud serve: {e}", err=True)
-        raise typer.Exit(2) from None
-
-    def port(p: int) -> int | None:
-        return None if p < 0 else p
-
-    for name, fd in (("--http-fd", http_fd), ("--grpc-fd", grpc_fd), ("--metrics-fd", metrics_fd)):
-        if fd >= 0 and fd <= 2:
-            raise typer.BadParameter(f"must be a socket's file descriptor (3 or more), got {fd}", param_hint=name)
-
+    _check_endpoints(http_fd, grpc_fd, metrics_fd)
     settings = ServerSettings(
         repository=repository,
         host=host,
-        http_port=port(http_port),
-        grpc_port=port(grpc_port),
-        metrics_port=port(metrics_port),
-        http_fd=port(http_fd),
-        grpc_fd=port(grpc_fd),
-        metrics_fd=port(metrics_fd),
+        http_port=_port(http_port),
+        grpc_port=_port(grpc_port),
+        metrics_port=_port(metrics_port),
+        http_fd=_port(http_fd),
+        grpc_fd=_port(grpc_fd),
+        metrics_fd=_port(metrics_fd),
         control_mode=mode,
         load_models=tuple(load_model),
         threads=threads or None,
@@ -103,6 +90,25 @@ def serve(
     except OSError as e:  # a port in use, an address that is not ours: say so, no traceback
         typer.echo(f"octacloud serve: {e}", err=True)
         raise typer.Exit(1) from None
+
+
+def _port(p: int) -> int | None:
+    """A port or file descriptor option's value: None when it is off (negative)."""
+    return None if p < 0 else p
+
+
+def _check_endpoints(http_fd: int, grpc_fd: int, metrics_fd: int) -> None:
+    """The replica's spin window (from the environment) and the inherited sockets' descriptors, checked."""
+    from octacloud.idlespin import REPLICA_SPIN_ENV, window_us_from_env
+
+    try:
+        window_us_from_env(REPLICA_SPIN_ENV)
+    except ValueError as e:
+        typer.echo(f"octacloud serve: {e}", err=True)
+        raise typer.Exit(2) from None
+    for name, fd in (("--http-fd", http_fd), ("--grpc-fd", grpc_fd), ("--metrics-fd", metrics_fd)):
+        if fd >= 0 and fd <= 2:
+            raise typer.BadParameter(f"must be a socket's file descriptor (3 or more), got {fd}", param_hint=name)
 
 
 def _fetched(
