@@ -162,7 +162,11 @@ def deploy(
     body.update({k: v for k, v in given.items() if v is not None})
     if octants is not None:
         body["octants"] = None if octants == "auto" else int(octants)
-    data = _call("POST", _url(url), "/admin/deployments", body, key, cacert)
+    _print_deployed(_call("POST", _url(url), "/admin/deployments", body, key, cacert))
+
+
+def _print_deployed(data: dict[str, Any]) -> None:
+    """What a deploy answered: the deployment's size, what a redeploy kept and changed, how it was sized."""
     spec = data["spec"]
     console.print(f"deployed [bold]{spec['name']}[/]: {data['replicas']} replica(s) × {data['octants']} octant(s)")
     if data.get("kept") or data.get("changes"):
