@@ -39,7 +39,7 @@ from octacloud.toolchain.repository import (
     variant_name,
 )
 from octacloud.toolchain.sources import SourceModel
-from octacloud.toolchain.spec import check_batch
+from octacloud.toolchain.spec import TensorSpec, check_batch
 from octacloud.toolchain.variants import (
     CalibrationSet,
     load_arrays,
@@ -196,82 +196,21 @@ def convert(
     with repository.staging() as stage:
         work = stage / "work"
         work.mkdir()
-        say(f"exporting {source.description} to ONNX")
-        exported = work / "exported.onnx"
-        source.export(exported)
-        check_model(exported)
-        fp32 = work / "fp32.onnx"
-        optimize_offline(exported, fp32)
-        inputs, outputs = signature(check_model(fp32))
-        expected = [s.name for s in source.inputs]
-        if [s.name for s in inputs] != expected:
-            raise ConversionError(
-                f"the exported graph's inputs {[s.name for s in inputs]} differ from the source's {expected}"
-            )
+        fp32, inputs, outputs = _export(source, work, say)
         for name in names.values():  # refuse a signature clash now, not after the variants are built
-            placeholder = build_config(
-                name,
-                inputs,
-                outputs,
-                max_batch_size=options.max_batch_size,
-                weights_bytes=0,
-                bytes_per_sample=0,
-                precision="fp32",
-            )
+            placeholder = build_config(name, inputs, outputs, max_batch_size=options.max_batch_size,
+                                       weights_bytes=0, bytes_per_sample=0, precision="fp32")  # fmt: skip
             repository.check_compatible(name, placeholder)
+        build = _Build(
+            source, options, fp32, work, inputs, outputs, calibration, preprocessing, samples, reference, say
+        )
         results: list[VariantResult] = []
         staged: list[StagedModel] = []
         for precision in options.precisions:
-            name = names[precision]
-            say(f"{name}: building the {precision} variant")
-            directory = stage / name
-            directory.mkdir()
-            path = directory / MODEL_FILENAME
-            for note in _make_variant(precision, fp32, path, calibration, work):
-                say(f"{name}: {note}")
-            if preprocessing is not None and preprocessing.tokenizer is not None:
-                write_tokenizer(preprocessing.tokenizer, directory, preprocessing.max_text_length)
-            got = run(open_session(path, options.profile.threads), samples)
-            report = compare(
-                name,
-                precision,
-                got,
-                reference,
-                reference_name=source.reference_name,
-                classifier=source.classifier,
-                tolerance=options.tolerances.get(precision),
-                forced=options.force,
-            )
-            (directory / PARITY_FILENAME).write_text(report.to_json(), encoding="utf-8")
-            size = path.stat().st_size
-            if not report.publishable:
-                say(f"{name}: outside tolerance, not published ({'; '.join(report.failures)})")
-                results.append(VariantResult(name, precision, size, report, None))
-                continue
-            say(f"{name}: profiling")
-            profile = measure_profile(
-                name,
-                precision,
-                path,
-                inputs,
-                options.max_batch_size,
-                dataclasses.replace(
-                    options.profile, shape_hints={**source.shape_hints, **(options.profile.shape_hints or {})}
-                ),
-            )
-            config = build_config(
-                name,
-                inputs,
-                outputs,
-                max_batch_size=options.max_batch_size,
-                weights_bytes=profile.weights_bytes,
-                bytes_per_sample=profile.bytes_per_sample,
-                precision=precision,
-                max_queue_delay_us=options.max_queue_delay_us,
-                parameters=preprocessing.parameters() if preprocessing is not None else None,
-            )
-            staged.append(StagedModel(name, directory, config, profile))
-            results.append(VariantResult(name, precision, size, report, profile))
+            result, model = _variant(build, precision, names[precision], stage / names[precision])
+            results.append(result)
+            if model is not None:
+                staged.append(model)
         published = {p.name: p for p in repository.publish(staged)}
     final = tuple(
         dataclasses.replace(r, published=published[r.name], profile=published[r.name].profile)
@@ -283,3 +222,76 @@ def convert(
         if r.published is not None:
             say(f"published {r.name} version {r.published.version}")
     return ConversionResult(source.description, final)
+
+
+def _export(source: SourceModel, work: Path, say: Progress) -> tuple[Path, list[TensorSpec], list[TensorSpec]]:
+    """Export ``source`` to ONNX and optimise it offline into ``work/fp32.onnx``; its inputs and outputs, which
+    must be the source's."""
+    say(f"exporting {source.description} to ONNX")
+    exported = work / "exported.onnx"
+    source.export(exported)
+    check_model(exported)
+    fp32 = work / "fp32.onnx"
+    optimize_offline(exported, fp32)
+    inputs, outputs = signature(check_model(fp32))
+    expected = [s.name for s in source.inputs]
+    if [s.name for s in inputs] != expected:
+        raise ConversionError(
+            f"the exported graph's inputs {[s.name for s in inputs]} differ from the source's {expected}"
+        )
+    return fp32, inputs, outputs
+
+
+@dataclass(frozen=True, slots=True)
+class _Build:
+    """What every variant of one conversion is built, checked and profiled from."""
+
+    source: SourceModel
+    options: ConvertOptions
+    fp32: Path
+    work: Path
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    calibration: CalibrationSet | None
+    preprocessing: Preprocessing | None
+    samples: dict[str, np.ndarray]
+    reference: dict[str, np.ndarray]
+    say: Progress
+
+
+def _variant(b: _Build, precision: Precision, name: str, directory: Path) -> tuple[VariantResult, StagedModel | None]:
+    """Build the ``precision`` variant into ``directory`` and check its parity; one within tolerance (or forced)
+    is profiled and staged for publishing, one outside it is reported only."""
+    options, preprocessing, say = b.options, b.preprocessing, b.say
+    say(f"{name}: building the {precision} variant")
+    directory.mkdir()
+    path = directory / MODEL_FILENAME
+    for note in _make_variant(precision, b.fp32, path, b.calibration, b.work):
+        say(f"{name}: {note}")
+    if preprocessing is not None and preprocessing.tokenizer is not None:
+        write_tokenizer(preprocessing.tokenizer, directory, preprocessing.max_text_length)
+    got = run(open_session(path, options.profile.threads), b.samples)
+    report = compare(name, precision, got, b.reference, reference_name=b.source.reference_name,
+                     classifier=b.source.classifier, tolerance=options.tolerances.get(precision),
+                     forced=options.force)  # fmt: skip
+    (directory / PARITY_FILENAME).write_text(report.to_json(), encoding="utf-8")
+    size = path.stat().st_size
+    if not report.publishable:
+        say(f"{name}: outside tolerance, not published ({'; '.join(report.failures)})")
+        return VariantResult(name, precision, size, report, None), None
+    say(f"{name}: profiling")
+    hints = {**b.source.shape_hints, **(options.profile.shape_hints or {})}
+    profile = measure_profile(name, precision, path, b.inputs, options.max_batch_size,
+                              dataclasses.replace(options.profile, shape_hints=hints))  # fmt: skip
+    config = build_config(
+        name,
+        b.inputs,
+        b.outputs,
+        max_batch_size=options.max_batch_size,
+        weights_bytes=profile.weights_bytes,
+        bytes_per_sample=profile.bytes_per_sample,
+        precision=precision,
+        max_queue_delay_us=options.max_queue_delay_us,
+        parameters=preprocessing.parameters() if preprocessing is not None else None,
+    )
+    return VariantResult(name, precision, size, report, profile), StagedModel(name, directory, config, profile)
