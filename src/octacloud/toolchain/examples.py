@@ -46,7 +46,7 @@ import numpy as np
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.toolchain.convert import ConversionResult, ConvertOptions, Progress, convert
-from octacloud.toolchain.gguf_examples import gguf_examples
+from octacloud.toolchain.gguf_examples import GgufExample, gguf_examples
 from octacloud.toolchain.profile import PRECISIONS
 from octacloud.toolchain.profiling import ProfileSettings
 from octacloud.toolchain.repository import MODEL_FILENAME, ModelRepository, variant_name
@@ -315,39 +315,7 @@ def build_examples(
             outcomes.append(ExampleOutcome(example.name, skipped=True))
             continue
         say(f"{example.name}: building ({example.summary})")
-        source = example.make_source()
-        calibration = None
-        if example.static_int8_samples:
-            calibration = source.sample_inputs(example.static_int8_samples, np.random.default_rng(SEED + 1))
-        settings = ProfileSettings(
-            threads=threads or min(2, os.cpu_count() or 1),
-            batch_sizes=example.profile_batch_sizes,
-            budget_s=1.0,
-            shape_hints=example.profile_shape_hints or None,
-        )
-        options = ConvertOptions(
-            name=example.name,
-            max_batch_size=example.max_batch_size,
-            calibration=calibration,
-            samples=example.parity_samples() if example.parity_samples else None,
-            seed=SEED,
-            profile=settings,
-            tokenizer=example.tokenizer() if example.tokenizer else None,
-        )
-        result = convert(source, repo, options, progress)
-        unexpected = [v for v in result.rejected if v.precision not in example.outside_tolerance]
-        if unexpected:
-            raise InvalidSpecError(
-                f"{example.name}: variant(s) {[v.name for v in unexpected]} are outside tolerance: "
-                + "; ".join(f for v in unexpected for f in v.parity.failures)
-            )
-        for variant in result.published:  # the examples are a build product: keep only the newest version
-            repo.prune(variant.name, keep=1)
-        rejected = {v.name: "; ".join(v.parity.failures) for v in result.rejected}
-        for variant in result.rejected:  # an older build of a variant now rejected must not be served
-            repo.remove(variant.name)
-            why = example.outside_tolerance[variant.precision]
-            say(f"{variant.name}: outside tolerance, as expected ({rejected[variant.name]}): {why}; not published")
+        result, rejected = _build_example(repo, example, threads, progress, say)
         state[example.name] = BuiltExample(print_, rejected)
         _save_state(repo.root, state)
         outcomes.append(ExampleOutcome(example.name, skipped=False, result=result))
@@ -360,14 +328,60 @@ def build_examples(
             say(f"{gguf.name}: up to date, skipped")
             outcomes.append(ExampleOutcome(gguf.name, skipped=True))
             continue
-        say(f"{gguf.name}: publishing ({gguf.summary})")
-        published = gguf.build(repo.root)
-        repo.prune(gguf.name, keep=1)
-        say(f"{gguf.name}: version {published.version} with {', '.join(published.files)}")
+        _publish_generative(repo, gguf, say)
         state[gguf.name] = BuiltExample(print_)
         _save_state(repo.root, state)
         outcomes.append(ExampleOutcome(gguf.name, skipped=False))
     return outcomes
+
+
+def _build_example(
+    repo: ModelRepository, example: ExampleModel, threads: int | None, progress: Progress | None, say: Progress
+) -> tuple[ConversionResult, dict[str, str]]:
+    """Convert ``example`` into ``repo``, keeping only the newest version of each variant; the result and the
+    variants outside tolerance (as the example expects, else an error) with why."""
+    source = example.make_source()
+    calibration = None
+    if example.static_int8_samples:
+        calibration = source.sample_inputs(example.static_int8_samples, np.random.default_rng(SEED + 1))
+    settings = ProfileSettings(
+        threads=threads or min(2, os.cpu_count() or 1),
+        batch_sizes=example.profile_batch_sizes,
+        budget_s=1.0,
+        shape_hints=example.profile_shape_hints or None,
+    )
+    options = ConvertOptions(
+        name=example.name,
+        max_batch_size=example.max_batch_size,
+        calibration=calibration,
+        samples=example.parity_samples() if example.parity_samples else None,
+        seed=SEED,
+        profile=settings,
+        tokenizer=example.tokenizer() if example.tokenizer else None,
+    )
+    result = convert(source, repo, options, progress)
+    unexpected = [v for v in result.rejected if v.precision not in example.outside_tolerance]
+    if unexpected:
+        raise InvalidSpecError(
+            f"{example.name}: variant(s) {[v.name for v in unexpected]} are outside tolerance: "
+            + "; ".join(f for v in unexpected for f in v.parity.failures)
+        )
+    for variant in result.published:  # the examples are a build product: keep only the newest version
+        repo.prune(variant.name, keep=1)
+    rejected = {v.name: "; ".join(v.parity.failures) for v in result.rejected}
+    for variant in result.rejected:  # an older build of a variant now rejected must not be served
+        repo.remove(variant.name)
+        why = example.outside_tolerance[variant.precision]
+        say(f"{variant.name}: outside tolerance, as expected ({rejected[variant.name]}): {why}; not published")
+    return result, rejected
+
+
+def _publish_generative(repo: ModelRepository, gguf: GgufExample, say: Progress) -> None:
+    """Publish the generative example ``gguf`` into ``repo``, keeping only its newest version."""
+    say(f"{gguf.name}: publishing ({gguf.summary})")
+    published = gguf.build(repo.root)
+    repo.prune(gguf.name, keep=1)
+    say(f"{gguf.name}: version {published.version} with {', '.join(published.files)}")
 
 
 def _save_state(root: Path, state: dict[str, BuiltExample]) -> None:
