@@ -6,7 +6,11 @@ from typing import Any
 
 from rich.console import Console
 
+from octacloud.cli.status_view import Filters
 from octacloud.cli.top import FREE, OCTANT, History, render, sparkline
+from octacloud.cli.top_fleet import palette
+
+from .big_fleet import DEPLOYMENTS, big_document
 
 
 def cell(replica: str, deployment: str, state: str = "ready") -> dict[str, str]:
@@ -87,3 +91,59 @@ def test_fractions_draw_a_full_bar_at_100_percent_only() -> None:
     assert sparkline([[0, 0.5], [1, 1.0]], full=1.0) == "▄█"
     line = frame(History(), document(100.0, 5.0)).splitlines()[0]  # allocated 31 %, fragmented 25 %
     assert "allocated 31 % ▃" in line and "fragmented 25 % ▂" in line and "█" not in line, line
+
+
+def big_frame(**filters: str) -> str:
+    doc = big_document()
+    console = Console(record=True, width=160, color_system=None)
+    console.print(render(doc, History(), Filters(**filters)))
+    return console.export_text()
+
+
+def test_a_thousand_cards_are_summarised_by_rack_and_deployment() -> None:
+    """125 nodes × 8 cards, 1,000 replicas: one row per rack and per deployment, not a panel per node."""
+    text = big_frame()
+    lines = text.splitlines()
+    assert len(lines) < 200, len(lines)
+    assert text.count(OCTANT) == 0 and "fleet by rack (125 nodes" in text
+    doc = big_document()
+    for rack in ("r00", "r01", "r02", "r03", "r04"):
+        row = next(line for line in lines if line.lstrip("│ ").startswith(rack))
+        nodes = [n for n in doc["fleet"]["nodes"] if n["domains"]["rack"] == rack]
+        held = sum(8 - c["free_milli"] // 125 for n in nodes for c in n["cards"])
+        assert f"{held}/{25 * 64}" in row, row
+    assert "r00  " in text and " 24 " in text  # r00 holds the failed node: 24 of its 25 are healthy
+    assert "replicas by deployment (1000 replicas" in text
+    row = next(line for line in lines if line.lstrip("│ ").startswith("model-07 "))
+    assert "tenant-7" in row
+    assert sum(1 for line in lines if line.lstrip("│ ").startswith("model-")) == 2 * DEPLOYMENTS  # both tables
+
+
+def test_top_filters_by_node_deployment_and_tenant() -> None:
+    doc = big_document()
+    one = big_frame(node="r02-n03")
+    node = next(n for n in doc["fleet"]["nodes"] if n["name"] == "r02-n03")
+    held = sum(1 for c in node["cards"] for o in c["octants"] if o is not None)
+    assert one.count(OCTANT) == held and one.count(FREE) >= 64 - held and "r02-n03 (healthy) z0/r02/-" in one
+    on_node = [r["id"] for r in doc["replicas"] if r["node"] == "r02-n03"]
+    assert on_node and all(rid in one for rid in on_node)  # a node filter lists its replicas one by one
+
+    mine = big_frame(deployment="model-13")
+    rows = [r for r in doc["replicas"] if r["deployment"] == "model-13"]
+    assert all(r["id"] in mine for r in rows)
+    nodes = {r["node"] for r in rows if r["node"]}
+    assert sum(1 for n in nodes if f"{n} (" in mine) == len(nodes)  # the nodes it runs on, drawn card by card
+    assert mine.count(OCTANT) == sum(r["milli_per_gpu"] // 125 for r in rows if r["node"])  # others: OTHER
+    assert "model-12" not in mine.replace("model-12-", "")
+
+    tenant = big_frame(tenant="tenant-3")
+    names = {d["name"] for d in doc["deployments"] if d["tenant"] == "tenant-3"}
+    rows = [line.lstrip("│ ").split(" ")[0] for line in tenant.splitlines() if line.lstrip("│ ").startswith("model-")]
+    assert set(rows) == names and len(rows) == 2 * len(names)  # in the deployments and the replicas tables
+    assert "replicas by deployment (125 replicas" in tenant  # 5 deployments × 25: still counted, not listed
+
+
+def test_a_colour_per_deployment_at_any_count() -> None:
+    colours = palette(f"d{k:03d}" for k in range(200))
+    assert len(set(colours.values())) == 200
+    assert palette(["b", "a"]) == palette(["a", "b"])  # by name, not by arrival

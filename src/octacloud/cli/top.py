@@ -1,15 +1,15 @@
 """``octacloud top``: the dashboard in a terminal (rich), for a server without a browser.
 
 It polls the same JSON as the web dashboard (``/dashboard/api/state``, admin key) and draws the card map (one
-cell per octant, coloured by deployment), allocation and fragmentation, per-deployment load and batch sizes,
-replicas and the last events.
+cell per octant, coloured by deployment; one row per rack for a big fleet), allocation and fragmentation,
+per-deployment load and batch sizes, replicas (counted per deployment when many) and the last events;
+``--node``, ``--deployment`` and ``--tenant`` narrow it (``top_fleet``).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +21,14 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-PALETTE = (
-    "dodger_blue2", "dark_orange", "green3", "magenta", "gold3", "turquoise2",
-    "orchid", "chartreuse3", "salmon1", "steel_blue1", "yellow3", "medium_purple1",
-)  # fmt: skip
+from octacloud.cli.status_view import Filters
+from octacloud.cli.top_fleet import FREE, OCTANT, fleet_view, narrow, palette, replicas_view
+
 SPARK = "▁▂▃▄▅▆▇█"
-OCTANT, FREE = "■", "·"
+NO_FILTERS = Filters()
+DEPLOYMENT_ROWS = 60
+"""More deployments than this are cut, saying how many more (``--deployment`` narrows them)."""
 DEFAULT_URL = "http://127.0.0.1:8000"
-
-
-def colour(name: str) -> str:
-    """A stable colour per deployment or tenant name."""
-    return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
 
 
 def _pct(x: float | None) -> str:
@@ -74,15 +70,20 @@ class History:
         return self.series.get(key, [])
 
 
-def render(state: dict[str, Any], history: History) -> RenderableType:
-    """One frame: a pure function of the dashboard document and the history kept so far."""
+def render(state: dict[str, Any], history: History, filters: Filters = NO_FILTERS) -> RenderableType:
+    """One frame: a pure function of the dashboard document, the history kept so far and the filters. The header
+    is the whole fleet's; the map and the tables show what the filters match, in the whole fleet's colours."""
+    held = (o["deployment"] for n in state["fleet"]["nodes"] for c in n["cards"] for o in c["octants"] if o)
+    colours = palette([*(d["name"] for d in state["deployments"]), *held])
+    shown = narrow(state, filters)
+    names = {r["deployment"] for r in shown["replicas"]} if filters.deployment or filters.tenant else None
     return Group(
         _header(state, history),
-        *(_node_panel(node) for node in state["fleet"]["nodes"]),
-        _deployments(state, history),
-        _replicas(state["replicas"]),
-        _tenants(state["tenants"]),
-        Panel(_events(state["events"]), title="events", expand=True),
+        *fleet_view(shown["fleet"]["nodes"], colours, names, filters),
+        _deployments(shown, history, colours),
+        replicas_view(shown["replicas"], filters),
+        _tenants(shown["tenants"]),
+        Panel(_events(shown["events"]), title="events", expand=True),
     )
 
 
@@ -105,41 +106,15 @@ def _header(state: dict[str, Any], history: History) -> Text:
     return header
 
 
-def _node_panel(node: dict[str, Any]) -> Panel:
-    """A node: each card's octants by deployment, its use and memory, and where the node stands."""
-    lines = Text()
-    for card in node["cards"]:
-        lines.append(f"card {card['index']:>2} {card['model'][:10]:<10} ")
-        for cell in card["octants"]:
-            if cell is None:
-                lines.append(FREE, style="grey50")
-            else:
-                style = colour(cell["deployment"]) + ("" if cell["state"] == "ready" else " dim")
-                lines.append(OCTANT, style=style)
-        t = card.get("telemetry") or {}
-        label = "util" if t.get("source") == "nvml" else "busy"
-        memory = t.get("memory_used_mib")
-        lines.append(f"  {(1000 - card['free_milli']) // 125}/8  {label} {_pct(t.get('utilisation')):>5}")
-        lines.append("" if memory is None else f"  {memory:,.0f} MiB")
-        if not card["usable"]:
-            lines.append("  unusable", style="red")
-        lines.append("\n")
-    lines.rstrip()
-    d = node.get("domains") or {}
-    where = "/".join(d.get(k) or "-" for k in ("zone", "rack", "power_feed")) if any(d.values()) else ""
-    title = f"{node['name']} ({node['health']})" + (f" {where}" if where else "")
-    return Panel(lines, title=title, expand=False)
-
-
-def _deployments(state: dict[str, Any], history: History) -> Table:
+def _deployments(state: dict[str, Any], history: History, colours: dict[str, str]) -> Table:
     """Each deployment: its tenant, size, readiness, request rate and latency with their history, batch sizes."""
     deployments = Table(title="deployments", expand=True, title_justify="left")
     for column in ("deployment", "tenant", "oct", "ready", "req/s", "", "latency", "batch sizes"):
         deployments.add_column(column, justify="right" if column in ("oct", "ready", "req/s", "latency") else "left")
-    for d in state["deployments"]:
+    for d in state["deployments"][:DEPLOYMENT_ROWS]:
         qps, latency = history.get(f"qps:{d['name']}"), history.get(f"latency:{d['name']}")
         deployments.add_row(
-            Text(d["name"], style=colour(d["name"])),
+            Text(d["name"], style=colours[d["name"]]),
             d["tenant"],
             str(d["octants"]),
             f"{d['ready']}/{d['desired']}",
@@ -148,22 +123,9 @@ def _deployments(state: dict[str, Any], history: History) -> Table:
             f"{latency[-1][1]:.1f} ms" if latency else "–",
             " ".join(f"{size}:{n}" for size, n in d["batch_sizes"].items()) or "–",
         )
+    if len(state["deployments"]) > DEPLOYMENT_ROWS:
+        deployments.caption = f"… {len(state['deployments']) - DEPLOYMENT_ROWS} more (--deployment PATTERN)"
     return deployments
-
-
-def _replicas(replicas: list[dict[str, Any]]) -> Table:
-    """Each replica: its state, slice, use, restarts and last message."""
-    table = Table(title="replicas", expand=True, title_justify="left")
-    for column in ("replica", "state", "slice", "busy", "cpu", "restarts", "message"):
-        table.add_column(column)
-    for r in replicas:
-        where = f"{r['node']} {r['gpus']} × {r['milli_per_gpu'] // 125}" if r["node"] else "–"
-        cpu = r["cpu_cores"]
-        table.add_row(
-            r["id"], r["state"], where, _pct(r["busy"]), "–" if cpu is None else f"{cpu:.2f}", str(r["restarts"]),
-            r["message"][:60],
-        )  # fmt: skip
-    return table
 
 
 def _tenants(tenants: list[dict[str, Any]]) -> Table:
@@ -171,10 +133,11 @@ def _tenants(tenants: list[dict[str, Any]]) -> Table:
     table = Table(title="tenants", expand=True, title_justify="left")
     for column in ("tenant", "deployments", "replicas", "octants", "octant-seconds", "requests", "inferences"):
         table.add_column(column, justify="left" if column == "tenant" else "right")
+    colours = palette(str(t["tenant"]) for t in tenants)
     for t in tenants:
         u = t.get("usage") or {}
         table.add_row(
-            Text(str(t["tenant"]), style=colour(str(t["tenant"]))),
+            Text(str(t["tenant"]), style=colours[str(t["tenant"])]),
             str(t["deployments"]), str(t["replicas"]), str(t["octants"]),
             f"{u['octant_seconds']:,}" if u else "–", f"{u['requests']:,}" if u else "–",
             f"{u['inferences']:,}" if u else "–",
@@ -207,8 +170,13 @@ def top(
     cacert: str | None = typer.Option(None, "--cacert", envvar="OCTACLOUD_CACERT", help="CA certificate (https)."),
     interval: float = typer.Option(1.0, "--interval", min=0.2, help="Seconds between redraws."),
     once: bool = typer.Option(False, "--once", help="Print one frame and exit (so does a top whose output is piped)."),
+    node: str = typer.Option("", "--node", help="Only nodes (and replicas on nodes) matching this glob."),
+    deployment: str = typer.Option("", "--deployment", help="Only deployments matching this glob (and their nodes)."),
+    tenant: str = typer.Option("", "--tenant", help="Only deployments of tenants matching this glob."),
 ) -> None:
-    """The fleet, the slices and the load, live in the terminal (needs an admin key)."""
+    """The fleet, the slices and the load, live in the terminal (needs an admin key). Past 24 nodes the fleet is
+    drawn one row per rack and past 60 replicas they are counted per deployment, until a filter narrows them."""
+    filters = Filters(node=node, deployment=deployment, tenant=tenant)
     once = once or not sys.stdout.isatty()
     base = (url or DEFAULT_URL).rstrip("/")
     admin_key = _key(key, state_dir)
@@ -235,13 +203,13 @@ def top(
 
     with client:
         if once:
-            Console(width=max(120, Console().width)).print(render(fetch(), history))
+            Console(width=max(120, Console().width)).print(render(fetch(), history, filters))
             return
-        with Live(render(fetch(), history), auto_refresh=False, screen=True) as live:
+        with Live(render(fetch(), history, filters), auto_refresh=False, screen=True) as live:
             try:
                 while True:
                     time.sleep(interval)
-                    live.update(render(fetch(), history), refresh=True)
+                    live.update(render(fetch(), history, filters), refresh=True)
             except KeyboardInterrupt:
                 pass
 
@@ -250,4 +218,4 @@ def register(app: typer.Typer) -> None:
     app.command("top")(top)
 
 
-__all__ = ["History", "colour", "register", "render", "sparkline"]
+__all__ = ["FREE", "OCTANT", "History", "register", "render", "sparkline"]
