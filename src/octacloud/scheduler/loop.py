@@ -40,7 +40,7 @@ from octacloud.scheduler.actions.reservation import Reservation, choose, conflic
 from octacloud.scheduler.framework.api import DemandObserver
 from octacloud.scheduler.framework.runner import Decision, Scheduler
 from octacloud.scheduler.framework.state import Allocation
-from octacloud.scheduler.plugins.fit import cards_that_fit
+from octacloud.scheduler.pairing import best_remainder, lone_shares
 
 DEFAULT_PERIOD = 5.0
 """Seconds between passes (the design's loop)."""
@@ -370,24 +370,7 @@ class ReevaluationLoop:
         allow_pinned = self.settings.allow_pinned
         top = max(r.priority for r in wanting)
         avoid = {res.node for res in self.reserved.values()}
-        occupants: dict[tuple[int, int], list[Allocation]] = {}
-        for i in range(len(state)):
-            if i in avoid or not state.node_usable[i]:
-                continue
-            for a in state.on_node[i].values():
-                for g in a.placement.gpus:
-                    occupants.setdefault((i, g), []).append(a)
-        remainders = {card: state.free_gpu[card[0]][card[1]] for card in occupants}
-        remainders = {card: f for card, f in remainders.items() if 0 < f < MILLI_PER_GPU}
-        lone = [
-            (card, group[0])
-            for card, group in occupants.items()
-            if len(group) == 1
-            and group[0].request.is_sharing
-            and (allow_pinned or not group[0].request.pinned)
-            and group[0].request.priority <= top
-        ]
-        lone.sort(key=lambda item: (-item[1].request.gpu_milli, item[1].request.name))
+        lone, remainders = lone_shares(state, avoid, allow_pinned, top)
         rank = scheduler.tie_rank
         paired: set[tuple[int, int]] = set()
         placed_names: set[str] = set()
@@ -397,20 +380,10 @@ class ReevaluationLoop:
             if (i, g) in paired or a.request.name not in state.allocations:
                 continue
             r = a.request
-            best: tuple[tuple[int, int, int], tuple[int, int]] | None = None
-            for (j, h), free in remainders.items():
-                if j == i or free < r.gpu_milli:
-                    continue
-                if state.free_cpu[j] < r.cpu_milli or state.free_memory[j] < r.memory_mib:
-                    continue
-                if h not in cards_that_fit(state, r, j):  # the card's memory, model and health, as placement has them
-                    continue
-                key = (free - r.gpu_milli, rank[j], h)
-                if best is None or key < best[0]:
-                    best = (key, (j, h))
-            if best is None:
+            target = best_remainder(state, r, i, remainders, rank)
+            if target is None:
                 continue
-            j, h = best[1]
+            j, h = target
             shadow = shadow_of(r)
             if r.group and scheduler.decide(shadow, [j]).placement is None:
                 continue  # the profile keeps it off that node (its deployment's replicas kept apart)
