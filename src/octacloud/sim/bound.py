@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node, Request
@@ -185,41 +186,60 @@ def _max_allocated(nodes: Sequence[Node], pods: dict[PodClass, float], *, propor
     if variables == 0:
         return 0.0
     if proportional:
-        # one more variable s: every placeable class places exactly s × its count (its row becomes an equality)
-        keep = sorted(placeable)
-        index = {c: j for j, c in enumerate(keep)}
-        pairs = [(index[r], col) for r, col in zip(rows, cols, strict=True) if r < kind_row0]
-        eq = coo_matrix(
-            (
-                [1.0] * len(pairs) + [-pod_list[c][1] for c in keep],
-                ([j for j, _ in pairs] + list(range(len(keep))), [col for _, col in pairs] + [variables] * len(keep)),
-            ),
-            shape=(len(keep), variables + 1),
-        ).tocsr()
-        ub = coo_matrix(
-            (
-                [v for v, r in zip(vals, rows, strict=True) if r >= kind_row0],
-                (
-                    [r - kind_row0 for r in rows if r >= kind_row0],
-                    [c for c, r in zip(cols, rows, strict=True) if r >= kind_row0],
-                ),
-            ),
-            shape=(len(bounds) - kind_row0, variables + 1),
-        ).tocsr()
-        cost = np.zeros(variables + 1)
-        cost[variables] = -1.0
-        result = linprog(
-            cost,
-            A_ub=ub,
-            b_ub=np.asarray(bounds[kind_row0:]),
-            A_eq=eq,
-            b_eq=np.zeros(len(keep)),
-            bounds=(0, None),
-            method="highs",
-        )
+        counts = [float(n) for _, n in pod_list]
+        result = _solve_proportional(rows, cols, vals, bounds, kind_row0, sorted(placeable), counts, variables)
     else:
         matrix = coo_matrix((vals, (rows, cols)), shape=(len(bounds), variables)).tocsr()
         result = linprog(-np.asarray(gain), A_ub=matrix, b_ub=np.asarray(bounds), bounds=(0, None), method="highs")
     if result.status != 0:
         raise InvalidSpecError(f"packing bound: the LP solver failed ({result.message})")
     return float(-result.fun)
+
+
+def _solve_proportional(
+    rows: list[int],
+    cols: list[int],
+    vals: list[float],
+    bounds: list[float],
+    kind_row0: int,
+    keep: list[int],
+    counts: list[float],
+    variables: int,
+) -> Any:
+    """The proportional LP: the largest ``s`` such that every placeable class (``keep``) places exactly ``s`` × its
+    count (``counts``) within the node kinds' rows (those from ``kind_row0`` on); its result as ``linprog``'s."""
+    import numpy as np
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
+    # one more variable s: every placeable class places exactly s × its count (its row becomes an equality)
+    index = {c: j for j, c in enumerate(keep)}
+    pairs = [(index[r], col) for r, col in zip(rows, cols, strict=True) if r < kind_row0]
+    eq = coo_matrix(
+        (
+            [1.0] * len(pairs) + [-counts[c] for c in keep],
+            ([j for j, _ in pairs] + list(range(len(keep))), [col for _, col in pairs] + [variables] * len(keep)),
+        ),
+        shape=(len(keep), variables + 1),
+    ).tocsr()
+    ub = coo_matrix(
+        (
+            [v for v, r in zip(vals, rows, strict=True) if r >= kind_row0],
+            (
+                [r - kind_row0 for r in rows if r >= kind_row0],
+                [c for c, r in zip(cols, rows, strict=True) if r >= kind_row0],
+            ),
+        ),
+        shape=(len(bounds) - kind_row0, variables + 1),
+    ).tocsr()
+    cost = np.zeros(variables + 1)
+    cost[variables] = -1.0
+    return linprog(
+        cost,
+        A_ub=ub,
+        b_ub=np.asarray(bounds[kind_row0:]),
+        A_eq=eq,
+        b_eq=np.zeros(len(keep)),
+        bounds=(0, None),
+        method="highs",
+    )
