@@ -126,3 +126,32 @@ async def test_a_steady_pass_changes_nothing_it_only_looked_at(tmp_path: Path) -
     after = {r.id: r for r in h.store.peek_replicas()}
     assert before.keys() == after.keys() and all(after[k] is before[k] for k in before)  # nothing stored anew
     assert sorted(after.values(), key=lambda r: r.id) == as_they_were  # nor changed in place
+
+
+class RefreshedLauncher(FakeLauncher):
+    """A launcher whose ``alive`` reads what ``refresh`` fetched (as the emulated fleet's host listings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, bool]] = []
+        """("refresh" or "alive", whether on the event loop's thread)."""
+
+    def refresh(self) -> None:
+        self.calls.append(("refresh", threading.current_thread() is threading.main_thread()))
+
+    def alive(self, handle: str) -> bool:
+        self.calls.append(("alive", threading.current_thread() is threading.main_thread()))
+        return super().alive(handle)
+
+
+async def test_what_alive_reads_is_refreshed_off_the_event_loop_before_each_check(tmp_path: Path) -> None:
+    h = Harness(tmp_path, nodes=fleet(nodes=1, cards=8))
+    h.launcher = launcher = RefreshedLauncher()
+    h.controller = h.make()
+    h.deploy("a", octants=2, replicas=3)
+    await h.reconcile()
+    launcher.calls.clear()
+    await h.health()
+    assert launcher.calls[0] == ("refresh", False)  # first, and in a thread
+    assert launcher.calls[1:] == [("alive", True)] * 3  # then the check itself reads it, on the loop
+    assert len(h.routed("a")) == 3

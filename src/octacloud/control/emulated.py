@@ -10,7 +10,8 @@ and computes nothing (:mod:`octacloud.serving.emulated`).
 
 A handle is ``emu:<host>:<replica id>``; a restarted controller finds the hosts again by their sockets under
 ``workdir/hosts`` and adopts their replicas. ``alive`` reads a listing of the host that is at most
-``list_every_s`` old (one request per host, not one per replica). :meth:`EmulatedLauncher.crash_node` ends a
+``list_every_s`` old (one request per host, not one per replica); :meth:`EmulatedLauncher.refresh` fetches them
+all, which the controller does off its event loop before each health check. :meth:`EmulatedLauncher.crash_node` ends a
 node's replicas at once, without answers to what they had in flight: what a lost node does.
 """
 
@@ -169,11 +170,12 @@ class EmulatedLauncher:
                 f"replica host {host} did not start within {START_TIMEOUT_S:g} s (see {path.with_suffix('.log')})"
             )
 
-    def _listing(self, host: str) -> _Listing:
+    def _listing(self, host: str, ask: bool = False) -> _Listing:
+        """What ``host`` serves, as listed at most ``list_every_s`` ago (``ask``: asked now)."""
         now = time.monotonic()
         with self._lock:
             known = self._listings.get(host)
-        if known is not None and now - known.at < self.list_every_s:
+        if known is not None and now - known.at < self.list_every_s and not ask:
             return known
         try:
             answer = self._ask(host, {"op": "list"}, timeout=1.0)
@@ -227,6 +229,13 @@ class EmulatedLauncher:
 
     def address(self, handle: str) -> ReplicaAddress | None:
         return self._addresses.get(handle)
+
+    def refresh(self) -> None:
+        """List every host now (blocking: the controller calls it in a thread before a health check, so that the
+        check's ``alive`` calls read these listings instead of asking busy hosts from the event loop)."""
+        folder = self.workdir / HOSTS_FOLDER
+        for path in sorted(folder.glob("*.sock")) if folder.is_dir() else []:
+            self._listing(path.stem, ask=True)
 
     def alive(self, handle: str) -> bool:
         host, replica_id = parse_handle(handle)

@@ -10,12 +10,14 @@
 * a surge replica that becomes READY moves its replacement on; one that fails undoes it (:mod:`.replacement`).
 
 Probes of all replicas run concurrently (at most :data:`PROBES_AT_ONCE` at a time), each bounded by
-``probe_timeout_s``; starts and restarts too (at most :data:`~.lifecycle.LAUNCHES_AT_ONCE`); a deployment whose replicas
-became ready is routed once per check, not once per replica.
+``probe_timeout_s``; starts and restarts too (at most :data:`~.lifecycle.LAUNCHES_AT_ONCE`); a deployment whose
+replicas became ready is routed once per check, not once per replica. A launcher that can ``refresh`` what its
+``alive`` reads (the emulated fleet's listing of each replica host) is asked to in a thread before the check.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +72,9 @@ class HealthChecker:
         return self._runtime.setdefault(replica_id, _Runtime())
 
     async def check(self) -> None:
+        refresh = getattr(self.launcher, "refresh", None)  # one that can: what ``alive`` reads, fetched off the loop
+        if refresh is not None:
+            await asyncio.to_thread(refresh)
         now = self.clock.monotonic()
         probing: list[Replica] = []
         launching: list[Coroutine[Any, Any, None]] = []
