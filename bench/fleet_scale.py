@@ -341,8 +341,7 @@ async def scale_out(cloud: Cloud, size: Size, timings: Timings, args: argparse.N
     joining = [dataclasses.replace(n, name=f"x-{n.name}") for n in generated_fleet(FleetShape(nodes=100,
                cards=size.cards, racks=4))]  # fmt: skip
     timings.reset()
-    for node in joining:
-        c.node_changed(NodeChange(node, Health.HEALTHY))
+    c.nodes_changed([NodeChange(node, Health.HEALTHY) for node in joining])  # as the fleet watcher reports them
     placed_s = await until("the waiting work placed", lambda: all(r.node for r in wide()), args.timeout, 0.05)
     passes = len(timings.seconds["pass"])
     on_new = sum(1 for r in wide() if r.node.startswith("x-"))

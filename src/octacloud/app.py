@@ -431,7 +431,7 @@ class Cloud:
                 changes = []
             for change in changes:
                 log.info("fleet: node %s is %s", change.node.name, change.health.value)
-                self.controller.node_changed(change)
+            self.controller.nodes_changed(changes)  # (those that join, in one rebuild of the scheduler's state)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), interval)
 

@@ -7,10 +7,12 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from octacloud.control.controller import lifecycle
-from octacloud.control.deployments import ReplicaState
+from octacloud.control.controller import NodeChange, lifecycle
+from octacloud.control.deployments import DeploymentSpec, ReplicaState
 from octacloud.control.launcher import Launched, LaunchSpec
+from octacloud.core.model import Gpu, Health, Node
 from octacloud.gateway.routing import Endpoint, RouteTable
+from octacloud.scheduler.framework.runner import Scheduler
 
 from .controller_fakes import FakeLauncher, Harness, fleet
 
@@ -155,3 +157,33 @@ async def test_what_alive_reads_is_refreshed_off_the_event_loop_before_each_chec
     assert launcher.calls[0] == ("refresh", False)  # first, and in a thread
     assert launcher.calls[1:] == [("alive", True)] * 3  # then the check itself reads it, on the loop
     assert len(h.routed("a")) == 3
+
+
+async def test_nodes_that_join_together_join_in_one_rebuild_and_take_the_waiting_work(tmp_path: Path) -> None:
+    h = Harness(tmp_path, nodes=fleet(nodes=1, cards=2))
+    h.controller.deploy(DeploymentSpec("a", "m", octants=8, min_replicas=2, max_replicas=4))  # the fleet's 2 cards
+    await h.reconcile()
+    await h.health()
+    grown: list[int] = []
+    real = h.controller.reservations.grow
+
+    def grow(*nodes: Node) -> Scheduler:
+        grown.append(len(nodes))
+        return real(*nodes)
+
+    h.controller.reservations.grow = grow  # type: ignore[method-assign]
+    joining = [Node(f"j{i}", 16_000, 65_536, (Gpu(0, "T4", 16_384),)) for i in range(3)]
+    lost = Node("j2", 16_000, 65_536, (Gpu(0, "T4", 16_384),))
+    h.controller.nodes_changed(
+        [*(NodeChange(n, Health.HEALTHY) for n in joining), NodeChange(joining[0], Health.HEALTHY),
+         NodeChange(lost, Health.FAILED)]
+    )  # fmt: skip
+    assert grown == [3]  # one rebuild for the three, the repeated report changes nothing
+    state = h.controller.scheduler.state
+    assert [n.name for n in state.nodes] == ["n0", "j0", "j1", "j2"]
+    assert not state.usable(state.node_index("j2"))  # lost after it joined, in the same report
+    h.controller.scale("a", 4)  # room for two more now (j2 is lost)
+    await h.reconcile()
+    await h.health()
+    assert sorted(r.node for r in h.replicas("a") if r.placed) == ["j0", "j1", "n0", "n0"]
+    assert len(h.routed("a")) == 4

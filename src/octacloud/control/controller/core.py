@@ -234,6 +234,10 @@ class Controller:
     def node_changed(self, change: NodeChange) -> None:
         self.fleet.node_changed(change)
 
+    def nodes_changed(self, changes: list[NodeChange]) -> None:
+        """Several changes at once: the nodes among them that join, join together (:mod:`.fleet_changes`)."""
+        self.fleet.nodes_changed(changes)
+
     # ---- the loop ----------------------------------------------------------------------------------------
 
     def poke(self) -> None:

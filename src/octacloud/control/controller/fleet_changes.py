@@ -4,15 +4,17 @@ MPS server died (its GPU replicas lost their CUDA contexts and restart on their 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from octacloud.control.controller.contracts import NodeChange, Wakeup
 from octacloud.control.controller.events import EventLog
 from octacloud.control.controller.health import HealthChecker
 from octacloud.control.controller.lifecycle import Lifecycle
 from octacloud.control.controller.reservations import Reservations
-from octacloud.control.controller.state import ControllerStore
+from octacloud.control.controller.state import ControllerStore, copied
 from octacloud.control.deployments import Replica
 from octacloud.control.fleet import CPU_CARD_MODEL
-from octacloud.core.model import Health
+from octacloud.core.model import Health, Node
 from octacloud.scheduler.loop import ReevaluationLoop
 
 
@@ -36,7 +38,7 @@ class FleetChanges:
         self.reservations.scheduler.state.set_node_health(name, health)
         self.events.fleet(name, health.value)
         if health is Health.FAILED:
-            self._fail_over([r for r in self.store.replicas() if r.node == name], f"node {name} failed")
+            self._fail_over([copied(r) for r in self._on(name)], f"node {name} failed")
         self.wakeup.poke()
 
     def mark_card(self, node: str, gpu: int, health: Health, reason: str) -> None:
@@ -45,7 +47,7 @@ class FleetChanges:
         self.reservations.scheduler.state.set_card_health(node, gpu, health)
         self.events.fleet(node, f"card {gpu} {health.value}: {reason}")
         if health is Health.FAILED:
-            on_card = [r for r in self.store.replicas() if r.node == node and gpu in r.gpus]
+            on_card = [copied(r) for r in self._on(node) if gpu in r.gpus]
             self._fail_over(on_card, f"card {gpu} of {node} failed ({reason})")
         self.wakeup.poke()
 
@@ -54,10 +56,14 @@ class FleetChanges:
         slice, with the usual back-off."""
         nodes = self.reservations.nodes
         gpu_cards = {g.index for n in nodes if n.name == node for g in n.gpus if g.model != CPU_CARD_MODEL}
-        for r in self.store.replicas():
-            if r.node == node and r.handle and gpu_cards.intersection(r.gpus):
-                self.health.failed(r, why, kill=True)
+        for r in self._on(node):
+            if r.handle and gpu_cards.intersection(r.gpus):
+                self.health.failed(copied(r), why, kill=True)
         self.wakeup.poke()
+
+    def _on(self, node: str) -> list[Replica]:
+        """The replicas placed on ``node``, as stored, in id order (look; change a copy)."""
+        return sorted((r for r in self.store.peek_replicas() if r.node == node), key=lambda r: r.id)
 
     def _fail_over(self, replicas: list[Replica], why: str) -> None:
         for r in replicas:
@@ -82,9 +88,26 @@ class FleetChanges:
                 self.mark_node(name, Health.FAILED)
             return
         if name not in state.index:
-            self.loop.scheduler = self.reservations.grow(change.node)
-            cards = f"{change.node.gpu_count} × {change.node.gpu_model or 'no card'}"
-            self.events.fleet(name, f"joined: {cards}")
-            self.wakeup.poke()
+            self._join([change.node])
         elif state.nodes[state.index[name]].health is not Health.HEALTHY:
             self.mark_node(name, Health.HEALTHY)
+
+    def nodes_changed(self, changes: Sequence[NodeChange]) -> None:
+        """:meth:`node_changed` for each of ``changes``, in order, but the nodes that join join together: one rebuild
+        of the scheduler's state for all of them (one each costs the allocations times the nodes that join)."""
+        state = self.reservations.scheduler.state
+        joining: dict[str, Node] = {}
+        for c in changes:
+            if c.health is not Health.FAILED and c.node.name not in state.index:
+                joining.setdefault(c.node.name, c.node)
+        if joining:
+            self._join(list(joining.values()))
+        for c in changes:
+            if joining.get(c.node.name) is not c.node:
+                self.node_changed(c)
+
+    def _join(self, nodes: list[Node]) -> None:
+        self.loop.scheduler = self.reservations.grow(*nodes)
+        for node in nodes:
+            self.events.fleet(node.name, f"joined: {node.gpu_count} × {node.gpu_model or 'no card'}")
+        self.wakeup.poke()

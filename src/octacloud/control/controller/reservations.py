@@ -95,22 +95,22 @@ class Reservations:
         i = state.node_index(r.node)
         return self.holds(r.id) and all(state.card_usable(i, g) for g in r.gpus)
 
-    def grow(self, node: Node) -> Scheduler:
-        """Rebuild the scheduler's state with ``node`` added, carrying over every allocation and health; returns
+    def grow(self, *nodes: Node) -> Scheduler:
+        """Rebuild the scheduler's state with ``nodes`` added, carrying over every allocation and health; returns
         the new scheduler."""
         old = self.scheduler.state
-        fresh = ClusterState([*(_all_healthy(n) for n in old.nodes), _all_healthy(node)])
+        fresh = ClusterState([*(_all_healthy(n) for n in old.nodes), *(_all_healthy(n) for n in nodes)])
         scheduler = Scheduler(fresh, self.scheduler.profile)
         for a in old:
             scheduler.commit(a.request, a.placement)
-        for n in [*old.nodes, node]:
+        for n in [*old.nodes, *nodes]:
             for g in n.gpus:
                 if g.health is not Health.HEALTHY:
                     fresh.set_card_health(n.name, g.index, g.health)
             if n.health is not Health.HEALTHY:
                 fresh.set_node_health(n.name, n.health)
         self.scheduler = scheduler
-        self.nodes.append(node)
+        self.nodes.extend(nodes)
         return scheduler
 
 
