@@ -43,7 +43,6 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -53,6 +52,7 @@ from typing import Any, cast
 import numpy.typing as npt
 from tritonclient.grpc import model_config_pb2 as mc
 
+from octacloud.serving.compute_child import LENGTH, frame, read_frame
 from octacloud.serving.errors import ModelConfigError, ModelExecutionError
 from octacloud.serving.memory import resident_bytes
 from octacloud.serving.runtime import Arrays, RuntimeFactory
@@ -65,9 +65,8 @@ PARAM_COMPUTE = "compute"
 "process": in a child process of the replica (:class:`ComputeProcess`)."""
 COMPUTE_VALUES = ("replica", "process")
 
-_LENGTH = struct.Struct("<I")
 _CLOSE_WAIT_S = 5.0
-_CHILD = "import sys; from octacloud.serving.compute import main; sys.exit(main(sys.argv[1:]))"
+_CHILD = "import sys; from octacloud.serving.compute_child import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _child_env() -> dict[str, str]:
@@ -89,35 +88,6 @@ def compute_mode(config: mc.ModelConfig) -> str:
     return value
 
 
-def _frame(message: tuple[Any, ...]) -> bytes:
-    body = pickle.dumps(message, protocol=5)
-    return _LENGTH.pack(len(body)) + body
-
-
-def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes from a blocking socket, or None at end of file."""
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _read_frame(sock: socket.socket) -> tuple[Any, ...] | None:
-    head = _read_exactly(sock, _LENGTH.size)
-    if head is None:
-        return None
-    body = _read_exactly(sock, _LENGTH.unpack(head)[0])
-    if body is None:
-        return None
-    message = pickle.loads(body)
-    assert isinstance(message, tuple)
-    return message
-
-
 class _Link(asyncio.Protocol):
     """The replica's end of the socket once the loop owns it: answers resolve the waiting batches in order."""
 
@@ -134,12 +104,12 @@ class _Link(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buffer = self._buffer
         buffer += data
-        while len(buffer) >= _LENGTH.size:
-            (n,) = _LENGTH.unpack_from(buffer)
-            end = _LENGTH.size + n
+        while len(buffer) >= LENGTH.size:
+            (n,) = LENGTH.unpack_from(buffer)
+            end = LENGTH.size + n
             if len(buffer) < end:
                 return
-            message = pickle.loads(memoryview(buffer)[_LENGTH.size : end])
+            message = pickle.loads(memoryview(buffer)[LENGTH.size : end])
             del buffer[:end]
             if self.pending:
                 future = self.pending.popleft()
@@ -185,7 +155,7 @@ class _Child:
             theirs.close()
         self.sock = ours
         try:
-            ours.sendall(_frame(self._load))
+            ours.sendall(frame(self._load))
         except OSError:
             pass  # it died at once: loaded() names how
 
@@ -194,7 +164,7 @@ class _Child:
         could not load it."""
         error: OSError | None = None
         try:
-            answer = _read_frame(self.sock)
+            answer = read_frame(self.sock)
         except OSError as e:
             answer, error = None, e
         if answer is None or answer[0] != "ok":
@@ -242,13 +212,13 @@ class _Child:
         if self.link is not None:
             raise RuntimeError("the event loop owns the compute process: use run_async")
         try:
-            self.sock.sendall(_frame(message))
+            self.sock.sendall(frame(message))
         except OSError:
             pass  # gone: answer() names how
 
     def answer(self) -> tuple[Any, ...]:
         try:
-            answer = _read_frame(self.sock)
+            answer = read_frame(self.sock)
         except OSError:
             answer = None
         if answer is None:
@@ -410,7 +380,7 @@ class ComputeProcess:
         """One batch on the child with the fewest batches in hand, awaited on the loop; a dead child is
         replaced first."""
         child = min(self._children, key=lambda c: c.in_hand)
-        return self._result(await child.run_async(_frame(("run", dict(inputs), tuple(outputs)))))
+        return self._result(await child.run_async(frame(("run", dict(inputs), tuple(outputs)))))
 
     def _result(self, answer: tuple[Any, ...]) -> dict[str, npt.NDArray[Any]]:
         if answer[0] == "ok":
@@ -439,49 +409,3 @@ class ComputeProcess:
     def _reap(self) -> None:
         for child in self._children:
             child.reap()
-
-
-# ---- the child process ----------------------------------------------------------------------------------------
-def _error(e: BaseException) -> tuple[Any, ...]:
-    return ("error", type(e).__name__, str(e), isinstance(e, ModelConfigError))
-
-
-def serve(sock: socket.socket) -> None:
-    """The child's loop: load what the first frame names, then answer each batch until the socket closes."""
-    first = _read_frame(sock)
-    if first is None:
-        return
-    _, factory, version_dir, config_bytes, threads = first
-    config = mc.ModelConfig()
-    config.ParseFromString(config_bytes)
-    try:
-        runtime = factory(Path(version_dir), config, threads)
-        meta = (tuple(runtime.inputs), tuple(runtime.outputs), runtime.device, getattr(runtime, "couples_rows", False))
-    except Exception as e:
-        sock.sendall(_frame(_error(e)))
-        return
-    sock.sendall(_frame(("ok", meta)))
-    try:
-        while (message := _read_frame(sock)) is not None:
-            try:
-                answer: tuple[Any, ...] = ("ok", runtime.run(message[1], message[2]))
-            except Exception as e:  # the batch fails, the child goes on
-                answer = _error(e)
-            sock.sendall(_frame(answer))
-    except (BrokenPipeError, ConnectionResetError):
-        pass
-    finally:
-        runtime.close()
-
-
-def main(argv: Sequence[str]) -> int:
-    if len(argv) != 1 or not argv[0].isdigit():
-        print("usage: (started by a replica) octacloud.serving.compute.main([FD])", file=sys.stderr)
-        return 2
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the replica's to handle; it closes the socket
-    sock = socket.socket(fileno=int(argv[0]))
-    try:
-        serve(sock)
-    finally:
-        sock.close()
-    return 0
