@@ -30,6 +30,8 @@ def test_static_files_are_public_and_data_needs_the_key() -> None:
     assert page.status_code == 200 and "<title>octacloud" in page.text
     assert 'name="referrer" content="no-referrer"' in page.text
     assert client.get("/dashboard/dashboard.js").headers["content-type"].startswith("text/javascript")
+    assert client.get("/dashboard/fleet.js").headers["content-type"].startswith("text/javascript")
+    assert '<script src="/dashboard/fleet.js">' in page.text
     assert client.get("/dashboard/dashboard.css").status_code == 200
     assert client.get("/dashboard/secrets.txt").status_code == 404
     denied = client.get("/dashboard/api/state")

@@ -1,6 +1,6 @@
 """The operator's dashboard, served by the gateway under ``/dashboard``, and the cloud's ``/metrics``.
 
-The page is static (``static/``: HTML, one script, one stylesheet; no build step) and polls
+The page is static (``static/``: HTML, two scripts, one stylesheet; no build step) and polls
 ``/dashboard/api/state`` once a second. Static files carry no data and are public; the JSON API and ``/metrics``
 ask the injected ``authorize(headers)`` callable, which the cloud wires to its admin-key check when auth is on.
 
@@ -31,6 +31,7 @@ StateSource = Callable[[float], Mapping[str, Any]]
 _STATIC = {
     "index.html": "text/html; charset=utf-8",
     "dashboard.js": "text/javascript; charset=utf-8",
+    "fleet.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
 }
 _NO_STORE = {"cache-control": "no-store"}

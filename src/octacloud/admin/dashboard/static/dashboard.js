@@ -12,17 +12,6 @@ let since = 0;
 let last = null;
 let timer = null;
 
-function esc(value) {
-  return String(value ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
-}
-
-// A stable colour per name (deployment or tenant): a hash picks the hue.
-function colour(name) {
-  let h = 2166136261;
-  for (const ch of String(name)) { h ^= ch.codePointAt(0); h = Math.imul(h, 16777619); }
-  return `hsl(${(h >>> 0) % 360}, 58%, 46%)`;
-}
-
 const pct = (x) => (x == null ? "–" : `${(100 * x).toFixed(x < 0.1 ? 1 : 0)} %`);
 const mib = (bytes) => (bytes == null ? "–" : `${(bytes / 1048576).toFixed(0)} MiB`);
 
@@ -109,6 +98,7 @@ function render(data) {
   $("kpi-pending").textContent = data.scheduler.pending;
   const ms = data.scheduler.mean_decision_ms;
   $("kpi-decision").textContent = ms == null ? "–" : `${ms.toFixed(2)} ms`;
+  setPalettes(data);
   renderFleet(fleet, by);
   renderChart($("chart-cluster"), [
     { name: "allocated", points: history.allocation, colour: "#4a7fd4" },
@@ -118,44 +108,6 @@ function render(data) {
   renderReplicas(data.replicas);
   renderTenants(data.tenants);
   renderEvents(data.events);
-}
-
-function renderFleet(fleet, by) {
-  const seen = new Map();
-  const nodes = fleet.nodes.map((node) => {
-    const cards = node.cards.map((card) => {
-      let previous = null;
-      const cells = card.octants.map((o, k) => {
-        if (!o) { previous = null; return `<div class="octant free" data-node="${esc(node.name)}" data-gpu="${card.index}" data-octant="${k}"></div>`; }
-        const name = by === "tenant" ? o.tenant : o.deployment;
-        seen.set(name, colour(name));
-        const first = previous !== o.replica;
-        previous = o.replica;
-        return `<div class="octant ${esc(o.state)}${first ? " first" : ""}" style="background-color:${colour(name)}"
-          data-node="${esc(node.name)}" data-gpu="${card.index}" data-octant="${k}" data-replica="${esc(o.replica)}"
-          data-deployment="${esc(o.deployment)}" data-tenant="${esc(o.tenant)}" data-label="${esc(first ? o.deployment : "")}"
-          title="${esc(o.replica)} · ${esc(o.deployment)} · tenant ${esc(o.tenant)} · ${esc(o.state)}"></div>`;
-      }).join("");
-      const t = card.telemetry || {};
-      const util = t.utilisation;
-      const label = t.source === "nvml" ? "GPU util" : "busy (replica-measured)";
-      const memory = t.memory_used_mib == null ? "" : `${t.memory_used_mib.toFixed(0)} MiB used`;
-      return `<div class="card${card.usable ? "" : " unusable"}" data-node="${esc(node.name)}" data-gpu="${card.index}">
-        <div class="title"><span>card ${card.index} · ${esc(card.model)}</span><span>${(1000 - card.free_milli) / 125}/8</span></div>
-        <div class="octants">${cells}</div>
-        <div class="meter"><span>${label}</span><span>${pct(util)}</span></div>
-        <div class="bar"><i style="width:${Math.min(100, 100 * (util || 0))}%"></i></div>
-        <div class="meter"><span>${memory}</span><span>${t.power_w == null ? "" : `${t.power_w.toFixed(0)} W`}</span></div>
-      </div>`;
-    }).join("");
-    const d = node.domains || {};
-    const where = [d.zone, d.rack, d.power_feed].some(Boolean)
-      ? ` <span class="domains" title="zone / rack / power feed">${[d.zone, d.rack, d.power_feed].map((p) => esc(p || "-")).join(" / ")}</span>` : "";
-    return `<div class="node ${esc(node.health)}" data-node="${esc(node.name)}"><h3>${esc(node.name)} <span>${esc(node.health)}</span>${where}</h3><div class="cards">${cards}</div></div>`;
-  }).join("");
-  $("fleet").innerHTML = nodes;
-  $("legend").innerHTML = [...seen].map(([name, c]) => `<span><i style="background:${c}"></i>${esc(name)}</span>`).join("")
-    + `<span><i style="background:var(--free)"></i>free octant</span>`;
 }
 
 function renderChart(el, lines) {
@@ -190,8 +142,46 @@ function lastValue(points) {
   return points && points.length ? points[points.length - 1][1] : null;
 }
 
+// ---- paged tables: a page of rows in the DOM, however many there are; a filter over the row's text ----------
+
+const PAGE_ROWS = { deployments: 25, replicas: 50, tenants: 25 };
+const pages = {};
+
+function paged(id, rows, text, row) {
+  const state = (pages[id] ||= { page: 0, filter: "" });
+  const wanted = state.filter.toLowerCase();
+  const shown = wanted ? rows.filter((r) => text(r).toLowerCase().includes(wanted)) : rows;
+  const size = PAGE_ROWS[id];
+  const count = Math.max(1, Math.ceil(shown.length / size));
+  state.page = Math.min(state.page, count - 1);
+  const first = state.page * size;
+  $(id).tBodies[0].innerHTML = shown.slice(first, first + size).map(row).join("");
+  const pager = document.querySelector(`.pager[data-for="${id}"]`);
+  pager.hidden = rows.length <= size && !wanted;
+  pager.querySelector(".range").textContent = shown.length
+    ? `${first + 1}–${Math.min(shown.length, first + size)} of ${shown.length}${wanted ? ` (of ${rows.length})` : ""}`
+    : `none of ${rows.length}`;
+  pager.querySelector("[data-step='-1']").disabled = state.page === 0;
+  pager.querySelector("[data-step='1']").disabled = state.page >= count - 1;
+}
+
+for (const pager of document.querySelectorAll(".pager")) {
+  const id = pager.dataset.for;
+  pages[id] = { page: 0, filter: "" };
+  pager.addEventListener("click", (event) => {
+    const step = event.target.closest("[data-step]");
+    if (!step) return;
+    pages[id].page = Math.max(0, pages[id].page + Number(step.dataset.step));
+    if (last) render(last);
+  });
+  pager.querySelector("input").addEventListener("input", (event) => {
+    pages[id] = { page: 0, filter: event.target.value.trim() };
+    if (last) render(last);
+  });
+}
+
 function renderDeployments(deployments) {
-  $("deployments").tBodies[0].innerHTML = deployments.map((d) => {
+  paged("deployments", deployments, (d) => `${d.name} ${d.model} ${d.tenant}`, (d) => {
     const qps = lastValue(history.qps[d.name]);
     const latency = lastValue(history.latency[d.name]);
     return `<tr data-deployment="${esc(d.name)}">
@@ -200,7 +190,7 @@ function renderDeployments(deployments) {
       <td class="num">${qps == null ? "–" : qps.toFixed(1)} ${spark(history.qps[d.name], d.name)}</td>
       <td class="num">${latency == null ? "–" : `${latency.toFixed(1)} ms`} ${spark(history.latency[d.name], d.name)}</td>
       <td>${d.generation ? generation(d.generation) : histogram(d.batch_sizes)}</td></tr>`;
-  }).join("");
+  });
 }
 
 function generation(g) {
@@ -211,18 +201,18 @@ function generation(g) {
 }
 
 function renderReplicas(replicas) {
-  $("replicas").tBodies[0].innerHTML = replicas.map((r) => `<tr data-replica="${esc(r.id)}" title="${esc(r.message)}">
+  paged("replicas", replicas, (r) => `${r.id} ${r.state} ${r.node} ${r.deployment} ${r.tenant}`, (r) => `<tr data-replica="${esc(r.id)}" title="${esc(r.message)}">
     <td>${esc(r.id)}</td><td class="state-${esc(r.state)}">${esc(r.state)}</td>
     <td>${r.node ? `${esc(r.node)} [${r.gpus.join(",")}] × ${r.milli_per_gpu / 125} oct` : esc(r.message || "–")}</td>
     <td class="num">${pct(r.busy)}</td><td class="num">${r.cpu_cores == null ? "–" : r.cpu_cores.toFixed(2)}</td>
-    <td class="num">${mib(r.rss_bytes)}</td><td class="num">${r.restarts}</td></tr>`).join("");
+    <td class="num">${mib(r.rss_bytes)}</td><td class="num">${r.restarts}</td></tr>`);
 }
 
 function renderTenants(tenants) {
-  $("tenants").tBodies[0].innerHTML = tenants.map((t) => `<tr data-tenant="${esc(t.tenant)}">
-    <td><i style="display:inline-block;width:10px;height:10px;background:${colour(t.tenant)};margin-right:6px"></i>${esc(t.tenant)}</td>
+  paged("tenants", tenants, (t) => t.tenant, (t) => `<tr data-tenant="${esc(t.tenant)}">
+    <td><i style="display:inline-block;width:10px;height:10px;background:${colour(t.tenant, "tenant")};margin-right:6px"></i>${esc(t.tenant)}</td>
     <td class="num">${t.deployments}</td><td class="num">${t.replicas}</td><td class="num">${t.octants}</td>
-    <td>${usage(t.usage)}</td></tr>`).join("");
+    <td>${usage(t.usage)}</td></tr>`);
 }
 
 function bytes(n) {
