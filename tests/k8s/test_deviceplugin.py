@@ -14,8 +14,9 @@ import pytest
 from octacloud.control.slices import Slice, slice_environment
 from octacloud.core.model import Gpu, Health, Node, Placement
 from octacloud.k8s.api import KubeClient
-from octacloud.k8s.deviceplugin import DevicePlugin, NvmlHealth, PluginServer, StaticHealth, node_from_nvml
+from octacloud.k8s.deviceplugin import DevicePlugin, NvmlHealth, StaticHealth, node_from_nvml
 from octacloud.k8s.fakeapi import FakeApiServer
+from octacloud.k8s.plugin_server import PluginServer
 from octacloud.k8s.resources import GPUS, OCTANTS, placement_annotations
 from octacloud.observability.dcgm import NvmlCards
 

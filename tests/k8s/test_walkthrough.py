@@ -22,11 +22,12 @@ import pytest
 from octacloud.control.slices import Slice, slice_environment
 from octacloud.core.model import Gpu, Node
 from octacloud.k8s.api import KubeClient
-from octacloud.k8s.deviceplugin import DevicePlugin, PluginServer, StaticHealth, publish_node
+from octacloud.k8s.deviceplugin import DevicePlugin, StaticHealth, publish_node
 from octacloud.k8s.extender import Extender
 from octacloud.k8s.extender_http import build_extender_app
 from octacloud.k8s.fakeapi import FakeApiServer
 from octacloud.k8s.operator import GROUP, PLURAL, VERSION, reconcile
+from octacloud.k8s.plugin_server import PluginServer
 from octacloud.k8s.resources import CARDS_ANNOTATION, NODE_ANNOTATION, OCTANTS
 from octacloud.scheduler.policies import cloud_profile
 

@@ -122,11 +122,11 @@ def device_plugin(
         DevicePlugin,
         HealthSource,
         NvmlHealth,
-        PluginServer,
         StaticHealth,
         node_from_nvml,
         publish_node,
     )
+    from octacloud.k8s.plugin_server import PluginServer
     from octacloud.k8s.resources import GPUS, OCTANTS
     from octacloud.observability.dcgm import NvmlCards, open_nvml
     from octacloud.protocols.server import new_event_loop

@@ -7,6 +7,7 @@ deployments as custom resources.
   server (an httpx transport) that records every request it receives;
 - :mod:`~octacloud.k8s.extender`: kube-scheduler's HTTP extender (filter, prioritize, bind, preempt);
 - :mod:`~octacloud.k8s.deviceplugin`: kubelet's device plugin (``v1beta1`` gRPC over unix sockets);
+- :mod:`~octacloud.k8s.plugin_server`: serving a device plugin on its socket, registered with kubelet;
 - :mod:`~octacloud.k8s.operator`: the ``InferenceDeployment`` custom resource reconciled into pods and a Service
   (kopf runs it in a cluster).
 
