@@ -1,6 +1,7 @@
 """The published HTTP/2 attack classes, sent raw to a real cloud's gRPC front while another tenant's REST and gRPC
 traffic is measured alongside: CONTINUATION floods, partial messages held open, a client that never reads,
-rapid reset, and floods of SETTINGS, PING, WINDOW_UPDATE, PRIORITY and empty frames (issue 33 items 4 to 6).
+rapid reset, and floods of SETTINGS, PING, WINDOW_UPDATE, PRIORITY and empty frames (issue 33 items 4 to 6); and
+calls without a key held open over many connections, each on its own connection's budget.
 
 Each attack is cut where ``protocols.grpc.h2_limits`` says; the victim's calls all succeed, and the gateway's
 resident memory (this process: the cloud runs in a thread here) grows by less than :data:`RSS_BOUND` while the
@@ -328,3 +329,56 @@ def test_floods_of_frames_that_carry_no_call_get_goaway(setup: Setup) -> None:
     for name, (_, code, why) in FLOODS.items():
         got = away[name]
         assert got is not None and got[0] == code and why in got[1], (name, got)
+
+
+def test_callers_without_a_key_do_not_share_one_budget(setup: Setup) -> None:
+    """ServerLive and ServerReady need no key. An anonymous client that opens three connections of 40 calls each
+    and never sends their messages (120, past the 64 waiting calls a tenant may have) holds each connection's
+    calls on that connection's own budget: none is refused, and another anonymous caller's ServerReady, sent
+    while they are held, is answered. Were callers without a key one owner, 56 of the 120 and the other caller's
+    call would be RESOURCE_EXHAUSTED."""
+    inputs = setup.cloud.cloud._fronts.grpc.server.inputs  # type: ignore[attr-defined]
+    live, ready = h2wire.SERVICE + "ServerLive", h2wire.SERVICE + "ServerReady"
+    per_connection = 40
+    answers: list[dict[str, str]] = []
+    held: list[int] = []
+    all_held, probed = asyncio.Event(), asyncio.Event()
+
+    async def hoarder(opened_all: list[int]) -> None:
+        async with opened(setup) as wire:
+            block = b"".join(h2wire.frame(h2wire.HEADERS, h2wire.END_HEADERS, 1 + 2 * i, h2wire.grpc_headers(live))
+                             for i in range(per_connection))  # fmt: skip
+            await wire.send(block + h2wire.frame(h2wire.PING, 0, 0, b"held-all"))
+            # the PING's answer comes once every HEADERS before it was handled
+            await wire.read_until(lambda fs: any(f.kind == h2wire.PING and f.flags & h2wire.ACK for f in fs))
+            opened_all.append(1)
+            if len(opened_all) == 3:
+                held.append(sum(n for owner, n in inputs.streams.items() if owner != "victim"))
+                all_held.set()
+            await asyncio.wait_for(probed.wait(), 60)  # a deadline against a hang
+            got = await wire.read_until(lambda fs: len(h2wire.statuses(fs)) >= per_connection, limit_s=30)
+            answers.extend(h2wire.statuses(got).values())
+
+    async def other_caller() -> dict[str, str]:
+        await asyncio.wait_for(all_held.wait(), 60)
+        async with opened(setup) as wire:
+            await wire.send(h2wire.frame(h2wire.HEADERS, h2wire.END_HEADERS, 1, h2wire.grpc_headers(ready)))
+            await wire.send(h2wire.frame(h2wire.DATA, h2wire.END_STREAM, 1, h2wire.message(b"")))
+            got = await wire.read_until(lambda fs: "grpc-status" in h2wire.statuses(fs).get(1, {}), limit_s=30)
+            probed.set()
+            return h2wire.statuses(got).get(1, {})
+
+    async def attack(port: int) -> None:
+        opened_all: list[int] = []
+        other = asyncio.create_task(other_caller())
+        await asyncio.gather(*(hoarder(opened_all) for _ in range(3)))
+        answers.append(await other)
+
+    victim, grown = under_attack(setup, attack)
+    assert_unharmed(victim, grown)
+    assert held == [3 * per_connection], held  # every call held, none refused for another connection's
+    *hoarded, other = answers
+    assert other.get("grpc-status") == "0", other
+    assert len(hoarded) == 3 * per_connection
+    assert {a["grpc-status"] for a in hoarded} == {"4"}, hoarded[:3]  # each ran out its own time, none refused
+    assert set(inputs.streams) <= {"victim"} and set(inputs.bytes) <= {"victim"}  # all given back

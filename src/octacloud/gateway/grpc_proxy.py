@@ -183,8 +183,9 @@ class GrpcGateway:
         return {f"/{SERVICE}/{name}": method(kind, answer) for name, (kind, answer) in answers.items()}
 
     def owner(self, state: Any) -> str | None:
-        """Whose budget a call's input is held on at the front (``h2_limits``): its tenant's; every caller
-        without a key (the open calls, or every call without a guard) shares one, None."""
+        """Whose budget a call's input is held on at the front (``h2_limits``): its tenant's; for a caller without
+        a key (the open calls, or every call without a guard) None, which the server reads as the call's
+        connection: an anonymous client cannot use up a budget that other callers without a key would share."""
         return state.tenant if isinstance(state, Principal) and state.key_id else None
 
     def admit(self, path: str, metadata: Metadata) -> Principal | Refusal:

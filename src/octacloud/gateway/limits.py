@@ -46,9 +46,11 @@ class GatewayLimits:
     ``protocols.grpc.h2_limits``); a call past it is RESOURCE_EXHAUSTED and its stream reset. At least one
     largest message and header list."""
     grpc_unfinished_bytes_per_tenant: int = 2 * (DEFAULT_MAX_BODY_BYTES + 2 * MIB)
-    """The same over all of one tenant's connections (callers without a key share one such budget)."""
+    """The same over all of one tenant's connections (a caller without a key is held to its connection's budget
+    alone, so that one anonymous client cannot use up what other callers without a key would share)."""
     grpc_unfinished_calls_per_tenant: int = 1_024
-    """One tenant's gRPC calls whose message has not completed; more are RESOURCE_EXHAUSTED."""
+    """One tenant's gRPC calls whose message has not completed; more are RESOURCE_EXHAUSTED (a caller without a key:
+    at most its connection's 256 streams)."""
     upstream_timeout_s: float = 60.0
     """How long the gateway waits for a replica's answer to one request (REST and gRPC); 504 / DEADLINE_EXCEEDED
     after it, and the replica counts one transport failure. Raise it for models that answer slowly."""

@@ -106,7 +106,9 @@ class Http2Server:
         """What a connection may hold before its calls complete, and the frames it may send (``h2_limits``)."""
         self.owner = owner
         """``owner(state)``: whose budget a call's input is held on (``h2_limits``), from what ``admit`` returned
-        (e.g. the caller's tenant); None: every call's is one owner's."""
+        (e.g. the caller's tenant); when it returns None (a caller without a key), the call's connection is its
+        owner, so that no one caller can spend a budget that others without a key share. No hook: every call's
+        is one owner's."""
         self.inputs = InputBudget(self.limits)
         self.max_header_bytes = max_header_bytes
         """A call's header list as HTTP/2 counts it (our SETTINGS_MAX_HEADER_LIST_SIZE); a larger one is refused

@@ -316,7 +316,9 @@ class Http2Connection(ConnectionOutput, asyncio.Protocol):
         """A call whose message is to come: counted among its owner's waiting calls, its metadata held on the
         budgets (``h2_limits``); False when a bound refused it."""
         server = self._server
-        s.owner = None if server.owner is None else server.owner(s.state)
+        if server.owner is not None:  # a caller the hook cannot name (no key) is held to its connection's own
+            owner = server.owner(s.state)
+            s.owner = self if owner is None else owner
         why = self._inputs.open(s.owner)
         if why is None:
             s.waiting = True

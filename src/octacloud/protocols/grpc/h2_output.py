@@ -70,7 +70,8 @@ class Stream:
     pending_trailers: bytes | None = None
     error: str = ""
     owner: Hashable = None
-    """Whose budget the stream's input is held on (the server's ``owner`` hook on the call's state)."""
+    """Whose budget the stream's input is held on (the server's ``owner`` hook on the call's state; the connection
+    for a caller the hook cannot name)."""
     held: int = 0
     """Bytes of its input held for it (metadata, its partial or unread messages), on its connection's and its
     owner's budgets."""
