@@ -10,7 +10,7 @@ PIP      := $(PY) -m pip
 STAMP    := $(VENV)/.octacloud-installed
 PYTEST_ARGS ?=
 
-.PHONY: up install dev build-tools ray plots k8s k8s-e2e postgres pgsql llm lock browser test lint types layers pytest models gpu-check clean
+.PHONY: up install dev build-tools ray plots k8s k8s-e2e postgres pgsql llm lock browser nghttp test lint types layers pytest models gpu-check clean
 
 # The main job: the cloud on this machine, serving the example models (built once, cached) behind one
 # OIP endpoint on 127.0.0.1:8000 (REST) and :8001 (gRPC). Ctrl-C stops it; replicas keep running until
@@ -114,7 +114,14 @@ pgsql:
 	else DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; fi
 
-pytest: dev build-tools ray plots k8s k8s-e2e postgres llm models browser pgsql
+# The gRPC front's conformance test (tests/security/test_gateway_h2_conformance.py) runs nghttp2's h2load and
+# nghttp: Debian's nghttp2-client, installed once as root; skipped when both binaries are present.
+nghttp:
+	@if command -v h2load >/dev/null && command -v nghttp >/dev/null; then :; \
+	else DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nghttp2-client; fi
+
+pytest: dev build-tools ray plots k8s k8s-e2e postgres llm models browser pgsql nghttp
 	scripts/netns-run $(BIN)/pytest $(PYTEST_ARGS)
 
 # The GPU check (docs/gpu.md): on an NVIDIA machine, the GPU set, the example models, then bench/gpu.py.
