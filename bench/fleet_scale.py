@@ -16,7 +16,8 @@ and the bench prints:
   CPU over the load minus an idle window of the same length);
 * **the meter's interval close**, the **store** (rows written per second during the deploy, the SQLite file's
   size), **memory** of this process and of each replica host, the **event stream** (events stored, and the time
-  to build the dashboard's document once);
+  to build the dashboard's document once), and that document drawn in Chromium (``dashboard_render.py``: one
+  redraw, and opening the page to the first map);
 * **scale-out**: 100 nodes join while work waits; the passes and seconds until their capacity is used;
 * **failure**: 10 % of the nodes are lost at once (their replicas end, the fleet watcher reports the nodes lost);
   the seconds until every deployment is back at its count, and whether any card was ever given twice.
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dashboard_render import measure as measure_render
 from octacloud.admin.dashboard.state import dashboard_state
 from octacloud.app import Cloud, CloudConfig
 from octacloud.control.controller import ControllerSettings, NodeChange
@@ -294,6 +296,8 @@ async def measure(size: Size, work: Path, args: argparse.Namespace) -> dict[str,
         document = dashboard_state(cloud.controller, cloud.monitoring.monitor)
         out["dashboard_state_s"] = time.perf_counter() - t
         out["dashboard_state_bytes"] = len(json.dumps(document))
+        if render := await asyncio.to_thread(measure_render, document, 5):  # {} without Chromium
+            out["dashboard_render"] = render
         out["events"] = len(cloud.controller.store.backing.events(10**7))
         db = config.state_dir / "octacloud.db"
         out["sqlite_mib"] = sum(p.stat().st_size for p in db.parent.glob("octacloud.db*")) / 2**20
@@ -398,6 +402,8 @@ def table(results: list[dict[str, Any]]) -> str:
         ("meter interval close (s)", lambda r: f"{r['meter_close_s']:.3f}"),
         ("dashboard document (s / KiB)",
          lambda r: f"{r['dashboard_state_s']:.3f} / {r['dashboard_state_bytes'] / 1024:.0f}"),
+        ("dashboard in Chromium: redraw / first map (ms)",
+         lambda r: _phase(r, "dashboard_render", "{redraw_ms:.0f} / {first_map_ms:.0f}")),
         ("store rows/s during deploy", lambda r: f"{r['store_rows_per_s']:.0f}"),
         ("SQLite size (MiB)", lambda r: f"{r['sqlite_mib']:.1f}"),
         ("events stored", lambda r: f"{r['events']}"),

@@ -23,20 +23,27 @@ def deployment_name(k: int) -> str:
     return f"model-{k:02d}"
 
 
-def big_document(at: float = 1_000.0) -> dict[str, Any]:
-    """The document; every replica's octants are exactly the cells of the cards it is placed on."""
-    nodes = generated_fleet(FleetShape(nodes=NODES, cards=CARDS, racks=RACKS))
-    free = [[8] * CARDS for _ in nodes]
-    cells: list[list[list[dict[str, Any] | None]]] = [[[] for _ in range(CARDS)] for _ in nodes]
+def big_document(
+    at: float = 1_000.0,
+    nodes: int = NODES,
+    racks: int = RACKS,
+    deployments: int = DEPLOYMENTS,
+    replicas_each: int = REPLICAS_EACH,
+) -> dict[str, Any]:
+    """The document (by default the fleet above; the bench asks for other sizes); every replica's octants are
+    exactly the cells of the cards it is placed on."""
+    fleet = generated_fleet(FleetShape(nodes=nodes, cards=CARDS, racks=racks))
+    free = [[8] * CARDS for _ in fleet]
+    cells: list[list[list[dict[str, Any] | None]]] = [[[] for _ in range(CARDS)] for _ in fleet]
     replicas = []
-    for k in range(REPLICAS_EACH * DEPLOYMENTS):
-        d, n = k % DEPLOYMENTS, k // DEPLOYMENTS
+    for k in range(replicas_each * deployments):
+        d, n = k % deployments, k // deployments
         octants = SIZES[d % len(SIZES)]
         state = "ready" if k % 97 else "starting"
         state = "failed" if k % 331 == 5 else state
         rid = f"{deployment_name(d)}-{n:03d}"
         tenant = f"tenant-{d % TENANTS}"
-        where = _first_fit(free, octants, (k * 13) % 100) if k % 250 != 3 else None
+        where = _first_fit(free, octants, (k * 13) % max(1, nodes * 4 // 5)) if k % 250 != 3 else None
         if where is None:
             state = "pending"
         else:
@@ -47,7 +54,7 @@ def big_document(at: float = 1_000.0) -> dict[str, Any]:
         replicas.append(
             {
                 "id": rid, "deployment": deployment_name(d), "tenant": tenant, "state": state,
-                "node": nodes[where[0]].name if where else "", "gpus": [where[1]] if where else [],
+                "node": fleet[where[0]].name if where else "", "gpus": [where[1]] if where else [],
                 "milli_per_gpu": octants * 125, "restarts": k % 3, "message": "" if state == "ready" else "exited 1",
                 "busy": 0.25, "cpu_cores": 0.5, "rss_bytes": 64 << 20,
             }
@@ -55,44 +62,44 @@ def big_document(at: float = 1_000.0) -> dict[str, Any]:
     fleet_nodes = [
         {
             "name": node.name,
-            "health": "failed" if i == FAILED_NODE else "healthy",
+            "health": "failed" if i == FAILED_NODE and nodes > FAILED_NODE + 1 else "healthy",
             "domains": {"zone": node.labels["zone"], "rack": node.labels["rack"], "power_feed": ""},
             "cards": [
                 {
                     "index": g.index, "model": g.model, "memory_mib": g.memory_mib, "health": "healthy",
-                    "usable": i != FAILED_NODE, "free_milli": free[i][g.index] * 125,
+                    "usable": i != FAILED_NODE or nodes <= FAILED_NODE + 1, "free_milli": free[i][g.index] * 125,
                     "octants": cells[i][g.index] + [None] * free[i][g.index],
                     "telemetry": {"source": "nvml", "utilisation": 0.5, "memory_used_mib": 1024.0},
                 }
                 for g in node.gpus
             ],
         }
-        for i, node in enumerate(nodes)
+        for i, node in enumerate(fleet)
     ]  # fmt: skip
     held = sum(8 - f for row in free for f in row)
     return {
         "at": at,
         "sample_at": at,
         "fleet": {
-            "nodes": fleet_nodes, "allocated_milli": held * 125, "total_milli": NODES * CARDS * 1000,
-            "allocation": held / (NODES * CARDS * 8), "fragmentation": 0.1,
+            "nodes": fleet_nodes, "allocated_milli": held * 125, "total_milli": nodes * CARDS * 1000,
+            "allocation": held / (nodes * CARDS * 8), "fragmentation": 0.1,
         },
-        "allocation": [[at, held / (NODES * CARDS * 8)]],
+        "allocation": [[at, held / (nodes * CARDS * 8)]],
         "fragmentation": [[at, 0.1]],
         "deployments": [
             {
                 "name": deployment_name(d), "model": f"m{d % 7}", "tenant": f"tenant-{d % TENANTS}", "priority": 0,
-                "octants": SIZES[d % len(SIZES)], "desired": REPLICAS_EACH,
+                "octants": SIZES[d % len(SIZES)], "desired": replicas_each,
                 "ready": sum(1 for r in replicas if r["deployment"] == deployment_name(d) and r["state"] == "ready"),
                 "qps": [[at, 10.0 + d]], "latency_ms": [[at, 2.0]], "errors_per_s": [], "batch_sizes": {"1": 10},
                 "generation": None,
             }
-            for d in range(DEPLOYMENTS)
+            for d in range(deployments)
         ],
         "replicas": replicas,
         "tenants": [
-            {"tenant": f"tenant-{t}", "deployments": DEPLOYMENTS // TENANTS, "replicas": 0, "octants": 0}
-            for t in range(TENANTS)
+            {"tenant": f"tenant-{t}", "deployments": len(range(t, deployments, TENANTS)), "replicas": 0, "octants": 0}
+            for t in range(min(TENANTS, deployments))
         ],
         "scheduler": {"decisions": {}, "mean_decision_ms": 0.3, "preemptions": 0, "defragmentation_moves": 0,
                       "pending": sum(1 for r in replicas if r["state"] == "pending")},
@@ -101,11 +108,11 @@ def big_document(at: float = 1_000.0) -> dict[str, Any]:
 
 
 def _first_fit(free: list[list[int]], octants: int, start: int) -> tuple[int, int] | None:
-    """The first card from node ``start`` on (wrapping round) with ``octants`` free; nodes 100 on stay empty
+    """The first card from node ``start`` on (wrapping round) with ``octants`` free; the last fifth stay empty
     unless the others are full."""
     for j in range(len(free)):
         i = (start + j) % len(free)
-        if i == FAILED_NODE:
+        if i == FAILED_NODE and len(free) > FAILED_NODE + 1:
             continue
         for g, left in enumerate(free[i]):
             if left >= octants:
