@@ -60,7 +60,7 @@ def test_relative_links_lead_somewhere(source: Path) -> None:
 
 
 SHELL_BLOCKS = {"sh", "bash", "shell", "console"}
-BARE = re.compile(r"(octacloud|python3?)(\s|$)")
+BARE = re.compile(r"(\w+=\S*\s+)*(octacloud|python3?)(\s|$)")  # after any VAR=value the command sets
 
 
 def commands(path: Path) -> list[tuple[int, str]]:
@@ -102,9 +102,15 @@ def test_a_bare_command_in_a_shell_sample_is_caught(tmp_path: Path) -> None:
     sample.write_text(
         "```sh\n.venv/bin/octacloud up --repository models \\\n    octacloud-is-an-argument\n"
         "# octacloud in a comment is prose\noctacloud status\n```\n"
-        "```console\n$ python3 -c 'print(1)'\noctacloud is up: output, not a command\n$ .venv/bin/python x.py\n```\n"
+        "```console\n$ python3 -c 'print(1)'\noctacloud is up: output, not a command\n$ .venv/bin/python x.py\n"
+        "$ OCTACLOUD_KEY=$OTHER octacloud usage\n```\n"
         "```\n$ octacloud deploy mlp\n```\n"
         "```yaml\noctacloud: a key\n```\n"
     )
     found = [(n, cmd) for n, cmd in commands(sample) if BARE.match(cmd)]
-    assert found == [(5, "octacloud status"), (8, "python3 -c 'print(1)'"), (13, "octacloud deploy mlp")]
+    assert found == [
+        (5, "octacloud status"),
+        (8, "python3 -c 'print(1)'"),
+        (11, "OCTACLOUD_KEY=$OTHER octacloud usage"),
+        (14, "octacloud deploy mlp"),
+    ]

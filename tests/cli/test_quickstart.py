@@ -203,11 +203,9 @@ def roll_out_and_scale(up: Up, work: Path, env: dict[str, str]) -> None:
     wait_until("2 replicas of resnet50_int8", lambda: len(up.ready("resnet50_int8")) == 2, timeout=240)
 
 
-@pytest.fixture
-def work(tmp_path: Path) -> Iterator[Path]:
-    if not (port_free(8000) and port_free(8001)):
-        pytest.skip("ports 8000/8001 are taken: the quick start talks to the default ports (run in scripts/netns-run)")
-    work = tmp_path / "octacloud"
+def checkout(work: Path) -> Path:
+    """A folder laid out as a checkout after ``make up``: ``.venv/bin/octacloud`` and ``.venv/bin/python`` running
+    this checkout with this interpreter, and ``examples/``."""
     (work / ".venv" / "bin").mkdir(parents=True)
     wrapper = work / ".venv" / "bin" / "octacloud"
     wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m octacloud "$@"\n')
@@ -216,7 +214,11 @@ def work(tmp_path: Path) -> Iterator[Path]:
     python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
     python.chmod(0o755)
     (work / "examples").symlink_to(ROOT / "examples")
-    yield work
+    return work
+
+
+def kill_replicas(work: Path) -> None:
+    """Kill whatever replica processes the cloud in ``work`` left running (a failed test's)."""
     db = work / "var" / "octacloud.db"
     if db.exists():  # whatever a failed test left running
         store = StateStore.at(db)
@@ -224,6 +226,14 @@ def work(tmp_path: Path) -> Iterator[Path]:
             if r.handle.isdigit() and _pid_alive(int(r.handle)):
                 os.kill(int(r.handle), signal.SIGKILL)
         store.close()
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Iterator[Path]:
+    if not (port_free(8000) and port_free(8001)):
+        pytest.skip("ports 8000/8001 are taken: the quick start talks to the default ports (run in scripts/netns-run)")
+    yield checkout(tmp_path / "octacloud")
+    kill_replicas(tmp_path / "octacloud")
 
 
 def test_the_readme_quick_start_runs_as_printed(work: Path, tmp_path: Path) -> None:
