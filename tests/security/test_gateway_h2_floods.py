@@ -208,21 +208,18 @@ def test_partial_messages_are_bounded_per_connection_and_per_tenant_and_timed_ou
     def waiting(sid: int) -> bytes:
         return h2wire.header_frames(sid, h2wire.grpc_headers(INFER, [key]))
 
-    async def after(events: list[asyncio.Event], then: Awaitable[None]) -> None:
-        for event in events:
-            await event.wait()
+    async def after(event: asyncio.Event, then: Awaitable[None]) -> None:
+        await event.wait()
         await then
 
     async def attack(port: int) -> None:
         # In order, so that each bound is the one that trips: the first connection alone fills its own 3 MiB;
-        # three more while it holds pass the tenant's 6 MiB; the HEADERS-only calls, once those are answered,
-        # pass the tenant's 64 waiting calls (interleaved, the tenant's bound could trip before any connection's).
-        first, rest = asyncio.Event(), [asyncio.Event() for _ in range(3)]
-        await asyncio.gather(
-            connection(8, partial, first),
-            *(after([first], connection(8, partial, event)) for event in rest),
-            after([first, *rest], connection(WAITING + 16, waiting)),
-        )
+        # three more while it holds pass the tenant's 6 MiB; once all of those have ended (their memory given
+        # back), the HEADERS-only calls pass the tenant's 64 waiting calls. Interleaved, the tenant's bytes bound
+        # could trip before any connection's, or refuse the HEADERS-only calls (their metadata is held too).
+        first = asyncio.Event()
+        await asyncio.gather(connection(8, partial, first), *(after(first, connection(8, partial)) for _ in range(3)))
+        await connection(WAITING + 16, waiting)
 
     victim, grown = under_attack(setup, attack)
     assert_unharmed(victim, grown)
