@@ -16,7 +16,9 @@ from rich.console import Console
 from octacloud.core.errors import InvalidSpecError
 
 if TYPE_CHECKING:
+    from octacloud.core.model import Node
     from octacloud.k8s.api import KubeClient
+    from octacloud.k8s.deviceplugin import HealthSource
 
 k8s_app = typer.Typer(help="Run octacloud's parts on a Kubernetes cluster.", no_args_is_help=True)
 
@@ -116,19 +118,10 @@ def device_plugin(
     ca_file: Path | None = CA_FILE,
 ) -> None:
     """kubelet's device plugin: this node's octants (and whole cards), their health, the slice environment."""
-    from octacloud.control.fleet import load_fleet_file
     from octacloud.core.model import Health
-    from octacloud.k8s.deviceplugin import (
-        DevicePlugin,
-        HealthSource,
-        NvmlHealth,
-        StaticHealth,
-        node_from_nvml,
-        publish_node,
-    )
+    from octacloud.k8s.deviceplugin import DevicePlugin, publish_node
     from octacloud.k8s.plugin_server import PluginServer
     from octacloud.k8s.resources import GPUS, OCTANTS
-    from octacloud.observability.dcgm import NvmlCards, open_nvml
     from octacloud.protocols.server import new_event_loop
 
     _log_to_stderr()
@@ -138,22 +131,7 @@ def device_plugin(
         bad = [r for r in names if r not in wanted]
         if bad or not names:
             raise InvalidSpecError(f"--resources: expected octants and/or gpus, got {resources!r}")
-        health: HealthSource
-        card_ids: list[str] = []
-        if fleet is not None:
-            matches = [n for n in load_fleet_file(fleet) if n.name == node_name]
-            if not matches:
-                raise InvalidSpecError(f"{fleet}: no node named {node_name!r} (give --node-name)")
-            node = matches[0]
-            health = StaticHealth(node)
-        else:
-            nvml = open_nvml()
-            if nvml is None:
-                raise InvalidSpecError("no NVIDIA GPUs found through NVML; describe this node with --fleet")
-            cards = NvmlCards(nvml)
-            node = node_from_nvml(cards, node_name, (os.cpu_count() or 1) * 1000, 0, 0.0)
-            health = NvmlHealth(cards, lambda: asyncio.get_running_loop().time())
-            card_ids = [c.uuid for c in cards.cards]
+        node, health, card_ids = _this_node(fleet, node_name)
         api = None if no_api else _client(api_server, token_file, ca_file)
     except InvalidSpecError as exc:
         raise _fail(exc) from None
@@ -182,6 +160,26 @@ def device_plugin(
     typer.echo(f"octacloud device plugin for {node_name}: {node.gpu_count} card(s), serving {', '.join(names)}")
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(main())
+
+
+def _this_node(fleet: Path | None, node_name: str) -> tuple[Node, HealthSource, list[str]]:
+    """This node, where its cards' health comes from, and their NVML ids: from the fleet file when given (health
+    as the file says), else from NVML."""
+    from octacloud.control.fleet import load_fleet_file
+    from octacloud.k8s.deviceplugin import NvmlHealth, StaticHealth, node_from_nvml
+    from octacloud.observability.dcgm import NvmlCards, open_nvml
+
+    if fleet is not None:
+        matches = [n for n in load_fleet_file(fleet) if n.name == node_name]
+        if not matches:
+            raise InvalidSpecError(f"{fleet}: no node named {node_name!r} (give --node-name)")
+        return matches[0], StaticHealth(matches[0]), []
+    nvml = open_nvml()
+    if nvml is None:
+        raise InvalidSpecError("no NVIDIA GPUs found through NVML; describe this node with --fleet")
+    cards = NvmlCards(nvml)
+    node = node_from_nvml(cards, node_name, (os.cpu_count() or 1) * 1000, 0, 0.0)
+    return node, NvmlHealth(cards, lambda: asyncio.get_running_loop().time()), [c.uuid for c in cards.cards]
 
 
 @k8s_app.command("operator")
