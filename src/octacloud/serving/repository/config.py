@@ -141,6 +141,18 @@ def complete_config(
             f"max_batch_size is {done.max_batch_size} but the model's first dimension is not dynamic for "
             f"{', '.join(fixed)}; export the model with a dynamic batch dimension or set max_batch_size: 0"
         )
+    problems.extend(_complete_tensors(done, inputs, outputs, batch_dims))
+    problems.extend(_complete_scheduling(done))
+    if problems:
+        raise ModelConfigError("; ".join(problems))
+    return done
+
+
+def _complete_tensors(
+    done: mc.ModelConfig, inputs: Sequence[TensorMetadata], outputs: Sequence[TensorMetadata], batch_dims: int
+) -> list[str]:
+    """Fill in the inputs and outputs ``done`` leaves out from the model's; the problems of those it declares."""
+    problems: list[str] = []
     for kind, declared, actual in (("input", done.input, inputs), ("output", done.output, outputs)):
         by_name = {t.name: t for t in actual}
         if not declared:
@@ -161,6 +173,13 @@ def complete_config(
                 for t in actual
                 if t.name not in named
             )
+    return problems
+
+
+def _complete_scheduling(done: mc.ModelConfig) -> list[str]:
+    """Fill in dynamic batching for a batching model and one instance; the problems of batching, instance groups
+    and the size parameters."""
+    problems: list[str] = []
     if done.max_batch_size > 0 and not done.HasField("dynamic_batching"):
         done.dynamic_batching.max_queue_delay_microseconds = DEFAULT_QUEUE_DELAY_US
     if done.max_batch_size == 0 and done.HasField("dynamic_batching"):
@@ -179,9 +198,7 @@ def complete_config(
             int_parameter(done, key)
         except ModelConfigError as e:
             problems.append(str(e))
-    if problems:
-        raise ModelConfigError("; ".join(problems))
-    return done
+    return problems
 
 
 def _check_tensor(
