@@ -94,6 +94,16 @@ def test_no_request_is_printed_for_a_model_without_declared_inputs(tmp_path: Pat
     assert sample_inputs(FsspecStore(str(tmp_path)), "bare") is None
 
 
+def test_every_option_of_up_is_a_field_of_its_options() -> None:
+    import dataclasses
+    import inspect
+
+    from octacloud.cli.up import up
+    from octacloud.cli.up_options import UpOptions
+
+    assert [f.name for f in dataclasses.fields(UpOptions)] == list(inspect.signature(up).parameters)
+
+
 def test_gateway_workers_must_be_at_least_one(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 

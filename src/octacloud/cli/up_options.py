@@ -2,7 +2,9 @@
 
 Each option is one ``typer.Option`` here (its flag, default and help); ``up`` names them in its signature and
 hands what it was given to :func:`cloud_config` as one :class:`UpOptions`. A wrong value stops the command with
-exit status 2 and an error that names the option, before anything starts.
+exit status 2 and an error that names the option, before anything starts. A new option is its constant here, a
+field of :class:`UpOptions` and a parameter of ``up`` of the same name (``tests/cli/test_up.py`` checks the last
+two agree).
 """
 
 from __future__ import annotations
