@@ -60,7 +60,8 @@ def test_relative_links_lead_somewhere(source: Path) -> None:
 
 
 SHELL_BLOCKS = {"sh", "bash", "shell", "console"}
-BARE = re.compile(r"(\w+=\S*\s+)*(octacloud|python3?)(\s|$)")  # after any VAR=value the command sets
+# after any VAR=value the command sets, and inside the test sandbox
+BARE = re.compile(r"(\w+=\S*\s+)*(scripts/netns-run\s+)?(octacloud|python3?)(\s|$)")
 
 
 def commands(path: Path) -> list[tuple[int, str]]:
@@ -103,7 +104,7 @@ def test_a_bare_command_in_a_shell_sample_is_caught(tmp_path: Path) -> None:
         "```sh\n.venv/bin/octacloud up --repository models \\\n    octacloud-is-an-argument\n"
         "# octacloud in a comment is prose\noctacloud status\n```\n"
         "```console\n$ python3 -c 'print(1)'\noctacloud is up: output, not a command\n$ .venv/bin/python x.py\n"
-        "$ OCTACLOUD_KEY=$OTHER octacloud usage\n```\n"
+        "$ OCTACLOUD_KEY=$OTHER octacloud usage\n$ scripts/netns-run python bench/x.py\n```\n"
         "```\n$ octacloud deploy mlp\n```\n"
         "```yaml\noctacloud: a key\n```\n"
     )
@@ -112,5 +113,6 @@ def test_a_bare_command_in_a_shell_sample_is_caught(tmp_path: Path) -> None:
         (5, "octacloud status"),
         (8, "python3 -c 'print(1)'"),
         (11, "OCTACLOUD_KEY=$OTHER octacloud usage"),
-        (14, "octacloud deploy mlp"),
+        (12, "scripts/netns-run python bench/x.py"),
+        (15, "octacloud deploy mlp"),
     ]

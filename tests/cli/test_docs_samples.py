@@ -1,6 +1,6 @@
 """The user-facing docs' samples, run as printed against one cloud started as ``make up`` starts it.
 
-Every shell command of docs/cloud.md, docs/tenants.md, docs/toolchain.md and docs/storage.md (what
+Every shell command of docs/cloud.md, tenants.md, toolchain.md, storage.md and monitoring.md (what
 tests/test_docs.py's ``commands`` finds: the lines of a ```sh block, the ``$`` lines of a console or untagged
 block) and every ```python block runs, in the order of the doc and the docs in that order, in the folder of a
 cloud started with the Makefile's ``UP_ARGS`` on the example repository, with ``.venv/bin`` as ``make up`` leaves
@@ -30,7 +30,7 @@ from ..test_docs import commands
 from .test_quickstart import Up, checkout, kill_replicas, make_up_args, port_free, start_up, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("docs/cloud.md", "docs/tenants.md", "docs/toolchain.md", "docs/storage.md")
+DOCS = ("docs/cloud.md", "docs/tenants.md", "docs/toolchain.md", "docs/storage.md", "docs/monitoring.md")
 MODELS = ("mlp", "minilm", "mlp_fp16", "bert_base")  # what the samples name
 
 # (doc, a pattern of the command as printed, why it is not run here)
@@ -42,6 +42,7 @@ NOT_RUN = (
     ("docs/tenants.md", r"^export OCTACLOUD_URL=https:", "points the CLI at the TLS cloud of the line before"),
     ("docs/toolchain.md", r"^\.venv/bin/octacloud convert ", "converts the reader's own model files (the paths are "
      "examples): tests/toolchain/test_cli.py converts each kind of source"),
+    ("docs/monitoring.md", r"^\.venv/bin/octacloud top (?!.*--once)", "redraws until Ctrl-C: its --once frame is run"),
     ("docs/storage.md", r"^export AWS_", "the credentials of the reader's S3 endpoint"),
     ("docs/storage.md", r"s3://", "needs an S3-compatible store: tests/storage/test_cli_store.py runs convert "
      "--publish, models publish and models list --storage against SeaweedFS"),
