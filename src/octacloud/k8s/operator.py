@@ -138,16 +138,8 @@ def parse(obj: Mapping[str, Any], footprint: FootprintSource | None, card_memory
         )
     except (TypeError, ValueError) as exc:
         raise InvalidSpecError(f"{where}: {exc}") from None
-    memory = 0
-    fp: ModelFootprint | None = None
-    if footprint is not None:  # with a repository the model must be in it (NotFoundError: asked again later)
-        try:
-            fp = footprint(model)
-            memory = fp.memory_mib
-        except NotFoundError as exc:
-            raise NotFoundError(f"{where}: {exc}") from None
-        except InvalidSpecError as exc:
-            raise InvalidSpecError(f"{where}: {exc}") from None
+    fp = _footprint(footprint, model, where)
+    memory = 0 if fp is None else fp.memory_mib
     octants = ds.octants
     count = replicas if replicas is not None else lo
     if ds.octants is None or target is not None:
@@ -175,6 +167,19 @@ def parse(obj: Mapping[str, Any], footprint: FootprintSource | None, card_memory
         str(spec.get("schedulerName", SCHEDULER_NAME)),
         *_storage_fields(spec, where),
     )
+
+
+def _footprint(footprint: FootprintSource | None, model: str, where: str) -> ModelFootprint | None:
+    """The model's footprint (None without a repository); with a repository the model must be in it
+    (NotFoundError: asked again later). Errors name the resource."""
+    if footprint is None:
+        return None
+    try:
+        return footprint(model)
+    except NotFoundError as exc:
+        raise NotFoundError(f"{where}: {exc}") from None
+    except InvalidSpecError as exc:
+        raise InvalidSpecError(f"{where}: {exc}") from None
 
 
 def _storage_fields(spec: Mapping[str, Any], where: str) -> tuple[str, str, str]:
