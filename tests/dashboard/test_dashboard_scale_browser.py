@@ -6,14 +6,19 @@ answered by that app in process, so no port is opened. The fleet map must be one
 with each node's octants counted right, zoom on a click to the node's cards and octants with every label inside
 its replica's run and none overlapping, give every deployment its own colour, and keep the tables to a page of
 rows. Screenshots go to the test's tmp dir (their paths are printed).
+
+The second test draws a live cloud of the same fleet (125 emulated nodes × 8 cards, 1,000 replicas of 40
+deployments placed by the real controller, read through the gateway) and checks the rack view and one node's
+octants against the admin API.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,8 +27,13 @@ import pytest
 from starlette.testclient import TestClient
 
 from octacloud.admin.dashboard.app import build_dashboard_app
+from octacloud.control.emulated import EmulatedLauncher
+from octacloud.control.fleet_gen import FleetShape, generated_fleet
+from octacloud.core.domains import domain_labels
 
-from .big_fleet import DEPLOYMENTS, NODES, RACKS, big_document
+from ..scale.test_emulated_cloud import config_for, ready, write_model
+from .big_fleet import DEPLOYMENTS, NODES, RACKS, REPLICAS_EACH, big_document
+from .conftest import CloudThread, wait_until
 from .test_dashboard_browser import CHROMIUM, CHROMIUM_FLAGS
 
 pytestmark = pytest.mark.slow
@@ -175,3 +185,75 @@ def shot(page: Any, path: Path, selector: str | None) -> None:
     else:
         page.locator(selector).screenshot(path=str(path))
     print(f"screenshot: {path}")
+
+
+# ---- the same views over a live cloud: 125 emulated nodes × 8 cards, replicas placed by the real controller ----
+
+LIVE = [(f"model-{k:02d}", (1, 2, 4, 8)[k % 4]) for k in range(DEPLOYMENTS)]
+"""Deployments of the live test, as (name, octants), :data:`REPLICAS_EACH` replicas each (1,000 replicas)."""
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CloudThread]:
+    root = tmp_path_factory.mktemp("live")
+    for name, _ in LIVE:
+        write_model(root / "models", name)
+    nodes = [
+        dataclasses.replace(n, labels=domain_labels(zone=n.labels["zone"], rack=n.labels["rack"]))
+        for n in generated_fleet(FleetShape(nodes=NODES, cards=8, racks=RACKS))
+    ]  # the generated fleet's rack and zone labels as the nodes' failure domains
+    cloud = CloudThread(config_for(root), nodes)
+    try:
+        for name, octants in LIVE:
+            n = REPLICAS_EACH
+            body = {"name": name, "model": name, "octants": octants, "min_replicas": n, "max_replicas": n}
+            assert cloud.post("/admin/deployments", body).status_code == 201
+        wait_until("1,000 ready replicas", lambda: len(ready(cloud)) == REPLICAS_EACH * len(LIVE), timeout=300)
+        yield cloud
+    finally:
+        cloud.stop()
+        EmulatedLauncher(root / "var" / "replicas").stop_hosts()
+
+
+def test_a_live_thousand_card_cloud_by_rack_then_one_node(live: CloudThread, tmp_path: Path) -> None:
+    if not CHROMIUM.exists():
+        pytest.fail("Debian's chromium is missing: run `make browser` (apt-get install chromium chromium-driver)")
+    from playwright.sync_api import sync_playwright
+
+    rows = [r for d in live.get("/admin/deployments").json()["deployments"] for r in d["instances"]]
+    held = Counter({n["name"]: 0 for n in live.get("/admin/fleet").json()["nodes"]})
+    cells: Counter[tuple[str, int, str | None]] = Counter()
+    for r in rows:
+        for g in r["gpus"]:
+            held[r["node"]] += r["milli_per_gpu"] // 125
+            cells[(r["node"], g, str(r["id"]))] += r["milli_per_gpu"] // 125
+    busiest = max(held, key=lambda n: (len({k[2] for k in cells if k[0] == n}), n))
+    profile = tempfile.mkdtemp(prefix="octacloud-chromium-")
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch_persistent_context(
+                profile, executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
+                viewport={"width": 1400, "height": 1000},
+            )  # fmt: skip
+            page = browser.new_page()
+            page.goto(f"{live.url}/dashboard/")
+            page.fill("#login-key", live.key)
+            page.click("#login-form button[type=submit]")
+            page.wait_for_selector(".node-cell")
+            view = page.evaluate(RACK_VIEW)
+            assert [r["rack"] for r in view["racks"]] == [f"r{k:02d}" for k in range(RACKS)]
+            assert {c["node"]: c["held"] for c in view["cells"]} == dict(held)
+            assert not overlapping([c["box"] for c in view["cells"]])
+            assert len(set(dict(view["legend"]).values())) == len(LIVE)
+            shot(page, tmp_path / "live-1000-cards-racks.png", "#fleet-section")
+            page.click(f'.node-cell[data-zoom="{busiest}"]')
+            page.wait_for_selector('#fleet[data-view="node"] .card')
+            node = page.evaluate(NODE_VIEW)
+            shown = Counter((busiest, g, r) for g, r in node["octants"] if r)
+            assert shown == +Counter({k: v for k, v in cells.items() if k[0] == busiest})
+            assert node["labels"] and not overlapping([label["box"] for label in node["labels"]])
+            assert not [label for label in node["labels"] if label["clipped"]]
+            shot(page, tmp_path / "live-1000-cards-node.png", "#fleet-section")
+            browser.close()
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 from rich.console import Console
@@ -95,7 +96,7 @@ def test_fractions_draw_a_full_bar_at_100_percent_only() -> None:
 
 def big_frame(**filters: str) -> str:
     doc = big_document()
-    console = Console(record=True, width=160, color_system=None)
+    console = Console(record=True, width=160, color_system=None, file=io.StringIO())
     console.print(render(doc, History(), Filters(**filters)))
     return console.export_text()
 

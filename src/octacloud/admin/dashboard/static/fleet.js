@@ -10,7 +10,7 @@ const OCTANT_PX = { all: 21, node: 37 };  // an octant's width in a card (196 px
 const CHAR_PX = 6;
 
 const fleetView = { zoom: "" };  // the node zoomed into ("" for the whole fleet); kept across polls
-const palettes = { deployment: { colours: new Map(), keys: new Map() }, tenant: { colours: new Map(), keys: new Map() } };
+const palettes = { deployment: { colours: new Map(), keys: new Map(), light: new Set() }, tenant: { colours: new Map(), keys: new Map(), light: new Set() } };
 
 function esc(value) {
   return String(value ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
@@ -19,12 +19,13 @@ function esc(value) {
 // A colour per deployment (and per tenant), distinct at any count: the sorted names' hues a golden ratio apart, in
 // three bands of lightness (as `octacloud top` draws them), and a short key (#1, #2, ...) that the legend explains.
 function setPalette(kind, names) {
-  const colours = new Map(), keys = new Map();
+  const colours = new Map(), keys = new Map(), light = new Set();
   [...new Set(names)].sort().forEach((name, i) => {
     colours.set(name, `hsl(${(((i * GOLDEN) % 1) * 360).toFixed(1)}, 70%, ${LIGHTNESS[i % 3]}%)`);
     keys.set(name, `#${i + 1}`);
+    if (LIGHTNESS[i % 3] > 50) light.add(name);  // labelled in dark ink
   });
-  palettes[kind] = { colours, keys };
+  palettes[kind] = { colours, keys, light };
 }
 
 function colour(name, kind = "deployment") {
@@ -144,7 +145,7 @@ function runs(node, card, by, octantPx) {
     const cells = octants.map((k) => `<div class="octant ${esc(cell.state)}" style="background-color:${colour(name, by)}" ${at} data-octant="${k}"
       data-replica="${esc(cell.replica)}" data-deployment="${esc(cell.deployment)}" data-tenant="${esc(cell.tenant)}"></div>`).join("");
     return `<div class="run" style="grid-column:span ${octants.length}" title="${esc(cell.replica)} · ${esc(cell.deployment)} · tenant ${esc(cell.tenant)} · ${esc(cell.state)}">
-      ${cells}<span class="label">${esc(text)}</span></div>`;
+      ${cells}<span class="label${palettes[by].light.has(name) ? " dark" : ""}">${esc(text)}</span></div>`;
   }).join("");
 }
 
