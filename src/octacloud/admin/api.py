@@ -116,32 +116,7 @@ def _deployment_routes(
     async def create_deployment(request: Request) -> JSONResponse:
         """Create or update: the body's fields over the defaults or the deployment's own (``deploy_request``);
         the answer says what a redeploy kept and changed. Checks and quotas are the controller's deploy's."""
-        p = caller(request)
-        body = await json_object(request)
-        DeployRequest(body)  # unknown fields, no name: 400 before anything else is asked
-        try:
-            existing: Deployment | None = controller.store.get_deployment(str(body["name"]))
-        except NotFoundError:
-            existing = None
-        if existing is not None and p.may_manage(existing.spec.tenant):  # a redeploy keeps its owner too
-            body.setdefault("tenant", existing.spec.tenant)
-        tenant = body.setdefault("tenant", p.tenant)
-        if not p.is_admin and tenant != p.tenant:
-            raise ForbiddenError("a tenant may only deploy for itself (leave 'tenant' out)")
-        model = body.get("model", "")
-        if "model" in body and (not isinstance(model, str) or not is_model_name(model)
-                                or not controller.has_model(model)):  # fmt: skip
-            raise NotFoundError(unknown_model(controller.models, model))
-        named = "priority_class" in body or "priority" in body
-        if priorities is not None and (existing is None or named or existing.spec.tenant != tenant):
-            body["priority_class"], body["priority"] = priorities.resolve(
-                p, str(tenant), body.get("priority_class"), body.get("priority")
-            )
-        done = controller.apply(DeployRequest(body))
-        d = done.deployment
-        created = deployment_json(d, controller.store.replicas(d.spec.name), internal=p.is_admin)
-        created.update({"sizing": done.sizing, "changes": done.changes, "kept": done.kept})
-        return JSONResponse(created, status_code=201)
+        return _deploy(controller, priorities, caller(request), await json_object(request))
 
     async def get_deployment(request: Request) -> JSONResponse:
         name = request.path_params["name"]
@@ -191,6 +166,37 @@ def _fleet_routes(controller: Controller, caller: Callable[[Request], Principal]
         return JSONResponse({"events": controller.store.events(limit, tenant=None if p.is_admin else p.tenant)})
 
     return [Route("/admin/fleet", fleet, methods=["GET"]), Route("/admin/events", events, methods=["GET"])]
+
+
+def _deploy(
+    controller: Controller, priorities: PriorityClasses | None, p: Principal, body: dict[str, Any]
+) -> JSONResponse:
+    """``p``'s deploy of ``body``: its owner (a redeploy keeps it), its model, its priority from the classes
+    granted to the tenant; then the controller's deploy, which checks it and its quota."""
+    DeployRequest(body)  # unknown fields, no name: 400 before anything else is asked
+    try:
+        existing: Deployment | None = controller.store.get_deployment(str(body["name"]))
+    except NotFoundError:
+        existing = None
+    if existing is not None and p.may_manage(existing.spec.tenant):  # a redeploy keeps its owner too
+        body.setdefault("tenant", existing.spec.tenant)
+    tenant = body.setdefault("tenant", p.tenant)
+    if not p.is_admin and tenant != p.tenant:
+        raise ForbiddenError("a tenant may only deploy for itself (leave 'tenant' out)")
+    model = body.get("model", "")
+    if "model" in body and (not isinstance(model, str) or not is_model_name(model)
+                            or not controller.has_model(model)):  # fmt: skip
+        raise NotFoundError(unknown_model(controller.models, model))
+    named = "priority_class" in body or "priority" in body
+    if priorities is not None and (existing is None or named or existing.spec.tenant != tenant):
+        body["priority_class"], body["priority"] = priorities.resolve(
+            p, str(tenant), body.get("priority_class"), body.get("priority")
+        )
+    done = controller.apply(DeployRequest(body))
+    d = done.deployment
+    created = deployment_json(d, controller.store.replicas(d.spec.name), internal=p.is_admin)
+    created.update({"sizing": done.sizing, "changes": done.changes, "kept": done.kept})
+    return JSONResponse(created, status_code=201)
 
 
 def _set_aside(controller: Controller, p: Principal, name: str) -> bool:
