@@ -1,11 +1,12 @@
 """The user-facing docs' samples, run as printed against one cloud started as ``make up`` starts it.
 
-Every shell command of docs/cloud.md, tenants.md, toolchain.md, storage.md and monitoring.md (what
+Every shell command of docs/cloud.md, tenants.md, toolchain.md, storage.md, monitoring.md and llm.md (what
 tests/test_docs.py's ``commands`` finds: the lines of a ```sh block, the ``$`` lines of a console or untagged
 block) and every ```python block runs, in the order of the doc and the docs in that order, in the folder of a
 cloud started with the Makefile's ``UP_ARGS`` on the example repository, with ``.venv/bin`` as ``make up`` leaves
 it and ``$OCTACLOUD_KEY`` exported as the README's quick start does. One bash per command; what a command
-exports is kept for the next. A command must exit 0, unless the doc prints its output and that output is an
+exports is kept for the next; a Python sample runs once the deployments it names are ready (as a reader waits
+for ``status`` to say so). A command must exit 0, unless the doc prints its output and that output is an
 ``error:``: then it must fail with that message. A table or CSV the doc prints must have the columns the command
 prints.
 
@@ -26,11 +27,14 @@ from pathlib import Path
 
 import pytest
 
+from octacloud.serving.errors import ModelConfigError
+from octacloud.serving.generate.engine import find_llama_server
+
 from ..test_docs import commands
 from .test_quickstart import Up, checkout, kill_replicas, make_up_args, port_free, start_up, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("docs/cloud.md", "docs/tenants.md", "docs/toolchain.md", "docs/storage.md", "docs/monitoring.md")
+DOCS = ("docs/cloud.md", "docs/tenants.md", "docs/toolchain.md", "docs/storage.md", "docs/monitoring.md", "docs/llm.md")
 MODELS = ("mlp", "minilm", "mlp_fp16", "bert_base")  # what the samples name
 
 # (doc, a pattern of the command as printed, why it is not run here)
@@ -42,6 +46,8 @@ NOT_RUN = (
     ("docs/tenants.md", r"^export OCTACLOUD_URL=https:", "points the CLI at the TLS cloud of the line before"),
     ("docs/toolchain.md", r"^\.venv/bin/octacloud convert ", "converts the reader's own model files (the paths are "
      "examples): tests/toolchain/test_cli.py converts each kind of source"),
+    ("docs/llm.md", r"^make (models|up)\b", "builds the repository and starts the cloud: this test starts it as "
+     "`make up` does on the built repository"),
     ("docs/monitoring.md", r"^\.venv/bin/octacloud top (?!.*--once)", "redraws until Ctrl-C: its --once frame is run"),
     ("docs/storage.md", r"^export AWS_", "the credentials of the reader's S3 endpoint"),
     ("docs/storage.md", r"s3://", "needs an S3-compatible store: tests/storage/test_cli_store.py runs convert "
@@ -205,14 +211,27 @@ def run_sample(cloud: Cloud, sample: Sample) -> str | None:
     return None
 
 
+def needs_the_engine() -> None:
+    if not (Path(os.environ["OCTACLOUD_MODELS"]) / "smollm2" / "config.pbtxt").is_file():
+        pytest.skip("docs/llm.md deploys smollm2, which is not built: run `make models`")
+    try:
+        find_llama_server()
+    except ModelConfigError as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", DOCS)
 def test_the_samples_of_a_doc_run_as_printed(cloud: Cloud, doc: str) -> None:
+    if doc == "docs/llm.md":
+        needs_the_engine()
     failed = []
     for sample in shell_samples(doc):
         if sample.reason_not_run() is None:
             failed.append(run_sample(cloud, sample))
     for sample in python_samples(doc):
+        for name in re.findall(r'(?:model=|infer\()"(\w+)"', sample.command):  # the reader waits for `status`
+            wait_until(f"{name} ready", lambda name=name: bool(cloud.up.ready(name)), timeout=240)
         code, out = cloud.shell.run(f".venv/bin/python -c {shlex.quote(sample.command)}")
         failed.append(f"{sample.doc}:{sample.line} (python)\n  exited {code}:\n{out}" if code else None)
     problems = [f for f in failed if f is not None]
