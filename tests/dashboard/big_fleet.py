@@ -1,8 +1,7 @@
 """A dashboard document (``/dashboard/api/state``'s JSON) of a thousand-card fleet, for the tests of the views
 that must stay readable at that size (the page in a browser, ``octacloud top``) and for the render benchmark.
 
-125 nodes × 8 cards in 5 racks of 25 (the generated fleet ``octacloud fleet generate`` writes, its ``rack`` and
-``zone`` labels as the nodes' domains), 40 deployments of 8
+125 nodes × 8 cards in 5 racks of 25 (the generated fleet ``octacloud fleet generate`` writes), 40 deployments of 8
 tenants with 25 replicas each (1,000 replicas) of 1, 2, 4 or 8 octants, packed first fit card by card; a few
 replicas starting, failed or pending, one node failed and the last 25 nodes empty.
 """
@@ -12,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from octacloud.control.fleet_gen import FleetShape, generated_fleet
+from octacloud.core.domains import domain_dict
 
 NODES, CARDS, RACKS = 125, 8, 5
 DEPLOYMENTS, REPLICAS_EACH, TENANTS = 40, 25, 8
@@ -63,7 +63,7 @@ def big_document(
         {
             "name": node.name,
             "health": "failed" if i == FAILED_NODE and nodes > FAILED_NODE + 1 else "healthy",
-            "domains": {"zone": node.labels["zone"], "rack": node.labels["rack"], "power_feed": ""},
+            "domains": domain_dict(node),
             "cards": [
                 {
                     "index": g.index, "model": g.model, "memory_mib": g.memory_mib, "health": "healthy",

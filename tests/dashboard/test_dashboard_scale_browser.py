@@ -14,7 +14,6 @@ octants against the admin API.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import tempfile
 from collections import Counter
@@ -29,7 +28,6 @@ from starlette.testclient import TestClient
 from octacloud.admin.dashboard.app import build_dashboard_app
 from octacloud.control.emulated import EmulatedLauncher
 from octacloud.control.fleet_gen import FleetShape, generated_fleet
-from octacloud.core.domains import domain_labels
 
 from ..scale.test_emulated_cloud import config_for, ready, write_model
 from .big_fleet import DEPLOYMENTS, NODES, RACKS, REPLICAS_EACH, big_document
@@ -198,11 +196,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CloudThread]:
     root = tmp_path_factory.mktemp("live")
     for name, _ in LIVE:
         write_model(root / "models", name)
-    nodes = [
-        dataclasses.replace(n, labels=domain_labels(zone=n.labels["zone"], rack=n.labels["rack"]))
-        for n in generated_fleet(FleetShape(nodes=NODES, cards=8, racks=RACKS))
-    ]  # the generated fleet's rack and zone labels as the nodes' failure domains
-    cloud = CloudThread(config_for(root), nodes)
+    cloud = CloudThread(config_for(root), generated_fleet(FleetShape(nodes=NODES, cards=8, racks=RACKS)))
     try:
         for name, octants in LIVE:
             n = REPLICAS_EACH

@@ -14,6 +14,7 @@ from octacloud.cli.main import app
 from octacloud.control.emulated import handle_of, parse_handle
 from octacloud.control.fleet import load_fleet_file
 from octacloud.control.fleet_gen import FleetShape, generated_fleet
+from octacloud.core.domains import domain_of
 from octacloud.core.errors import InvalidSpecError
 from octacloud.serving.emulated import EmulatedLatency, EmulatedRuntime
 from octacloud.serving.types import TensorMetadata
@@ -23,8 +24,8 @@ def test_a_thousand_cards_in_racks_and_mixed_models() -> None:
     nodes = generated_fleet(FleetShape(nodes=125, cards=8, racks=5, zones=2))
     assert len(nodes) == 125 and sum(n.gpu_count for n in nodes) == 1000
     assert len({n.name for n in nodes}) == 125
-    assert Counter(n.labels["rack"] for n in nodes) == {f"r{k:02d}": 25 for k in range(5)}
-    assert set(Counter(n.labels["zone"] for n in nodes)) == {"z0", "z1"}
+    assert Counter(domain_of(n, "rack") for n in nodes) == {f"r{k:02d}": 25 for k in range(5)}
+    assert set(Counter(domain_of(n, "zone") for n in nodes)) == {"z0", "z1"}  # domains, not bare labels
     assert Counter(n.gpu_model for n in nodes) == {"H100": 32, "A100": 31, "L40S": 31, "T4": 31}
 
 
@@ -36,7 +37,8 @@ def test_the_cli_writes_a_fleet_file_that_loads(tmp_path: Path) -> None:
     nodes = load_fleet_file(out)
     assert [n.name for n in nodes][:4] == ["r00-n00", "r00-n01", "r00-n02", "r01-n00"]
     assert {n.gpu_model for n in nodes} == {"A100"} and all(n.gpu_count == 4 for n in nodes)
-    assert yaml.safe_load(out.read_text())["nodes"][0]["labels"] == {"rack": "r00", "zone": "z0"}
+    first = yaml.safe_load(out.read_text())["nodes"][0]
+    assert (first["zone"], first["rack"]) == ("z0", "r00") and "labels" not in first
 
 
 @pytest.mark.parametrize(

@@ -17,14 +17,14 @@ _err = Console(stderr=True, soft_wrap=True)
 def generate(
     nodes: int = typer.Option(125, "--nodes", help="How many nodes."),
     cards: int = typer.Option(8, "--cards", help="Cards per node."),
-    racks: int = typer.Option(5, "--racks", help="Racks (label `rack`), filled in order."),
-    zones: int = typer.Option(1, "--zones", help="Zones (label `zone`), racks filling them in order."),
+    racks: int = typer.Option(5, "--racks", help="Racks (each node's `rack` domain), filled in order."),
+    zones: int = typer.Option(1, "--zones", help="Zones (each node's `zone` domain), racks filling them in order."),
     model: list[str] = typer.Option(
         [], "--model", help="Card model NAME:MiB (repeatable; nodes cycle over them). Default: H100, A100, L40S, T4."
     ),
     out: Path | None = typer.Option(None, "--out", "-o", help="Write here (default: standard output)."),
 ) -> None:
-    """Write a fleet file of NODES × CARDS cards (mixed card models, racks and zones as labels)."""
+    """Write a fleet file of NODES × CARDS cards (mixed card models, racks and zones as failure domains)."""
     from octacloud.control.fleet_gen import DEFAULT_MODELS, FleetShape, fleet_yaml
     from octacloud.core.errors import OctacloudError
 

@@ -1,8 +1,10 @@
 """Generated fleets: a fleet file for a fleet of any size (``octacloud fleet generate``), for an emulated cloud
 (``octacloud up --fleet FILE --emulate``) and the fleet-scale benchmark.
 
-Nodes are named ``<rack>-n<k>`` and carry the labels ``rack`` and ``zone``, racks filling zones in order; the
-card models cycle node by node over ``models`` (``NAME:MiB``), so a fleet mixes them evenly.
+Nodes are named ``<rack>-n<k>`` and declare their ``rack`` and ``zone`` as failure domains (the fleet file's
+``rack:`` and ``zone:`` keys, so that status, top, the dashboard and the scheduler's rack spread see the racks),
+racks filling zones in order; the card models cycle node by node over ``models`` (``NAME:MiB``), so a fleet mixes
+them evenly.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Node
 
 DEFAULT_MODELS = ("H100:81920", "A100:81920", "L40S:46068", "T4:16384")
-RACK_LABEL = "rack"
-ZONE_LABEL = "zone"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,8 @@ def fleet_document(shape: FleetShape) -> dict[str, Any]:
                 "name": f"r{rack:02d}-n{k % per_rack:02d}",
                 "cpu_milli": shape.cpu_milli_per_card * shape.cards,
                 "memory_mib": shape.memory_mib_per_card * shape.cards,
-                "labels": {RACK_LABEL: f"r{rack:02d}", ZONE_LABEL: f"z{rack // racks_per_zone}"},
+                "zone": f"z{rack // racks_per_zone}",
+                "rack": f"r{rack:02d}",
                 "gpu_count": shape.cards,
                 "gpu_model": model,
                 "gpu_memory_mib": memory,
