@@ -5,9 +5,9 @@ Each size's dashboard document (``tests/dashboard/big_fleet.py``: racks of 25 no
 deployment, 40 deployments per 1,000 cards) is served by the dashboard's own app in process (the browser's
 requests are answered through Playwright's routing; no port is opened). The bench prints, per size: the
 document's size, the time from opening the page to the first drawn map (fetch, parse and render), one redraw
-as each poll does it (median of ``--repeats``, including style and layout), ``JSON.parse`` of the document, the
-zoom into one node and back, and the elements in the page. ``fleet_scale.py`` calls :func:`measure` on the live
-cloud's document.
+of every part and one of a poll that changed nothing (medians of ``--repeats``, style and layout included),
+``JSON.parse`` of the document, the zoom into one node, and the elements in the page. ``fleet_scale.py``
+calls :func:`measure` on the live cloud's document.
 
 Run: ``python bench/dashboard_render.py`` (``--sizes 8,1000,4000``; ``--repeats 10``).
 """
@@ -38,16 +38,17 @@ TIMED = """([repeats, text]) => {
   const settle = () => document.body.getBoundingClientRect().height;  // style and layout, as a paint needs
   const time = (fn) => { const t = performance.now(); fn(); settle(); return performance.now() - t; };
   const med = (xs) => xs.sort((a, b) => a - b)[Math.floor(xs.length / 2)];
-  const redraw = [], parse = [], zoom = [];
+  const redraw = [], same = [], parse = [], zoom = [];
   const node = last.fleet.nodes[Math.floor(last.fleet.nodes.length / 2)].name;
   for (let k = 0; k < repeats; k++) {
-    redraw.push(time(() => render(last)));
+    redraw.push(time(() => { drawn = new WeakMap(); render(last); }));  // every part drawn anew
+    same.push(time(() => render(last)));  // a poll that brings the same fleet: nothing changed, nothing redrawn
     parse.push(time(() => JSON.parse(text)));
     zoom.push(time(() => { fleetView.zoom = node; renderFleet(last.fleet, "deployment"); }));
     fleetView.zoom = "";
   }
   render(last);
-  return {redraw_ms: med(redraw), parse_ms: med(parse), zoom_ms: med(zoom),
+  return {redraw_ms: med(redraw), same_ms: med(same), parse_ms: med(parse), zoom_ms: med(zoom),
           elements: document.querySelectorAll("*").length, view: document.querySelector("#fleet").dataset.view};
 }"""
 
@@ -113,7 +114,8 @@ def main() -> None:
         print(
             f"{cards:>5} cards, {figures['replicas']:>4} replicas ({figures['view']} view): document "
             f"{figures['document_kib']:.0f} KiB, first map {figures['first_map_ms']:.0f} ms, redraw "
-            f"{figures['redraw_ms']:.1f} ms, parse {figures['parse_ms']:.1f} ms, zoom {figures['zoom_ms']:.1f} ms, "
+            f"{figures['redraw_ms']:.1f} ms (unchanged {figures['same_ms']:.1f} ms), "
+            f"parse {figures['parse_ms']:.1f} ms, zoom {figures['zoom_ms']:.1f} ms, "
             f"{figures['elements']} elements",
             flush=True,
         )

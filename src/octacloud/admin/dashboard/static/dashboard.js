@@ -155,7 +155,7 @@ function paged(id, rows, text, row) {
   const count = Math.max(1, Math.ceil(shown.length / size));
   state.page = Math.min(state.page, count - 1);
   const first = state.page * size;
-  $(id).tBodies[0].innerHTML = shown.slice(first, first + size).map(row).join("");
+  setHtml($(id).tBodies[0], shown.slice(first, first + size).map(row).join(""));
   const pager = document.querySelector(`.pager[data-for="${id}"]`);
   pager.hidden = rows.length <= size && !wanted;
   pager.querySelector(".range").textContent = shown.length
@@ -235,8 +235,8 @@ function usage(u) {
 }
 
 function renderEvents(events) {
-  $("events").innerHTML = events.map((e) => `<li><time>${new Date(e.at * 1000).toLocaleTimeString()}</time>
-    <span class="kind">${esc(e.kind)}</span> ${esc(e.subject)} — ${esc(e.message)}</li>`).join("");
+  setHtml($("events"), events.map((e) => `<li><time>${new Date(e.at * 1000).toLocaleTimeString()}</time>
+    <span class="kind">${esc(e.kind)}</span> ${esc(e.subject)} — ${esc(e.message)}</li>`).join(""));
 }
 
 poll();

@@ -12,6 +12,16 @@ const CHAR_PX = 6;
 const fleetView = { zoom: "" };  // the node zoomed into ("" for the whole fleet); kept across polls
 const palettes = { deployment: { colours: new Map(), keys: new Map(), light: new Set() }, tenant: { colours: new Map(), keys: new Map(), light: new Set() } };
 
+// An element's HTML is replaced only when it changed: a poll that brings the same fleet costs no DOM work (and
+// keeps the hover and the tooltip under the pointer).
+let drawn = new WeakMap();
+
+function setHtml(el, html) {
+  if (drawn.get(el) === html) return;
+  drawn.set(el, html);
+  el.innerHTML = html;
+}
+
 function esc(value) {
   return String(value ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 }
@@ -53,21 +63,21 @@ function renderFleet(fleet, by) {
   const el = $("fleet");
   if (cards <= DETAIL_CARDS) {
     el.dataset.view = "all";
-    el.innerHTML = fleet.nodes.map((node) => nodeDetail(node, by, OCTANT_PX.all)).join("");
+    setHtml(el, fleet.nodes.map((node) => nodeDetail(node, by, OCTANT_PX.all)).join(""));
   } else if (zoomed) {
     el.dataset.view = "node";
-    el.innerHTML = `<nav class="crumbs"><button type="button" data-zoom="">all ${fleet.nodes.length} nodes</button>
-      › rack ${esc(rackOf(zoomed))} › <b>${esc(zoomed.name)}</b></nav>${nodeDetail(zoomed, by, OCTANT_PX.node)}`;
+    setHtml(el, `<nav class="crumbs"><button type="button" data-zoom="">all ${fleet.nodes.length} nodes</button>
+      › rack ${esc(rackOf(zoomed))} › <b>${esc(zoomed.name)}</b></nav>${nodeDetail(zoomed, by, OCTANT_PX.node)}`);
   } else {
     el.dataset.view = "racks";
-    el.innerHTML = racks(fleet.nodes, by);
+    setHtml(el, racks(fleet.nodes, by));
   }
   const shown = zoomed && cards > DETAIL_CARDS ? [zoomed] : fleet.nodes;  // the legend: who is on the map
   const used = new Set(shown.flatMap((n) => n.cards.flatMap((c) => c.octants.filter(Boolean).map((o) => o[by]))));
   const { colours, keys } = palettes[by];
-  $("legend").innerHTML = [...colours].filter(([name]) => used.has(name))
+  setHtml($("legend"), [...colours].filter(([name]) => used.has(name))
     .map(([name, c]) => `<span data-name="${esc(name)}"><i style="background:${c}"></i><b>${keys.get(name)}</b> ${esc(name)}</span>`).join("")
-    + `<span><i style="background:var(--free)"></i>free octant</span>`;
+    + `<span><i style="background:var(--free)"></i>free octant</span>`);
 }
 
 // One section per rack, one cell per node: its octants held, and a bar of who holds them.
