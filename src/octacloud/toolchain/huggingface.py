@@ -177,21 +177,41 @@ def load_huggingface(path: Path, options: SourceOptions) -> TorchSource:
     if not vision and task == "image-classification":
         raise SourceError(f"{directory}: {config.model_type} is not a vision model; choose a text task")
     model = _build(config, directory, task, random_init, options.seed).eval()
-    origin = "seeded weights" if random_init else "trained weights"
-    arch = type(model).__name__
+    arch, origin = type(model).__name__, "seeded weights" if random_init else "trained weights"
     if task == "image-classification":
-        size = int(getattr(config, "image_size", DEFAULT_IMAGE_SIZE) or DEFAULT_IMAGE_SIZE)
-        channels = int(getattr(config, "num_channels", 3))
-        spec = TensorSpec("pixel_values", "float32", (None, channels, size, size))
-        image = ImagePreprocessing.from_source(None if path.is_file() else directory, size)
-        return TorchSource(
-            ImageClassifier(model),
-            [spec],
-            output_names=["logits"],
-            classifier=True if options.classifier is None else options.classifier,
-            description=f"{arch} ({origin})",
-            preprocessing=Preprocessing(image=image),
-        )
+        return _image_source(model, config, None if path.is_file() else directory, options, f"{arch} ({origin})")
+    return _text_source(model, config, directory, task, st_head, options, f"{arch} {task} ({origin})")
+
+
+def _image_source(
+    model: Any, config: Any, folder: Path | None, options: SourceOptions, description: str
+) -> TorchSource:
+    """An image classifier: pixel values in, logits out, with the preprocessing ``folder``'s files describe."""
+    size = int(getattr(config, "image_size", DEFAULT_IMAGE_SIZE) or DEFAULT_IMAGE_SIZE)
+    channels = int(getattr(config, "num_channels", 3))
+    spec = TensorSpec("pixel_values", "float32", (None, channels, size, size))
+    image = ImagePreprocessing.from_source(folder, size)
+    return TorchSource(
+        ImageClassifier(model),
+        [spec],
+        output_names=["logits"],
+        classifier=True if options.classifier is None else options.classifier,
+        description=description,
+        preprocessing=Preprocessing(image=image),
+    )
+
+
+def _text_source(
+    model: Any,
+    config: Any,
+    directory: Path,
+    task: str,
+    st_head: tuple[str, bool] | None,
+    options: SourceOptions,
+    description: str,
+) -> TorchSource:
+    """A text model: token ids (and mask, and types where it has them) in; logits, a pooled sentence embedding or
+    the last hidden state out; with the folder's tokenizer, if it has one."""
     vocab = int(getattr(config, "vocab_size", 2))
     inputs = [
         TensorSpec("input_ids", "int64", (None, None), low=0, high=vocab),
@@ -214,7 +234,7 @@ def load_huggingface(path: Path, options: SourceOptions) -> TorchSource:
         inputs,
         output_names=[output],
         classifier=task == "text-classification" if options.classifier is None else options.classifier,
-        description=f"{arch} {task} ({origin})",
+        description=description,
         shape_hints={s.name: options.sequence_length for s in inputs},
         dim_max={1: max_len},
         preprocessing=preprocessing,
