@@ -86,6 +86,8 @@ def test_two_workers_share_routes_auth_metering_and_survive_kill(cloud: CloudThr
     created = call(c, acme, "POST", "/admin/deployments", {"name": "acme-lin", "model": "linear", "octants": 1})
     assert created.status_code == 201, created.text
     wait_until("a ready replica", lambda: bool(ready_ids(c, "acme-lin")))
+    script = httpx.get(f"{c.url}/dashboard/dashboard.js", headers={"Accept-Encoding": "gzip"}, timeout=10)
+    assert script.headers["content-encoding"] == "gzip" and "sessionStorage" in script.text  # compressed, intact
 
     # routes reach both workers, and every request is metered once, whichever worker carried it
     wait_until("the route at both workers", lambda: infer(c.url, acme, "acme-lin") == 200, timeout=10)

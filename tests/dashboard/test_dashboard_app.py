@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +51,22 @@ def test_the_page_never_puts_the_key_in_a_url() -> None:
     script = client.get("/dashboard/dashboard.js").text
     assert "sessionStorage" in script and "Authorization: `Bearer ${key}`" in script
     assert "?key=" not in script and "localStorage" not in script
+
+
+def test_a_big_document_goes_compressed_to_a_client_that_accepts_it() -> None:
+    from .big_fleet import big_document
+
+    doc = big_document()
+    client = TestClient(build_dashboard_app(lambda since: doc, authorize))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    packed = client.get("/dashboard/api/state", headers={**auth, "Accept-Encoding": "gzip"})
+    assert packed.status_code == 200 and packed.headers["content-encoding"] == "gzip"
+    assert packed.json() == json.loads(json.dumps(doc))
+    assert int(packed.headers["content-length"]) < len(json.dumps(doc)) / 5
+    plain = client.get("/dashboard/api/state", headers={**auth, "Accept-Encoding": "identity"})
+    assert "content-encoding" not in plain.headers and plain.json() == packed.json()
+    denied = client.get("/dashboard/api/state", headers={"Accept-Encoding": "gzip"})
+    assert denied.status_code == 401  # compressed or not, nothing without the key
 
 
 def test_metrics_need_the_key() -> None:
