@@ -40,7 +40,7 @@ _NO_STORE = {"cache-control": "no-store"}
 _UNAUTHORIZED = {"error": "the dashboard needs the admin key (Authorization: Bearer <key>)"}
 GZIP_MIN_BYTES = 4096
 """Answers from this size on go gzip-compressed to a client that accepts it: the document of a thousand cards is
-~800 KiB of JSON, polled every second, and ~8 % of that compressed."""
+~800 KiB of JSON, polled every second, and a few per cent of that compressed."""
 
 
 def allow_all(_: Mapping[str, str]) -> bool:
