@@ -163,6 +163,7 @@ class Cloud:
         self.controller = self._controller(self._scheduler(clock), launcher, clock)
         self._started = False
         self._stop = asyncio.Event()
+        self._meter_stop = asyncio.Event()  # once the fronts stopped: the last interval has the workers' last pushes
         self._tasks: list[asyncio.Task[None]] = []
         self._fronts: Fronts | None = None
         self.gateway_workers: GatewayWorkers | None = None
@@ -336,7 +337,7 @@ class Cloud:
         self._tasks.append(asyncio.create_task(self.monitoring.run(self._stop)))
         if self.watcher is not None:
             self._tasks.append(asyncio.create_task(self._watch_fleet(self.watcher)))
-        self._tasks.append(asyncio.create_task(self.meter.run(self._stop)))
+        self._tasks.append(asyncio.create_task(self.meter.run(self._meter_stop)))
         self._tasks.append(asyncio.create_task(self.route_latency.run(self._stop)))
         renew = getattr(self.controller.launcher, "renew_certificates", None)
         if self.internal_ca is not None and renew is not None:
@@ -365,6 +366,7 @@ class Cloud:
             await self._fronts.stop(grace=1.0)
         if self.gateway_workers is not None:
             await self.gateway_workers.stop(grace=1.0)
+        self._meter_stop.set()
         await self.grpc_gateway.close()
         for task in self._tasks:  # one still busy after 10 s (a meter's scrape of a fleet) is cancelled
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
