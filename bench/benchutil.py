@@ -90,7 +90,8 @@ class LocalCloud:
     """``octacloud up`` on a temporary state folder and a one-node, one-card CPU fleet, for a bench.
 
     ``start()`` waits for the admin key and API; ``deploy(spec)`` deploys and returns the first READY replica;
-    ``stop()`` undeploys what was deployed, stops ``up`` (SIGTERM, then kill) and removes the folder."""
+    ``stop()`` undeploys what was deployed, stops ``up`` (SIGTERM, then kill) and removes the folder. The gateway
+    runs in ``up``'s own process (``--gateway-workers 0``), so that ``pid`` is the gateway's."""
 
     def __init__(
         self, repository: Path, *, prefix: str, cpu_milli: int | None = None, extra: Sequence[str] = ()
@@ -111,7 +112,7 @@ class LocalCloud:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "octacloud", "up", "--repository", str(repository.resolve()), "--fleet",
              str(fleet), "--state-dir", str(self.state), "--http-port", str(self.http_port), "--grpc-port",
-             str(self.grpc_port), "--interval", "1", *extra],
+             str(self.grpc_port), "--interval", "1", "--gateway-workers", "0", *extra],
             stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
         self.key = ""

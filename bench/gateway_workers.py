@@ -1,6 +1,7 @@
-"""Gateway workers: throughput and CPU per request with 1, 2 and 4 gateway processes, in one run.
+"""Gateway workers: throughput and CPU per request with the fronts in the cloud's own process (0) and in 1, 2 and 4
+gateway processes, in one run.
 
-    .venv/bin/python bench/gateway_workers.py [--workers 1 2 4] [--rounds 3] [--seconds 4] [--connections 16]
+    .venv/bin/python bench/gateway_workers.py [--workers 0 1 2 4] [--rounds 3] [--seconds 4] [--connections 16]
 
 Starts ``octacloud up --gateway-workers N`` on one temporary state dir (one CPU node, one card) with a tiny
 model (16 floats in, ReLU out, dynamic batching up to 64) so that the replica costs little next to the gateway;
@@ -15,9 +16,9 @@ without an in-flight bound (``--limit max_inflight_per_replica=0``): the bench m
 
 Per point it prints throughput, p50/p99, the CPU that all gateway processes together spent per answered
 request (``/proc/PID/stat`` utime+stime of ``octacloud up`` and its workers over the point ÷ the requests the
-clients got answered; with 1 worker the one process also runs the controller, with N ≥ 2 the main process's
+clients got answered; with 0 workers the one process also runs the controller, with N ≥ 1 the main process's
 controller and feed are included), the replica's CPU per request, and the 1-minute load average; then, per
-worker count, the median over rounds and its ratio to 1 worker. With the cores to spare, throughput should
+worker count, the median over rounds and its ratio to the first count given. With the cores to spare, throughput should
 grow with the workers while CPU per request stays flat; on a machine with fewer cores than processes, a flat
 CPU per request is the evidence that the workers add no cost, and throughput is bounded by the cores.
 """
@@ -154,7 +155,7 @@ class Up:
 
     def gateway_pids(self) -> list[int]:
         workers = [p for p in children(self.proc.pid) if "octacloud.gateway.workers" in cmdline(p)]
-        if self.workers > 1 and len(workers) != self.workers:
+        if self.workers > 0 and len(workers) != self.workers:
             raise SystemExit(f"expected {self.workers} gateway workers, found {len(workers)}")
         return [self.proc.pid, *workers]
 
@@ -227,7 +228,7 @@ async def client(port: int, key: str, connections: int, warmup: float, seconds: 
 
 
 def run_clients(args: argparse.Namespace, up: Up, replica: int) -> dict[str, Any]:
-    total = args.connections * (up.workers if args.per_worker else 1)
+    total = args.connections * (max(1, up.workers) if args.per_worker else 1)
     per = [total // args.clients + (i < total % args.clients) for i in range(args.clients)]
     per = [n for n in per if n]
     outputs = [Path(tempfile.mktemp(prefix="octacloud-gwbench-client-", suffix=".json")) for _ in per]
@@ -252,7 +253,7 @@ def run_clients(args: argparse.Namespace, up: Up, replica: int) -> dict[str, Any
     answered = sum(o["answered"] for o in outs)
     lat = sorted(x for o in outs for x in o["latencies_ms"])
     gateway_cpu = sum(after[:-1]) - sum(before[:-1])
-    main_cpu = after[0] - before[0]  # `octacloud up` itself: the whole gateway with 1 worker, else the controller
+    main_cpu = after[0] - before[0]  # `octacloud up` itself: the whole gateway with 0 workers, else the controller
     return {
         "throughput": answered / args.seconds,
         "p50_ms": statistics.median(lat) if lat else float("nan"),
@@ -280,7 +281,7 @@ def main() -> None:
         Path(out).write_text(json.dumps(result))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 4])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--warmup", type=float, default=1.0)

@@ -1,9 +1,9 @@
 """The one place where everything is wired: fleet → scheduler → controller → gateway (REST, gRPC, admin).
 
 ``Cloud`` runs in one asyncio loop: the controller's reconcile loop, the REST gateway (octacloud's HTTP/1.1
-server) with the admin API under ``/admin``, and the gRPC gateway. With ``gateway_workers`` ≥ 2 the public
-ports are served by that many worker processes instead (``gateway.workers``), and this process keeps
-the rest. Replicas run as their own processes (local) or actors (Ray).
+server) with the admin API under ``/admin``, and the gRPC gateway. With ``gateway_workers`` ≥ 1 (``octacloud up``'s
+default) the public ports are served by that many worker processes instead (``gateway.workers``), and this
+process keeps the rest. Replicas run as their own processes (local) or actors (Ray).
 """
 
 from __future__ import annotations
@@ -101,9 +101,10 @@ class CloudConfig:
     """Price sheet (YAML) for usage reports' cost column."""
     limits: GatewayLimits = field(default_factory=GatewayLimits)
     """The gateway's bounds: body and message size, header/body/idle time, connections, load shedding."""
-    gateway_workers: int = 1
-    """Processes serving the public REST and gRPC ports. 1: this process does (the controller's too); N ≥ 2: N
-    worker processes share the ports (SO_REUSEPORT) and this process keeps the controller, store and meter."""
+    gateway_workers: int = 0
+    """Processes serving the public REST and gRPC ports. N ≥ 1 (``up``'s default: 1): N worker processes share them
+    and this process keeps the controller, store and meter, which run on when a front crashes or passes
+    ``limits.worker_max_rss_mib`` (it is restarted). 0: this process serves them (embedding, tests)."""
     emulation: EmulationSettings | None = None
     """Emulate the replicas (``octacloud up --emulate``): each a real OIP endpoint that answers after a set latency
     with no model compute, many per process (control/emulated.py), so that a fleet of any size runs here."""
@@ -167,7 +168,7 @@ class Cloud:
         self._tasks: list[asyncio.Task[None]] = []
         self._fronts: Fronts | None = None
         self.gateway_workers: GatewayWorkers | None = None
-        """With ``gateway_workers`` ≥ 2: the worker processes (made at start)."""
+        """With ``gateway_workers`` ≥ 1: the worker processes (made at start)."""
         self.guard = Guard(self.keys)
         """``guard.authorize(headers)`` → the caller's Principal, or AuthError: for every front end."""
         self.admin_key = bootstrap_admin_key(self.keys, config.state_dir / "admin.key")
@@ -231,7 +232,7 @@ class Cloud:
         """The REST gateway (with the admin API, the dashboard and ``/metrics``) and the gRPC gateway."""
         config = self.config
         # behind workers, this process's gateways only serve the admin paths: the workers took the rate budget
-        front_guard = self.guard if config.gateway_workers == 1 else Guard(self.keys, Unlimited(clock))
+        front_guard = self.guard if config.gateway_workers == 0 else Guard(self.keys, Unlimited(clock))
         self.grpc_gateway = GrpcGateway(
             self.routes, ready=self._ready, guard=front_guard, limits=config.limits,
             internal_secret=self.internal_secret,
@@ -315,7 +316,7 @@ class Cloud:
 
     async def _start_gateway(self) -> None:
         config = self.config
-        if config.gateway_workers == 1:
+        if config.gateway_workers == 0:
             self._fronts = gateway_fronts(self.rest_gateway, self.grpc_gateway, config.limits, config.tls)
             await self._fronts.start(config.host, config.http_port, config.grpc_port)
             self.http_port, self.grpc_port = self._fronts.http_port, self._fronts.grpc_port
@@ -441,8 +442,8 @@ class Cloud:
 def _check(config: CloudConfig) -> None:
     """Refuse a configuration that cannot be served safely or at all (before anything is opened)."""
     check_exposure(config.host, config.tls, config.allow_insecure)
-    if config.gateway_workers < 1:
-        raise InvalidSpecError(f"gateway workers must be at least 1, got {config.gateway_workers}")
+    if config.gateway_workers < 0:
+        raise InvalidSpecError(f"gateway workers must be 0 (this process) or more, got {config.gateway_workers}")
     if config.tls is not None:
         config.tls.check()
 

@@ -104,14 +104,14 @@ def test_every_option_of_up_is_a_field_of_its_options() -> None:
     assert [f.name for f in dataclasses.fields(UpOptions)] == list(inspect.signature(up).parameters)
 
 
-def test_gateway_workers_must_be_at_least_one(tmp_path: Path) -> None:
+def test_gateway_workers_are_not_negative(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from octacloud.cli.main import app
 
-    result = CliRunner().invoke(app, ["up", "--repository", str(tmp_path), "--gateway-workers", "0"])
+    result = CliRunner().invoke(app, ["up", "--repository", str(tmp_path), "--gateway-workers", "-1"])
     assert result.exit_code == 2
-    assert "--gateway-workers must be at least 1, got 0" in result.output
+    assert "--gateway-workers must be 0 (the cloud's own process) or more, got -1" in result.output
 
 
 @pytest.mark.parametrize(

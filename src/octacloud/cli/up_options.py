@@ -86,8 +86,8 @@ LIMIT = typer.Option([], "--limit", help="Gateway bound NAME=VALUE (docs/securit
 GATEWAY_WORKERS = typer.Option(
     1,
     "--gateway-workers",
-    help="Processes serving the REST and gRPC ports (SO_REUSEPORT); 1: the cloud's own process "
-    "(docs/gateway.md, Gateway workers).",
+    help="Processes serving the REST and gRPC ports (SO_REUSEPORT), apart from the controller's; 0: the "
+    "controller's own process (docs/gateway.md, Gateway workers).",
 )
 INTERNAL_TLS = typer.Option(
     "auto", "--internal-tls", help="TLS from the gateway to replicas: auto (on Ray), on, off (docs/security.md)."
@@ -210,8 +210,8 @@ def cloud_config(o: UpOptions) -> CloudConfig:
         internal_tls_mode = InternalTlsMode.parse(o.internal_tls)
     except OctacloudError as exc:
         _usage(str(exc))
-    if o.gateway_workers < 1:
-        _usage(f"--gateway-workers must be at least 1, got {o.gateway_workers}")
+    if o.gateway_workers < 0:
+        _usage(f"--gateway-workers must be 0 (the cloud's own process) or more, got {o.gateway_workers}")
     if o.deploy_max_replicas < 1:
         _usage(f"--deploy-max-replicas must be at least 1, got {o.deploy_max_replicas}")
     return CloudConfig(

@@ -16,7 +16,9 @@ from octacloud.protocols.asgi import DEFAULT_MAX_BODY_BYTES
 from octacloud.protocols.headers import CLIENT_MAX_HEADER_BYTES, DEFAULT_CLIENT_HEADER_BYTES
 
 MIB = 2**20
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "MIB", "GatewayLimits"]
+MIN_WORKER_RSS_MIB = 256
+"""The smallest ``worker_max_rss_mib``: a worker that has just started uses about 100 MiB."""
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "MIB", "MIN_WORKER_RSS_MIB", "GatewayLimits"]
 # DEFAULT_MAX_BODY_BYTES: the largest request body replicas accept (``octacloud serve --max-body-mb``'s
 # default); more is refused at the gateway from its Content-Length, so it never buffers what no replica takes.
 
@@ -59,6 +61,10 @@ class GatewayLimits:
     ``Retry-After`` (load shedding), so the queue at the replicas, and the latency of what is admitted, stay
     bounded. 0: no bound. 8 keeps admitted p99 within 2× of the unloaded p99 under overload where 16 did not
     (bench/overload.py, docs/security.md); raise it for models whose throughput needs larger batches."""
+    worker_max_rss_mib: int = 4_096
+    """Resident memory a gateway worker process may use (``octacloud up --gateway-workers N``, N ≥ 1); one that
+    uses more is killed and restarted by the main process, whose controller keeps running. At least
+    :data:`MIN_WORKER_RSS_MIB`."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -88,6 +94,10 @@ class GatewayLimits:
                     f"gateway limit {name} must hold one call of the largest message and header list "
                     f"({one_call} bytes), got {getattr(self, name)}"
                 )
+        if self.worker_max_rss_mib < MIN_WORKER_RSS_MIB:
+            raise InvalidSpecError(
+                f"gateway limit worker_max_rss_mib must be at least {MIN_WORKER_RSS_MIB}, got {self.worker_max_rss_mib}"
+            )
         if self.max_inflight_per_replica < 0:
             raise InvalidSpecError("gateway limit max_inflight_per_replica must be 0 (no bound) or positive")
 

@@ -1,14 +1,16 @@
 """Gateway worker processes: N processes serve the public REST and gRPC ports, the main process keeps the rest.
 
-``octacloud up --gateway-workers N`` (N ≥ 2) starts N processes of ``python -m octacloud.gateway.workers``.
-Each listens on the gateway's two ports with ``SO_REUSEPORT`` (the kernel spreads new connections over them),
-verifies keys itself against the shared state store, and routes with its own copy of the route table. The main
-process keeps the controller, the store, the meter and the admin API, dashboard and ``/metrics`` (reached from
-any worker through ``gateway.admin_link``), and feeds the workers over ``gateway.feed``. What is shared, and
-within which bounds, is in ``gateway.sharing`` and docs/gateway.md ("Gateway workers").
+``octacloud up --gateway-workers N`` (N ≥ 1; 1 by default) starts N processes of
+``python -m octacloud.gateway.workers``. Each listens on the gateway's two ports with ``SO_REUSEPORT`` (the
+kernel spreads new connections over them), verifies keys itself against the shared state store, and routes with
+its own copy of the route table. The main process keeps the controller, the store, the meter and the admin API,
+dashboard and ``/metrics`` (reached from any worker through ``gateway.admin_link``), and feeds the workers over
+``gateway.feed``. What is shared, and within which bounds, is in ``gateway.sharing`` and docs/gateway.md
+("Gateway workers").
 
 :class:`GatewayWorkers` is the main process's side: it reserves the ports, serves the feed and the internal admin
-port, starts the workers and restarts one that exits (kill -9 included) while the others keep serving.
+port, starts the workers and restarts one that exits (kill -9 included) or that passes its memory bound
+(``GatewayLimits.worker_max_rss_mib``, which it kills), while the others and the controller keep running.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ from octacloud.tenancy import Guard, KeyStore, server_secret
 
 log = logging.getLogger(__name__)
 
+MIB = 2**20
+MEMORY_CHECK_S = 0.1
+"""How often the main process reads each worker's resident memory (against ``worker_max_rss_mib``)."""
+OOM_SCORE_ADJ = 500
+"""A worker's ``oom_score_adj``: the kernel, out of memory, kills a worker (restarted in 0.2 s) before the main
+process or a replica."""
 RESTART_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 """Waits before restarting a worker that exited, by how many times in a row it exited within a minute."""
 START_TIMEOUT_S = 60.0
@@ -130,6 +138,9 @@ class GatewayWorkers:
         self._reserved: list[Any] = []
         self._stopping = False
         self.restarts = 0
+        self.max_rss = limits.worker_max_rss_mib * MIB
+        """A worker whose resident memory passes this is killed (and restarted)."""
+        self.memory_kills = 0
         self.http_port = 0
         self.grpc_port = 0
         self.admin_port = 0
@@ -189,6 +200,7 @@ class GatewayWorkers:
             await self.stop()
             raise
         self._watchers = [asyncio.create_task(self._supervise(i)) for i in range(self.count)]
+        self._watchers.append(asyncio.create_task(self._watch_memory()))
         return self.http_port, self.grpc_port
 
     async def _spawn(self, index: int) -> None:
@@ -245,6 +257,25 @@ class GatewayWorkers:
             self.restarts += 1
             await self._spawn(index)
 
+    async def _watch_memory(self) -> None:
+        """Kill (SIGKILL) a worker whose resident memory passed ``max_rss``; its ``_supervise`` restarts it. The
+        main process reads the figure itself, so a worker whose loop is stuck in an allocation is still seen."""
+        while not self._stopping:
+            for index, proc in list(self._procs.items()):
+                used = resident_bytes(proc.pid) if proc.returncode is None else None
+                if used is None or used <= self.max_rss:
+                    continue
+                self.memory_kills += 1
+                message = (
+                    f"gateway worker {index} used {used // MIB} MiB of memory, over its bound of "
+                    f"{self.max_rss // MIB} MiB (worker_max_rss_mib): killed"
+                )
+                log.error("%s", message)
+                self.on_event(message)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+            await asyncio.sleep(MEMORY_CHECK_S)
+
     async def stop(self, grace: float = 1.0) -> None:
         """Stop every worker (SIGTERM, then SIGKILL after ``grace`` + 5 s), the feed and the internal port."""
         self._stopping = True
@@ -273,12 +304,26 @@ class GatewayWorkers:
         self._reserved = []
 
 
+def resident_bytes(pid: int) -> int | None:
+    """A process's resident memory (``/proc/PID/statm``), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
 # ---- the worker process ------------------------------------------------------------------------------------
 
 
 async def serve_worker(spec: WorkerSpec, index: int) -> None:
     """One worker: connect to the feed, listen on the shared ports, serve until SIGTERM or the feed ends."""
     state_dir = Path(spec.state_dir)
+    with contextlib.suppress(OSError):  # raising one's own score needs no privilege
+        Path("/proc/self/oom_score_adj").write_text(str(OOM_SCORE_ADJ))
     secret = read_secret(state_dir / "internal.secret")
     clock = SystemClock()
     engine = open_engine(spec.store_url)
