@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from octacloud.cli.cloud import as_typed
 from octacloud.cli.down import adopted, left_running, stopped_by_down
-from octacloud.cli.up import _Lines, event_line, interpreter, log_events, sample_inputs, sample_requests
+from octacloud.cli.up import _Lines, event_line, log_events, sample_inputs, sample_requests
 from octacloud.control.deployments import Replica, ReplicaState
 from octacloud.control.store import StateStore
 from octacloud.storage.store import FsspecStore
@@ -76,7 +77,7 @@ def test_the_printed_request_is_valid_for_the_model(tmp_path: Path) -> None:
     curl, python = sample_requests("http://127.0.0.1:8000", "127.0.0.1:8001", "embed", inputs, Path("var/admin.key"))
     assert "curl -s http://127.0.0.1:8000/v2/models/embed/infer" in curl and "$(cat var/admin.key)" in curl
     body_command = shlex.split(curl.split(" | ")[0])
-    assert body_command[:2] == [interpreter(), "-c"]  # the Python that runs octacloud, which has tritonclient
+    assert body_command[:2] == [as_typed("python"), "-c"]  # the Python that runs octacloud, which has tritonclient
     assert Path(shutil.which(body_command[0]) or body_command[0]).resolve() == Path(sys.executable).resolve()
     body = json.loads(subprocess.run([sys.executable, "-c", body_command[2]], capture_output=True, text=True,
                                      check=True).stdout)  # fmt: skip
@@ -137,8 +138,9 @@ def test_a_bad_spin_window_is_named_before_anything_starts(
 def test_up_says_what_keeps_running_and_what_it_adopted() -> None:
     running = [Replica("a-1", "a", handle="11"), Replica("a-2", "a", handle="12"), Replica("b-1", "b", handle="13")]
     said = left_running([*running, Replica("c-1", "c")], Path("var"))
-    assert said == ("octacloud stopped; 3 replica(s) keep running (a × 2, b × 1): `octacloud up --state-dir var` "
-                    "adopts them, `octacloud down --state-dir var` stops them")  # fmt: skip
+    octacloud = as_typed("octacloud")  # as the user types it: .venv/bin/octacloud from the checkout
+    assert said == (f"octacloud stopped; 3 replica(s) keep running (a × 2, b × 1): `{octacloud} up --state-dir var` "
+                    f"adopts them, `{octacloud} down --state-dir var` stops them")  # fmt: skip
     assert left_running([Replica("c-1", "c")], Path("var")) == "octacloud stopped; no replica keeps running"
 
     before = [*running, stopped_by_down(Replica("d-1", "d", "n0", (0,), 125, handle="14"))]

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from octacloud.cli.cloud import as_typed
 from octacloud.cli.main import app
 from octacloud.control.store import StateStore
 from octacloud.metering import Ledger, Metric
@@ -30,6 +31,9 @@ from tests.cluster.test_cloud_e2e import CloudThread, config, ready_ids, wait_un
 from tests.security.conftest import call, make_tenant
 
 pytestmark = pytest.mark.slow
+
+OCTACLOUD = as_typed("octacloud")
+"""octacloud as up prints it (the cloud runs from this interpreter in the test's working folder)."""
 
 
 def body(rows: int, seed: int) -> bytes:
@@ -234,8 +238,8 @@ def test_kill_9_loses_no_closed_interval_and_double_counts_none(tmp_path: Path) 
         said = second.log.read_text()
         assert "admin API key" not in said  # shown once, on the first start only
         assert "adopted 1 running replica(s) (lin × 1)" in said, said  # what the restart found and kept
-        assert f"1 replica(s) keep running (lin × 1): `octacloud up --state-dir {state}` adopts them" in said
-        assert f"`octacloud down --state-dir {state}` stops them" in said
+        assert f"1 replica(s) keep running (lin × 1): `{OCTACLOUD} up --state-dir {state}` adopts them" in said
+        assert f"`{OCTACLOUD} down --state-dir {state}` stops them" in said
 
         after = ledger.records()
         assert after[: len(before)] == before  # closed intervals never rewritten

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import typer
 from rich.console import Console
+
+from octacloud.cli.cloud import as_typed
 
 console = Console()
 err = Console(stderr=True)
@@ -29,8 +32,9 @@ def dev(
         raise typer.Exit(2) from None
     for name, path in paths.items():
         console.print(f"{name:>11}  {path}")
+    octacloud = shlex.quote(as_typed("octacloud"))
     console.print(
-        f"serve with:  octacloud up --tls-cert {paths['server.pem']} --tls-key {paths['server.key']}\n"
+        f"serve with:  {octacloud} up --tls-cert {paths['server.pem']} --tls-key {paths['server.key']}\n"
         f"clients:     export OCTACLOUD_URL=https://127.0.0.1:8000 OCTACLOUD_CACERT={paths['ca.pem']}",
         soft_wrap=True,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import ssl
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,21 @@ def _console(stderr: bool = False) -> Console:
 
 console = _console()
 err = _console(stderr=True)
+
+
+def as_typed(program: str) -> str:
+    """``program`` (``octacloud``, ``python``) as the user would type it to get the one running now: the file
+    beside this interpreter (``.venv/bin/octacloud`` from the checkout, relative to the working folder when it
+    is under it, else its absolute path), or the bare name when there is none (an install on PATH)."""
+    exe = Path(sys.executable)
+    beside = exe if program == "python" else exe.parent / program
+    if not beside.exists():
+        return program
+    try:
+        return str(beside.relative_to(Path.cwd())) if beside.is_absolute() else str(beside)
+    except ValueError:
+        return str(beside)
+
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 

@@ -9,13 +9,14 @@ starts it there again, as a planned start, not as the restart of a failed replic
 from __future__ import annotations
 
 import collections
+import shlex
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
 
-from octacloud.cli.cloud import console, err
+from octacloud.cli.cloud import as_typed, console, err
 from octacloud.cli.up import up_record
 
 if TYPE_CHECKING:
@@ -134,9 +135,10 @@ def left_running(replicas: list[Replica], state_dir: Path) -> str:
     running = [r for r in replicas if r.handle]
     if not running:
         return "octacloud stopped; no replica keeps running"
+    command = shlex.quote(as_typed("octacloud"))
     return (
         f"octacloud stopped; {len(running)} replica(s) keep running ({_per_deployment(running)}): "
-        f"`octacloud up --state-dir {state_dir}` adopts them, `octacloud down --state-dir {state_dir}` stops them"
+        f"`{command} up --state-dir {state_dir}` adopts them, `{command} down --state-dir {state_dir}` stops them"
     )
 
 

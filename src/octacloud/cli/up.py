@@ -17,7 +17,6 @@ import math
 import os
 import shlex
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ import typer
 from rich.table import Table
 
 from octacloud.cli import up_options as opt
-from octacloud.cli.cloud import console, err
+from octacloud.cli.cloud import as_typed, console, err
 from octacloud.cli.up_options import UpOptions, cloud_config
 from octacloud.database import private_folder
 
@@ -165,7 +164,7 @@ def sample_requests(base: str, grpc: str, model: str, inputs: list[dict[str, Any
     )
     body = f'import json; print(json.dumps({{"inputs": [{tensors}]}}))'
     key = shlex.quote(str(key_file))
-    python_bin = shlex.quote(interpreter())
+    python_bin = shlex.quote(as_typed("python"))
     curl = (
         f"{python_bin} -c {shlex.quote(body)} | curl -s {base}/v2/models/{model}/infer "
         f'-H "Authorization: Bearer $(cat {key})" -H "Content-Type: application/json" -d @-'
@@ -182,18 +181,6 @@ def sample_requests(base: str, grpc: str, model: str, inputs: list[dict[str, Any
         "print({o.name: r.as_numpy(o.name) for o in r.get_response().outputs})"
     )
     return [curl, f"{python_bin} -c {shlex.quote(python)}"]
-
-
-def interpreter() -> str:
-    """The Python that runs octacloud (it has tritonclient and numpy), as the user would type it: relative to
-    the working folder when it is under it (``.venv/bin/python``), else its absolute path."""
-    exe = Path(sys.executable)
-    if not exe.is_absolute():
-        return str(exe)
-    try:
-        return str(exe.relative_to(Path.cwd()))
-    except ValueError:
-        return str(exe)
 
 
 def _lit(value: object) -> str:
