@@ -91,7 +91,8 @@ function racks(nodes, by) {
     const total = members.reduce((n, m) => n + 8 * m.cards.length, 0);
     const held = members.reduce((n, m) => n + heldOctants(m.cards), 0);
     const healthy = members.filter((m) => m.health === "healthy").length;
-    return `<div class="rack" data-rack="${esc(rack)}"><h3>rack ${esc(rack)} <span>${members.length} nodes, ${healthy} healthy · ${held}/${total} octants (${pct(total ? held / total : 0)})</span></h3>
+    const title = rack === "-" ? "nodes without a rack" : `rack ${esc(rack)}`;
+    return `<div class="rack" data-rack="${esc(rack)}"><h3>${title} <span>${members.length} nodes, ${healthy} healthy · ${held}/${total} octants (${pct(total ? held / total : 0)})</span></h3>
       <div class="nodes">${members.map((m) => nodeCell(m, by)).join("")}</div></div>`;
   }).join("");
 }
