@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from octacloud.gateway.workers import GatewayWorkers, resident_bytes
+from octacloud.gateway.workers import OOM_SCORE_ADJ, GatewayWorkers, resident_bytes
 from tests import h2wire
 from tests.cluster.conftest import IN, expected_output, write_linear_model
 from tests.cluster.test_cloud_e2e import config, wait_until
@@ -145,6 +145,8 @@ def test_a_worker_killed_with_9_is_restarted_while_the_controller_runs(setup: tu
     assert victim_answered(s)
     assert os.getpid() != workers.pids()[0]  # the fronts are not in the controller's process
     victim = workers.pids()[0]
+    with open(f"/proc/{victim}/oom_score_adj") as f:
+        assert int(f.read()) == OOM_SCORE_ADJ  # out of memory, the kernel picks the worker before the controller
     restarts = workers.restarts
     events.add("kill -9")
     os.kill(victim, signal.SIGKILL)
