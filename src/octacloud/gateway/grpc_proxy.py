@@ -19,8 +19,6 @@ one. A replica's own status, details and trailing metadata are passed on as they
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import ssl
 import time
 from collections.abc import Callable
@@ -33,18 +31,16 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from octacloud import __version__
+from octacloud.gateway.forward import Exhausted, Forwarding, TimedOut, Unanswered
 from octacloud.gateway.limits import GatewayLimits
-from octacloud.gateway.rest import MAX_ATTEMPTS, SERVER_EXTENSIONS
+from octacloud.gateway.rest import SERVER_EXTENSIONS
 from octacloud.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable
 from octacloud.gateway.stats import merge_model_statistics
-from octacloud.metering import Traffic
 from octacloud.protocols import headers
 from octacloud.protocols.grpc.h2 import CallContext, Metadata, Method, Refusal, metadata_block
 from octacloud.protocols.grpc.h2_client import Answer, Channel, Unreachable
 from octacloud.security.internal_auth import HEADER, REPLICA_HEADER, TENANT_HEADER
 from octacloud.tenancy import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
-
-log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
 PER_MODEL = ("ModelReady", "ModelMetadata", "ModelInfer", "ModelConfig", "ModelStatistics")
@@ -130,10 +126,12 @@ class GrpcGateway:
     ) -> None:
         if replica_ssl is not None:  # gRPC needs HTTP/2 agreed by ALPN; HTTP/1.1 stays on offer for REST's pool
             replica_ssl.set_alpn_protocols(["h2", "http/1.1"])
+        self.core = Forwarding(routes, guard, limits or GatewayLimits(), ready)
+        """The forwarding mechanism (``gateway/forward.py``); this front translates gRPC to it and back."""
         self.guard = guard
         self.routes = routes
         self.ready = ready
-        self.limits = limits or GatewayLimits()
+        self.limits = self.core.limits
         self.timeout = self.limits.upstream_timeout_s if timeout is None else timeout
         """Seconds to wait for a replica's answer (``GatewayLimits.upstream_timeout_s`` unless given)."""
         self.replica_ssl = replica_ssl
@@ -191,16 +189,14 @@ class GrpcGateway:
     def admit(self, path: str, metadata: Metadata) -> Principal | Refusal:
         """The caller, or why its call is refused (code, details, trailing metadata): on metadata alone,
         before the message is read. ServerLive and ServerReady are open."""
-        if self.guard is None or path in _OPEN:
+        if path in _OPEN:
             return ANONYMOUS_ADMIN
         try:
-            principal = self.guard.authorize(metadata)
-            self.guard.admit(principal)
+            return self.core.authorize(metadata)
         except AuthError as exc:
             return grpc.StatusCode.UNAUTHENTICATED, str(exc), ()
         except RateLimitedError as exc:
             return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("retry-after", str(exc.retry_after)),)
-        return principal
 
     def admission(self, principal: Principal, request: bytes) -> Admitted | Refusal:
         """Whether a per-model call goes on, decided at once from its message's model name: a refusal
@@ -210,10 +206,7 @@ class GrpcGateway:
             deployment = model_name(request)
         except ValueError as exc:
             return grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {exc}", ()
-        if not self.ready():
-            return grpc.StatusCode.UNAVAILABLE, "the cloud is starting; retry shortly", ()
-        may_see = None if self.guard is None else principal.may_see
-        counters = self.routes.admit(deployment, may_see, self.limits.max_inflight_per_replica)
+        counters = self.core.admit(deployment, principal)
         if isinstance(counters, NotAdmitted):
             if counters.why == "unknown":
                 return grpc.StatusCode.NOT_FOUND, counters.message, ()
@@ -275,6 +268,19 @@ class GrpcGateway:
         internal = metadata_block(self._internal)
         blocks: dict[tuple[Metadata, str], bytes] = {}
 
+        def forwarded(received: Metadata, tenant: str) -> bytes:
+            """The metadata a replica gets: the client's less its credentials and the internal names, with the
+            cloud's own (the internal secret; the tenant, for per-tenant batches: ``protocols/internal.py``)."""
+            metadata = blocks.get((received, tenant))
+            if metadata is None:  # a client's calls repeat their metadata: the forwarded block is encoded once
+                kept = headers.forwarded(received)
+                kept.append((TENANT_HEADER, tenant))
+                metadata = metadata_block(kept) + internal
+                if len(blocks) >= 1024:
+                    blocks.clear()
+                blocks[(received, tenant)] = metadata
+            return metadata
+
         async def forward(request: bytes, context: CallContext) -> bytes:
             held = context.state
             if not isinstance(held, Admitted):  # not gated by the front (see gate): decided here
@@ -283,95 +289,56 @@ class GrpcGateway:
                     code, details, trailing = verdict
                     await context.abort(code, details, trailing)
                 held = cast(Admitted, verdict)
-            principal, deployment, counters = held.principal, held.deployment, held.counters
-            routes = self.routes
-            usage = routes.tenant_traffic(principal.tenant, deployment)
-            received = context.invocation_metadata()
-            metadata = blocks.get((received, principal.tenant))
-            if metadata is None:  # a client's calls repeat their metadata: the forwarded block is encoded once
-                forwarded = headers.forwarded(received)  # credentials and internal names, in any case
-                forwarded.append((TENANT_HEADER, principal.tenant))  # per-tenant batches (protocols/internal.py)
-                metadata = metadata_block(forwarded) + internal
-                if len(blocks) >= 1024:
-                    blocks.clear()
-                blocks[(received, principal.tenant)] = metadata
+            metadata = forwarded(context.invocation_metadata(), held.principal.tenant)
             started = time.perf_counter()
-            counters.requests += 1
-            counters.bytes_in += len(request)
-            tried: list[str] = []
-            why = f"deployment '{deployment}' has no ready replica"
             try:
                 if method == "ModelStatistics":
-                    merged = await self._statistics(deployment, path, request, metadata, context)
-                    counters.bytes_out += len(merged)
-                    _bill(usage, len(request), len(merged))
-                    return merged
-                for _ in range(MAX_ATTEMPTS):
-                    endpoint = routes.choose(deployment, tried)
-                    if endpoint is None:
-                        break
-                    tried.append(endpoint.replica_id)
-                    endpoint.outstanding += 1
-                    try:
-                        named = metadata + self._naming(endpoint)
-                        answer = await self._channel(endpoint).call(path, named, request, self.timeout)
-                    except Unreachable as exc:
-                        answer = None
-                        problem = str(exc)
-                    except TimeoutError:
-                        routes.failed(endpoint)
-                        counters.failures += 1
-                        log.warning(
-                            "deployment %s: replica %s: no answer within %g s",
-                            deployment,
-                            endpoint.replica_id,
-                            self.timeout,
-                        )
-                        await context.abort(
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"deployment '{deployment}': no answer within {self.timeout:g} s",
-                        )
-                    finally:
-                        endpoint.outstanding -= 1
-                    shed = None if answer is None else _retry_after(answer)  # the replica sheds load or is loading
-                    if answer is None or (answer.code is grpc.StatusCode.UNAVAILABLE and shed is None):
-                        routes.failed(endpoint)
-                        log.warning(
-                            "deployment %s: replica %s: %s",
-                            deployment,
-                            endpoint.replica_id,
-                            problem if answer is None else answer.details,
-                        )
-                        why = f"deployment '{deployment}': {len(tried)} replica(s) tried, none answered"
-                        continue
-                    routes.succeeded(endpoint)
-                    if shed is not None and answer.code is not grpc.StatusCode.OK:
-                        counters.failures += 1  # passed on as it came, not billed (as REST bills no 5xx)
-                        await context.abort(answer.code, answer.details, answer.trailing)
-                    if answer.code is not grpc.StatusCode.OK:
-                        counters.failures += 1
-                        _bill(usage, len(request), 0)  # the replica answered (with an error of the request's)
-                        await context.abort(answer.code, answer.details, answer.trailing)
-                    if answer.trailing:
-                        context.set_trailing_metadata(answer.trailing)
-                    counters.bytes_out += len(answer.message)
-                    _bill(usage, len(request), len(answer.message))
-                    return answer.message
-                counters.failures += 1
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE, why, (("retry-after", str(routes.retry_after(deployment))),)
-                )
+                    return await self._statistics(held, path, request, metadata, context)
+                return await self._exchange(held, path, request, metadata, context)
             finally:
                 self.release(held)  # at once, not a loop turn later in the server's release (a no-op then)
-                counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
-            raise AssertionError("unreachable")  # context.abort always raises
+                held.counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
 
         return forward
 
-    async def _statistics(
-        self, deployment: str, path: str, request: bytes, metadata: bytes, context: CallContext
+    async def _exchange(
+        self, held: Admitted, path: str, request: bytes, metadata: bytes, context: CallContext
     ) -> bytes:
-        """Ask every ready replica of ``deployment`` and answer with the sum (see ``gateway.stats``)."""
+        """A replica's answer to the call, counted and billed; its refusal passed on as it came (a load shed one,
+        with ``retry-after``, not billed: REST bills no 5xx)."""
+        deployment, counters = held.deployment, held.counters
+
+        async def ask(endpoint: Endpoint) -> Answer:
+            try:
+                named = metadata + self._naming(endpoint)
+                answer = await self._channel(endpoint).call(path, named, request, self.timeout)
+            except Unreachable as exc:
+                raise Unanswered(str(exc)) from None
+            if answer.code is grpc.StatusCode.UNAVAILABLE and _retry_after(answer) is None:
+                raise Unanswered(answer.details)  # no answer of the replica's own: it is not serving
+            return answer
+
+        try:
+            answer, _ = await self.core.forward(deployment, counters, len(request), ask, self.timeout)
+        except Exhausted as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), (("retry-after", str(exc.retry_after)),))
+        except TimedOut as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
+        usage = self.routes.tenant_traffic(held.principal.tenant, deployment)
+        if answer.code is not grpc.StatusCode.OK:  # the replica answered with an error of the request's, or shed it
+            shed = _retry_after(answer) is not None
+            self.core.settle(counters, usage, len(request), 0, failed=True, billed=not shed)
+            await context.abort(answer.code, answer.details, answer.trailing)
+        if answer.trailing:
+            context.set_trailing_metadata(answer.trailing)
+        self.core.settle(counters, usage, len(request), len(answer.message), failed=False, billed=True)
+        return answer.message
+
+    async def _statistics(
+        self, held: Admitted, path: str, request: bytes, metadata: bytes, context: CallContext
+    ) -> bytes:
+        """Ask every ready replica of the deployment and answer with the sum (see ``gateway.stats``)."""
+        deployment, counters = held.deployment, held.counters
 
         async def ask(endpoint: Endpoint) -> Answer | None:
             try:
@@ -381,7 +348,7 @@ class GrpcGateway:
                 return None
             return None if answer.code is grpc.StatusCode.UNAVAILABLE else answer
 
-        answers = [a for a in await asyncio.gather(*(ask(e) for e in self.routes.healthy(deployment))) if a is not None]
+        answers = await self.core.fan_out(deployment, counters, len(request), ask)
         for a in answers:
             if a.code is not grpc.StatusCode.OK:  # e.g. an unknown version: every replica says the same
                 await context.abort(a.code, a.details)
@@ -394,7 +361,10 @@ class GrpcGateway:
             for a in answers
         ]
         merged = json_format.ParseDict(merge_model_statistics(dicts), service_pb2.ModelStatisticsResponse())
-        return bytes(merged.SerializeToString())
+        message = bytes(merged.SerializeToString())
+        usage = self.routes.tenant_traffic(held.principal.tenant, deployment)
+        self.core.settle(counters, usage, len(request), len(message), failed=False, billed=True)
+        return message
 
     async def close(self) -> None:
         for channel in (*self._channels.values(), *self._draining.values()):
@@ -410,9 +380,3 @@ def _retry_after(answer: Answer) -> str | None:
         if key == "retry-after":
             return value if isinstance(value, str) else value.decode("latin-1")
     return None
-
-
-def _bill(usage: Traffic, bytes_in: int, bytes_out: int) -> None:
-    usage.requests += 1
-    usage.bytes_in += bytes_in
-    usage.bytes_out += bytes_out

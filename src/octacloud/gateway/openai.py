@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from octacloud.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted
+from octacloud.gateway.forward import Unanswered
+from octacloud.gateway.routing import DeploymentCounters, Endpoint
 from octacloud.metering import Traffic
 from octacloud.protocols.asgi import HttpError, content_length
 from octacloud.protocols.openai import schema
@@ -31,7 +32,7 @@ from octacloud.protocols.rest.request import Http1Request, encode_headers
 from octacloud.security.internal_auth import REPLICA_HEADER_BYTES, TENANT_HEADER_BYTES
 from octacloud.serving.generate.client import Answer, StreamError, Target, request
 from octacloud.serving.generate.sse import EventSplitter, data_of
-from octacloud.tenancy import ANONYMOUS_ADMIN, AuthError, Principal, RateLimitedError
+from octacloud.tenancy import AuthError, Principal, RateLimitedError
 from octacloud.tenancy.tokens import GenerationLimits, OverLimitError
 
 if TYPE_CHECKING:
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3
 _JSON = encode_headers([(b"content-type", b"application/json")])
 _SSE = encode_headers([(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")])
 _FORWARDED = frozenset({b"content-type", b"accept", b"user-agent", b"x-request-id", b"traceparent"})
@@ -82,7 +82,7 @@ class OpenAIFront:
         try:
             if target is None:
                 raise HttpError(404, f"no endpoint {request.method.decode()} {request.path}")
-            principal = self._authorize(request)
+            principal = self.gateway.core.authorize(request.headers)
             if target == "models":
                 self._models(request, principal)
                 return
@@ -100,14 +100,6 @@ class OpenAIFront:
             if oip:
                 body = json.dumps({"error": json.loads(body)["error"]["message"]}).encode()
             request.respond(status, _JSON + encode_headers(headers), body, close=not request.complete)
-
-    def _authorize(self, request: Http1Request) -> Principal:
-        guard = self.gateway.guard
-        if guard is None:
-            return ANONYMOUS_ADMIN
-        principal = guard.authorize(request.headers)
-        guard.admit(principal)
-        return principal
 
     def _models(self, request: Http1Request, principal: Principal) -> None:
         routes = self.gateway.routes
@@ -134,79 +126,45 @@ class OpenAIFront:
             call = schema.parse(target, body)
             deployment, stream = call.model, call.stream
             estimate = call.prompt_bytes() // 4 + call.requested_tokens()
-        counters = self._admit(deployment, principal)
+        unknown = f"The model '{deployment}' does not exist or you do not have access to it."
+        counters = gateway.admit(deployment, principal, unknown)
         hold = self.limits.admit(principal.tenant, principal.quota, estimate)
-        started = time.perf_counter()
-        counters.outstanding += 1
         traffic = gateway.routes.tenant_traffic(principal.tenant, deployment)
         billed = Billed(traffic)
         endpoint: Endpoint | None = None
         try:
-            answer, endpoint = await self._forward(request, deployment, counters, principal, body)
-            counters.requests += 1
-            counters.bytes_in += len(body)
-            if answer.status != 200 or not stream:
-                sent = await self._whole(request, answer, billed)
-            else:
-                sent = await self._stream(request, answer, billed, counters, started)
-            counters.bytes_out += sent
-            if answer.status >= 400:
-                counters.failures += 1
-            if answer.status < 500:
-                traffic.bill(len(body), sent)  # its tokens are in already (Billed.commit)
+            with gateway.core.flight(counters) as started:
+                answer, endpoint = await self._forward(request, deployment, counters, principal, body)
+                if answer.status != 200 or not stream:
+                    sent = await self._whole(request, answer, billed)
+                else:
+                    sent = await self._stream(request, answer, billed, counters, started)
+                failed, paid = answer.status >= 400, answer.status < 500  # its tokens are in already (Billed.commit)
+                gateway.core.settle(counters, traffic, len(body), sent, failed=failed, billed=paid)
         finally:
             if endpoint is not None:
                 endpoint.outstanding -= 1
             self.limits.settle(hold, billed.prompt + billed.completion)
-            counters.outstanding -= 1
-            counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
-
-    def _admit(self, deployment: str, principal: Principal) -> DeploymentCounters:
-        gateway = self.gateway
-        if not gateway.ready():
-            raise HttpError(503, "the cloud is starting; retry shortly", [(b"retry-after", b"1")])
-        may_see = None if gateway.guard is None else principal.may_see
-        counters = gateway.routes.admit(deployment, may_see, gateway.limits.max_inflight_per_replica)
-        if isinstance(counters, NotAdmitted):
-            if counters.why == "unknown":
-                raise HttpError(404, f"The model '{deployment}' does not exist or you do not have access to it.")
-            raise HttpError(503, counters.message, [(b"retry-after", b"1")])
-        return counters
 
     async def _forward(
         self, request: Http1Request, deployment: str, counters: DeploymentCounters, principal: Principal, body: bytes
     ) -> tuple[Answer, Endpoint]:
         """The first replica's answer head and the replica (its ``outstanding`` counts this request until the
-        caller's end), up to ``MAX_ATTEMPTS`` replicas tried (only before any answer)."""
+        caller's end), up to ``forward.MAX_ATTEMPTS`` replicas tried (only before any answer)."""
         gateway = self.gateway
-        routes = gateway.routes
         headers = [(k, v) for k, v in request.headers if k in _FORWARDED]
         headers += gateway.internal
         headers.append((TENANT_HEADER_BYTES, principal.tenant.encode()))
         path = request.raw_path
-        tried: list[str] = []
-        for _ in range(MAX_ATTEMPTS):
-            endpoint = routes.choose(deployment, tried)
-            if endpoint is None:
-                break
-            tried.append(endpoint.replica_id)
-            endpoint.outstanding += 1
+
+        async def ask(endpoint: Endpoint) -> Answer:
             named = [*headers, (REPLICA_HEADER_BYTES, endpoint.replica_id.encode())]
             try:
-                answer = await self._ask(endpoint, path, named, body)
+                return await self._ask(endpoint, path, named, body)
             except StreamError as exc:
-                endpoint.outstanding -= 1
-                routes.failed(endpoint)
-                log.warning("deployment %s: replica %s: %s", deployment, endpoint.replica_id, exc)
-                continue
-            except BaseException:
-                endpoint.outstanding -= 1
-                raise
-            routes.succeeded(endpoint)
-            return answer, endpoint
-        counters.failures += 1
-        retry = str(routes.retry_after(deployment)).encode()
-        raise HttpError(503, f"deployment '{deployment}' has no replica that answered", [(b"retry-after", retry)])
+                raise Unanswered(str(exc)) from None
+
+        return await gateway.forward(deployment, counters, len(body), ask, hold=True)
 
     async def _ask(self, endpoint: Endpoint, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> Answer:
         tls = self.gateway.pool.tls

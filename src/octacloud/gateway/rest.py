@@ -22,16 +22,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from octacloud import __version__
+from octacloud.gateway.forward import Ask, Exhausted, Forwarding, TimedOut, Unanswered
 from octacloud.gateway.limits import GatewayLimits
 from octacloud.gateway.openai import OpenAIFront, is_generative_path
 from octacloud.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable
 from octacloud.gateway.stats import merge_model_statistics
 from octacloud.gateway.upstream import HOP_BY_HOP, Response, UpstreamError, UpstreamPool
-from octacloud.metering import Traffic
 from octacloud.protocols.asgi import (
     ASGIApp,
     Headers,
@@ -50,11 +50,11 @@ from octacloud.protocols.headers import DROPPED_FROM_CLIENTS
 from octacloud.protocols.rest.bridge import AsgiBridge
 from octacloud.protocols.rest.request import Http1Request, encode_headers
 from octacloud.security.internal_auth import HEADER_BYTES, REPLICA_HEADER_BYTES, TENANT_HEADER_BYTES
-from octacloud.tenancy import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
+from octacloud.tenancy import AuthError, Guard, Principal, RateLimitedError
 
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 3
+A = TypeVar("A")
 SERVER_EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "classification"]
 _DROPPED_REQUEST = frozenset({*(name.encode() for name in DROPPED_FROM_CLIENTS), *HOP_BY_HOP})
 """Never forwarded (names as the server lower-cased them): the credentials and the names only the gateway sets
@@ -147,13 +147,15 @@ class RestGateway:
         """``/dashboard...``: public static page; its JSON API checks the admin key itself."""
         self.metrics = metrics
         """``/metrics``: the cloud's Prometheus text; checks the admin key itself."""
+        self.core = Forwarding(routes, guard, limits or GatewayLimits(), ready)
+        """The forwarding mechanism (``gateway/forward.py``); this front translates HTTP to it and back."""
+        self.routes = routes
         self.guard = guard
         """None only in tests of the proxy itself: then every caller is an anonymous admin."""
-        self.routes = routes
+        self.ready = ready
+        self.limits = self.core.limits
         self.pool = pool or UpstreamPool()
         self.admin = admin
-        self.ready = ready
-        self.limits = limits or GatewayLimits()
         self.request_timeout = self.limits.upstream_timeout_s if request_timeout is None else request_timeout
         """Seconds to wait for a replica's answer (``GatewayLimits.upstream_timeout_s`` unless given)."""
         self._internal = [(HEADER_BYTES, internal_secret.encode())] if internal_secret else []
@@ -175,21 +177,8 @@ class RestGateway:
             await self._bridge(request)
             return
         headers = request.headers
-        if self.guard is None:
-            principal = ANONYMOUS_ADMIN
-        else:
-            try:
-                principal = self.guard.authorize(headers)
-                self.guard.admit(principal)
-            except AuthError as exc:
-                _refuse(request, 401, str(exc), [_UNAUTHORIZED, *_unread_body(headers)])
-                return
-            except RateLimitedError as exc:
-                _refuse(
-                    request, 429, str(exc), [(b"retry-after", str(exc.retry_after).encode()), *_unread_body(headers)]
-                )
-                return
         try:
+            principal = self.authorize(headers)
             await self._proxy_native(request, path, principal)
         except HttpError as exc:
             _refuse(
@@ -199,27 +188,43 @@ class RestGateway:
                 [*exc.headers, *(_unread_body(headers) if exc.status != 408 else [_CLOSE])],
             )
 
-    def _admit(self, deployment: str, principal: Principal, headers: list[tuple[bytes, bytes]]) -> DeploymentCounters:
+    def authorize(self, headers: Headers) -> Principal:
+        """The caller (on the headers alone: no body is read), else HttpError 401 or 429 with Retry-After."""
+        try:
+            return self.core.authorize(headers)
+        except AuthError as exc:
+            raise HttpError(401, str(exc), [_UNAUTHORIZED]) from None
+        except RateLimitedError as exc:
+            raise HttpError(429, str(exc), [(b"retry-after", str(exc.retry_after).encode())]) from None
+
+    def admit(self, deployment: str, principal: Principal, unknown: str | None = None) -> DeploymentCounters:
         """The deployment's counters if this request may go on (on its headers alone), else HttpError: the cloud
-        starting, a deployment the caller may not see (404), no ready replica or its bound reached (503), a body
-        announced over the limit (413)."""
-        if not self.ready():
-            raise HttpError(503, "the cloud is starting; retry shortly", [(b"retry-after", b"1")])
-        may_see = None if self.guard is None else principal.may_see
-        counters = self.routes.admit(deployment, may_see, self.limits.max_inflight_per_replica)
-        if isinstance(counters, NotAdmitted):
-            if counters.why == "unknown":
-                raise HttpError(404, counters.message)
-            raise HttpError(503, counters.message, [(b"retry-after", b"1")])
-        content_length(headers, self.limits.max_body_bytes)
-        return counters
+        starting, no ready replica or its bound reached (503), a deployment the caller may not see (404, said as
+        ``unknown`` where given)."""
+        verdict = self.core.admit(deployment, principal)
+        if isinstance(verdict, NotAdmitted):
+            if verdict.why == "unknown":
+                raise HttpError(404, unknown or verdict.message)
+            raise HttpError(503, verdict.message, [(b"retry-after", b"1")])
+        return verdict
+
+    async def forward(
+        self, deployment: str, counters: DeploymentCounters, size: int, ask: Ask[A], hold: bool = False
+    ) -> tuple[A, Endpoint]:
+        """``Forwarding.forward`` in HTTP's words: HttpError 503 with Retry-After when no replica answered, 504
+        when the one asked did not answer in time."""
+        try:
+            return await self.core.forward(deployment, counters, size, ask, self.request_timeout, hold)
+        except Exhausted as exc:
+            raise HttpError(503, str(exc), [(b"retry-after", str(exc.retry_after).encode())]) from None
+        except TimedOut as exc:
+            raise HttpError(504, str(exc)) from None
 
     async def _proxy_native(self, request: Http1Request, path: str, principal: Principal) -> None:
         deployment = path[11:].split("/", 1)[0]  # len("/v2/models/")
-        counters = self._admit(deployment, principal, request.headers)
-        started = time.perf_counter()
-        counters.outstanding += 1
-        try:
+        counters = self.admit(deployment, principal)
+        content_length(request.headers, self.limits.max_body_bytes)
+        with self.core.flight(counters):
             try:
                 body = await request.read_body(self.limits.body_timeout_s)
             except TimeoutError:
@@ -229,21 +234,47 @@ class RestGateway:
             target = request.raw_path
             if request.query:
                 target += b"?" + request.query
-            headers_out = [(k, v) for k, v in request.headers if k not in _DROPPED_REQUEST]
-            headers_out += self._internal
-            headers_out.append((TENANT_HEADER_BYTES, principal.tenant.encode()))
             method = request.method
-            response = await self._attempts(deployment, counters, method, target, headers_out, body)
-            sent = len(response.body)
-            counters.bytes_out += sent
-            if response.status >= 400:
-                counters.failures += 1
-            if response.status < 500:  # billed before the answer leaves: a client that has it finds it metered
-                _bill(self.routes.tenant_traffic(principal.tenant, deployment), len(body), sent)
+            response = await self._exchange(deployment, counters, principal, method, target, request.headers, body)
             _relay_native(request, response, method == b"HEAD")
-        finally:
-            counters.outstanding -= 1
-            counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
+
+    def _headers_out(self, headers: Headers, principal: Principal) -> list[tuple[bytes, bytes]]:
+        """What a replica gets of the client's headers (names lower-case), with the cloud's own: the internal
+        secret, and the calling tenant (per-tenant batches, ``protocols/internal.py``)."""
+        out = [(k, v) for k, v in headers if k not in _DROPPED_REQUEST]
+        out += self._internal
+        out.append((TENANT_HEADER_BYTES, principal.tenant.encode()))
+        return out
+
+    async def _exchange(
+        self,
+        deployment: str,
+        counters: DeploymentCounters,
+        principal: Principal,
+        method: bytes,
+        target: bytes,
+        headers: Headers,
+        body: bytes,
+    ) -> Response:
+        """A replica's answer to the request, counted and billed (a 5xx is not billed: the cloud's failure)."""
+        headers_out = self._headers_out(headers, principal)
+
+        async def ask(endpoint: Endpoint) -> Response:
+            named = [*headers_out, (REPLICA_HEADER_BYTES, endpoint.replica_id.encode())]
+            try:
+                response = await self.pool.request(
+                    endpoint.host, endpoint.http_port, method, target, named, body, self.request_timeout, filtered=True
+                )
+            except UpstreamError as exc:
+                raise Unanswered(str(exc)) from None
+            if response.status == 421:  # another process has the address: the replica is not there any more
+                raise Unanswered(_misdirected(response))
+            return response
+
+        response, _ = await self.forward(deployment, counters, len(body), ask)
+        status, usage = response.status, self.routes.tenant_traffic(principal.tenant, deployment)
+        self.core.settle(counters, usage, len(body), len(response.body), failed=status >= 400, billed=status < 500)
+        return response
 
     @property
     def internal(self) -> list[tuple[bytes, bytes]]:
@@ -256,64 +287,6 @@ class RestGateway:
         if ended:
             log.warning("replica %s stopped with %d request(s) in flight: retried on another replica",
                         endpoint.replica_id, ended)  # fmt: skip
-
-    async def _attempts(
-        self,
-        deployment: str,
-        counters: DeploymentCounters,
-        method: bytes,
-        target: bytes,
-        headers_out: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> Response:
-        """The first replica's answer, up to ``MAX_ATTEMPTS`` replicas tried; HttpError 503/504 when none answers."""
-        counters.requests += 1
-        counters.bytes_in += len(body)
-        tried: list[str] = []
-        why = f"deployment '{deployment}' has no ready replica"
-        for _ in range(MAX_ATTEMPTS):
-            endpoint = self.routes.choose(deployment, tried)
-            if endpoint is None:
-                break
-            tried.append(endpoint.replica_id)
-            endpoint.outstanding += 1
-            try:
-                response = await self.pool.request(
-                    endpoint.host,
-                    endpoint.http_port,
-                    method,
-                    target,
-                    [*headers_out, (REPLICA_HEADER_BYTES, endpoint.replica_id.encode())],
-                    body,
-                    self.request_timeout,
-                    filtered=True,
-                )
-                if response.status == 421:  # another process has the address: the replica is not there any more
-                    raise UpstreamError(_misdirected(response))
-            except UpstreamError as exc:
-                self.routes.failed(endpoint)
-                log.warning("deployment %s: replica %s: %s", deployment, endpoint.replica_id, exc)
-                why = f"deployment '{deployment}': {len(tried)} replica(s) tried, none answered"
-                continue
-            except TimeoutError:
-                self.routes.failed(endpoint)
-                counters.failures += 1
-                log.warning(
-                    "deployment %s: replica %s: no answer within %g s",
-                    deployment,
-                    endpoint.replica_id,
-                    self.request_timeout,
-                )
-                raise HttpError(
-                    504, f"deployment '{deployment}': no answer within {self.request_timeout:g} s"
-                ) from None
-            finally:
-                endpoint.outstanding -= 1
-            self.routes.succeeded(endpoint)
-            return response
-        counters.failures += 1
-        retry = str(self.routes.retry_after(deployment)).encode()
-        raise HttpError(503, why, [(b"retry-after", retry)])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -360,79 +333,47 @@ class RestGateway:
 
     async def _authorize(self, scope: Scope, send: Send) -> Principal | None:
         """The caller, or None after answering 401 or 429 (on the headers alone: no body is read)."""
-        if self.guard is None:
-            return ANONYMOUS_ADMIN
         try:
-            principal = self.guard.authorize(scope["headers"])
-            self.guard.admit(principal)
-        except AuthError as exc:
-            await json_reply(
-                send,
-                401,
-                {"error": str(exc)},
-                [(b"www-authenticate", b'Bearer realm="octacloud"'), *_unread_body_headers(scope)],
-            )
+            return self.authorize(scope["headers"])
+        except HttpError as exc:
+            await error_reply(send, exc, _unread_body_headers(scope))
             return None
-        except RateLimitedError as exc:
-            await json_reply(
-                send,
-                429,
-                {"error": str(exc)},
-                [(b"retry-after", str(exc.retry_after).encode()), *_unread_body_headers(scope)],
-            )
-            return None
-        return principal
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str, principal: Principal) -> None:
         deployment = path[len("/v2/models/") :].split("/", 1)[0]
-        counters = self._admit(deployment, principal, scope["headers"])
-        started = time.perf_counter()
-        counters.outstanding += 1
-        try:
-            await self._forward(scope, receive, send, path, principal, deployment, counters)
-        finally:
-            counters.outstanding -= 1
-            counters.latency_us_total += int((time.perf_counter() - started) * 1e6)
+        counters = self.admit(deployment, principal)
+        content_length(scope["headers"], self.limits.max_body_bytes)
+        with self.core.flight(counters):
+            try:
+                async with asyncio.timeout(self.limits.body_timeout_s):  # a timer, not a task (as wait_for makes)
+                    body = await read_body(receive, self.limits.max_body_bytes)
+            except TimeoutError:
+                wait = self.limits.body_timeout_s
+                raise HttpError(408, f"the request body did not arrive within {wait:g} s") from None
+            target = scope["raw_path"] or path.encode()
+            if scope.get("query_string"):
+                target += b"?" + scope["query_string"]
+            method = scope["method"]
+            if method == "GET" and path.endswith("/stats"):
+                headers_out = self._headers_out(scope["headers"], principal)  # ASGI names are lower-case
+                sent = await self._statistics(send, deployment, counters, target, headers_out, len(body))
+                usage = self.routes.tenant_traffic(principal.tenant, deployment)
+                self.core.settle(counters, usage, len(body), sent, failed=False, billed=True)
+                return
+            response = await self._exchange(
+                deployment, counters, principal, method.encode(), target, scope["headers"], body
+            )
+            await _relay(send, response, head=method == "HEAD")
 
-    async def _forward(
+    async def _statistics(
         self,
-        scope: Scope,
-        receive: Receive,
         send: Send,
-        path: str,
-        principal: Principal,
         deployment: str,
         counters: DeploymentCounters,
-    ) -> None:
-        try:
-            async with asyncio.timeout(self.limits.body_timeout_s):  # a timer, not a task (as wait_for makes)
-                body = await read_body(receive, self.limits.max_body_bytes)
-        except TimeoutError:
-            raise HttpError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s") from None
-        usage = self.routes.tenant_traffic(principal.tenant, deployment)
-        target = scope["raw_path"] or path.encode()
-        if scope.get("query_string"):
-            target += b"?" + scope["query_string"]
-        headers_out = [(k, v) for k, v in scope["headers"] if k not in _DROPPED_REQUEST]  # ASGI names are lowercase
-        headers_out += self._internal
-        headers_out.append((TENANT_HEADER_BYTES, principal.tenant.encode()))  # per-tenant batches (protocols/internal)
-        method = scope["method"]
-        if method == "GET" and path.endswith("/stats"):
-            counters.requests += 1
-            counters.bytes_in += len(body)
-            sent = await self._statistics(send, deployment, target, headers_out)
-            _bill(usage, len(body), sent)
-            return
-        response = await self._attempts(deployment, counters, method.encode(), target, headers_out, body)
-        sent = len(response.body)
-        counters.bytes_out += sent
-        if response.status >= 400:
-            counters.failures += 1
-        if response.status < 500:  # billed before the answer leaves: a client that has it finds it metered
-            _bill(usage, len(body), sent)
-        await _relay(send, response, head=method == "HEAD")
-
-    async def _statistics(self, send: Send, deployment: str, target: bytes, headers: list[tuple[bytes, bytes]]) -> int:
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        size: int,
+    ) -> int:
         """Ask every ready replica of ``deployment`` and answer with the sum (see ``gateway.stats``)."""
 
         async def ask(endpoint: Endpoint) -> Response | None:
@@ -445,7 +386,7 @@ class RestGateway:
                 return None
             return None if answer.status == 421 else answer  # not the replica meant: its figures are not ours
 
-        answers = [a for a in await asyncio.gather(*(ask(e) for e in self.routes.healthy(deployment))) if a is not None]
+        answers = await self.core.fan_out(deployment, counters, size, ask)
         if not answers:
             raise HttpError(503, f"deployment '{deployment}' has no ready replica", [(b"retry-after", b"1")])
         refused = [a for a in answers if a.status != 200]
@@ -464,9 +405,3 @@ def _misdirected(response: Response) -> str:
         return f"misdirected: {json.loads(response.body)['error']}"
     except (ValueError, KeyError, TypeError):
         return "misdirected: the process at the replica's address is another one"
-
-
-def _bill(usage: Traffic, bytes_in: int, bytes_out: int) -> None:
-    usage.requests += 1
-    usage.bytes_in += bytes_in
-    usage.bytes_out += bytes_out

@@ -1,9 +1,9 @@
 """Routing policy: which replica of a deployment gets the next request.
 
-The mechanism (connections, retries, counting) lives in the proxies; this module only chooses. The default
-is the power of two choices on outstanding requests (as Ray Serve's router): sample two ready replicas, send
-to the one with fewer requests in flight. It balances as well as least-outstanding with O(1) work and no
-herding on a replica that just became free. When both have as many in flight and both round trips from the
+The mechanism (retries, ejection, counting) lives in the forwarding core, ``gateway/forward.py``; this module only
+chooses. The default is the power of two choices on outstanding requests (as Ray Serve's router): sample two ready
+replicas, send to the one with fewer requests in flight. It balances as well as least-outstanding with O(1) work
+and no herding on a replica that just became free. When both have as many in flight and both round trips from the
 gateway are measured (``gateway.latency``), the nearer one goes first if it is nearer by more than
 :data:`LATENCY_TIE_US` (closer than that, the measurement cannot tell them apart and the draw decides).
 """
