@@ -272,6 +272,7 @@ async def measure(size: Size, work: Path, args: argparse.Namespace) -> dict[str,
         out["store_rows_per_s"] = writes / (time.monotonic() - t0)
         out["ramp_passes"] = len(timings.seconds["pass"])
         out["ramp_pass_max_s"] = max(timings.seconds["pass"], default=0.0)
+        out["ramp_scheduling_max_s"] = max(timings.seconds["scheduling"], default=0.0)  # the loop held by one pass
 
         timings.reset()  # steady state: a few full passes with nothing to do
         for _ in range(args.passes):
@@ -388,6 +389,8 @@ def table(results: list[dict[str, Any]]) -> str:
     rows = [
         ("cards / replicas", lambda r: f"{r['cards']} / {r['replicas']}"),
         ("deploy → all ready (s)", lambda r: f"{r['deploy_to_ready_s']:.1f}"),
+        ("longest pass during the deploy (s)", lambda r: f"{r['ramp_pass_max_s']:.2f}"),
+        ("  its longest scheduling part (s)", lambda r: f"{r.get('ramp_scheduling_max_s', float('nan')):.2f}"),
         ("controller pass, steady (s)", lambda r: f"{r['pass_s']:.3f}"),
         ("  health (s)", lambda r: f"{r['pass_parts_s'].get('health', 0):.3f}"),
         ("  scheduling (s)", lambda r: f"{r['pass_parts_s'].get('scheduling', 0):.3f}"),
