@@ -23,7 +23,7 @@ import pytest
 from tests import h2wire
 from tests.cluster.conftest import write_linear_model
 from tests.cluster.test_cloud_e2e import config, wait_until
-from tests.security.test_gateway_h2_headers import INFER, Setup, VictimTraffic, victim_and_attacker
+from tests.security.test_gateway_h2_headers import INFER, Setup, VictimTraffic, infer_message, victim_and_attacker
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ MIB = 2**20
 RSS_BOUND = 32 * MIB
 """The most the gateway's resident memory may grow while one attack holds its connections open."""
 PER_CONNECTION, PER_TENANT, WAITING = 3 * MIB, 6 * MIB, 64
-ENHANCE_YOUR_CALM, PROTOCOL_ERROR = 11, 1
+ENHANCE_YOUR_CALM, PROTOCOL_ERROR, FLOW_CONTROL_ERROR = 11, 1, 3
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +259,57 @@ def test_a_client_that_never_reads_stops_being_read_and_is_closed(setup: Setup) 
     assert_unharmed(victim, grown)
     assert outcome["sent"] < 16 * MIB, outcome  # the gateway stopped reading
     assert outcome["closed"], outcome
+
+
+def test_a_window_of_zero_is_closed_and_windows_past_2_31_are_errors(setup: Setup) -> None:
+    """Zero window (CVE-2019-9517): a client announces an initial stream window of 0 and sends 16 valid calls,
+    so no answer's DATA can leave; the gateway holds them for ``body_timeout_s`` of no progress, then closes the
+    connection with GOAWAY saying why. Window overflow (RFC 9113 6.9.1): a WINDOW_UPDATE that takes the
+    connection's window past 2^31-1 is GOAWAY FLOW_CONTROL_ERROR; one that takes a stream's past it resets
+    that stream with FLOW_CONTROL_ERROR, and the connection's next call is answered."""
+    key = ("authorization", f"Bearer {setup.attacker}")
+    body = infer_message()
+    outcome: dict[str, object] = {}
+    window = h2wire.frame(h2wire.WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1))
+
+    async def zero_window() -> None:
+        async with opened(setup) as wire:
+            await wire.send(h2wire.frame(h2wire.SETTINGS, 0, 0, struct.pack(">HI", 0x4, 0)))
+            await wire.send(b"".join(h2wire.call(sid, INFER, [key], body) for sid in range(1, 33, 2)))
+            outcome["zero closed"] = await closed_by_server(wire, silence_s=15)
+            outcome["zero"] = goaway_of(wire)
+            outcome["zero data"] = [f for f in h2wire.parse(wire.received) if f.kind == h2wire.DATA]
+
+    async def connection_overflow() -> None:
+        async with opened(setup) as wire:
+            await wire.send(window)  # 65,535 + 2^31-1
+            outcome["connection closed"] = await closed_by_server(wire)
+            outcome["connection"] = goaway_of(wire)
+
+    async def stream_overflow() -> None:
+        async with opened(setup) as wire:
+            await wire.send(h2wire.header_frames(1, h2wire.grpc_headers(INFER, [key])))  # its message to come
+            await wire.send(h2wire.frame(h2wire.WINDOW_UPDATE, 0, 1, struct.pack(">I", 2**31 - 1)))
+            await wire.send(h2wire.call(3, INFER, [key], body))
+            got = await wire.read_until(lambda fs: h2wire.statuses(fs).get(3, {}).get("grpc-status"), limit_s=30)
+            outcome["reset"] = [(f.stream, f.payload) for f in got if f.kind == h2wire.RST_STREAM]
+            outcome["next"] = h2wire.statuses(got).get(3, {})
+            outcome["stream goaway"] = h2wire.goaway(got)
+
+    async def attack(port: int) -> None:
+        await asyncio.gather(zero_window(), connection_overflow(), stream_overflow())
+
+    victim, grown = under_attack(setup, attack)
+    assert_unharmed(victim, grown)
+    zero = outcome["zero"]
+    assert outcome["zero closed"] and zero is not None, outcome
+    assert zero[0] == ENHANCE_YOUR_CALM and b"output not taken for 3 s" in zero[1], zero  # type: ignore[index]
+    assert outcome["zero data"] == []  # a window of 0 let no DATA out
+    connection = outcome["connection"]
+    assert outcome["connection closed"] and connection is not None, outcome
+    assert connection[0] == FLOW_CONTROL_ERROR and b"connection window" in connection[1], connection  # type: ignore[index]
+    assert outcome["reset"] == [(1, struct.pack(">I", FLOW_CONTROL_ERROR))], outcome
+    assert outcome["next"].get("grpc-status") == "0" and outcome["stream goaway"] is None, outcome  # type: ignore[attr-defined]
 
 
 FLOODS: dict[str, tuple[Callable[[str], bytes], int, bytes]] = {

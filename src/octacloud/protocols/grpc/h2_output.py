@@ -222,11 +222,7 @@ class ConnectionOutput:
         if increment == 0:  # RFC 9113 6.9: an error of the connection (stream 0) or of the stream
             if sid == 0:
                 raise ConnectionFault(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-            if (s := self._streams.pop(sid, None)) is not None:
-                self._unhold(s)
-                if s.task is not None:
-                    s.task.cancel()
-                self._write(frame(RST_STREAM, 0, sid, U32.pack(PROTOCOL_ERROR)))
+            self._reset_stream(sid, PROTOCOL_ERROR)
             return
         if sid == 0:
             self._send_window += increment
@@ -235,7 +231,18 @@ class ConnectionOutput:
             self._flush_all()
         elif (s := self._streams.get(sid)) is not None:
             s.send_window += increment
+            if s.send_window > MAX_WINDOW:  # RFC 9113 6.9.1: an error of that stream alone
+                self._reset_stream(sid, FLOW_CONTROL_ERROR)
+                return
             self._flush(s)
+
+    def _reset_stream(self, sid: int, code: int) -> None:
+        """End stream ``sid`` with RST_STREAM ``code``: what it held given back, its call cancelled."""
+        if (s := self._streams.pop(sid, None)) is not None:
+            self._unhold(s)
+            if s.task is not None:
+                s.task.cancel()
+            self._write(frame(RST_STREAM, 0, sid, U32.pack(code)))
 
     # ---- output ------------------------------------------------------------------------------------------
     def _respond(self, s: Stream, data: bytes, trailers: bytes | None) -> None:
