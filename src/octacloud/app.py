@@ -146,6 +146,7 @@ class Cloud:
         self.monitoring = CloudMonitoring(
             lambda: self.controller, self.nodes, slice_prior(), clock, interval_s=config.telemetry_interval_s,
             replica_headers=internal, replica_tls=self.internal_tls, on_card_readings=self._card_readings,
+            local_nic=launcher is None,  # the local launcher's nodes all run on this host: its NIC is theirs
         )  # fmt: skip
         """Telemetry (the scheduler's telemetry source), the cloud's ``/metrics`` and the dashboard."""
         cache_root = self.cache_root if config.model_storage is not None else None

@@ -1,5 +1,5 @@
-"""The cloud wires monitoring in: the sampler (with the gateway's measured round trips) is every profile's telemetry
-source; /metrics and /dashboard exist."""
+"""The cloud wires monitoring in: the sampler (with the gateway's measured round trips, and this host's NIC load for
+the local launcher's nodes) is every profile's telemetry source; /metrics and /dashboard exist."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from octacloud.app import Cloud, CloudConfig
 from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
+from octacloud.observability.nic import HostNetFiles
 from octacloud.scheduler.plugins.telemetry import TelemetryScore
 from octacloud.scheduler.telemetry import MeasuredNetwork, PricedTelemetry
 
@@ -31,6 +32,25 @@ def test_telemetry_terms_of_the_profile_read_the_cloud_sampler(tmp_path: Path) -
         assert sources[0].latency == cloud.route_latency.node_latency_us  # type: ignore[attr-defined]
         assert cloud.monitoring.sampler.interval_s == 0.25
         assert cloud.monitoring.sampler.nvml is None  # a fleet of CPU cards: no NVML, no DCGM names
+        nic = cloud.monitoring.sampler.nic  # the local launcher runs every node here: this host's NICs are theirs
+        assert nic is not None and isinstance(nic.files, HostNetFiles)
         assert cloud.rest_gateway.dashboard is not None and cloud.rest_gateway.metrics is not None
+    finally:
+        cloud.store.close()
+
+
+class RemoteLauncher:
+    """Stands in for a launcher whose nodes are other hosts (Ray's): the cloud never calls it here."""
+
+    def launch(self, spec: object) -> None:
+        raise AssertionError("nothing is launched")
+
+
+def test_nodes_of_another_launcher_get_no_nic_load_of_this_host(tmp_path: Path) -> None:
+    config = CloudConfig(repository=write_models(tmp_path / "models"), state_dir=tmp_path / "var",
+                         policy="multi-objective")  # fmt: skip
+    cloud = Cloud(config, nodes=NODES, launcher=RemoteLauncher())  # type: ignore[arg-type]
+    try:
+        assert cloud.monitoring.sampler.nic is None
     finally:
         cloud.store.close()

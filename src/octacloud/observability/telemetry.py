@@ -9,8 +9,8 @@ Each :meth:`TelemetrySampler.sample` reads, at one moment of the injected clock:
 
 The sampler is a :class:`~octacloud.scheduler.telemetry.TelemetrySource`: :meth:`snapshot` returns the latest
 sample's node metrics (``gpu_utilisation``, ``gpu_memory_bandwidth``, ``pcie_throughput``, ``power_draw_w``,
-``temperature_c``, ``ecc_errors``, ``cpu_utilisation``) without I/O, and nothing once the sample is older than
-``max_age_s``, so the 5-second scheduling loop never scores on stale numbers.
+``temperature_c``, ``ecc_errors``, ``cpu_utilisation``, and given a NIC reader ``network_load``) without I/O, and
+nothing once the sample is older than ``max_age_s``, so the 5-second scheduling loop never scores on stale numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from octacloud.core.clock import Clock
 from octacloud.core.model import Node
 from octacloud.observability import dcgm
 from octacloud.observability.dcgm import CardIdentity, NvmlCards
+from octacloud.observability.nic import NicLoad
 from octacloud.observability.replicas import (
     ProcessReader,
     ReplicaInfo,
@@ -120,7 +121,8 @@ class TelemetrySampler:
 
     ``nodes`` returns the fleet now (it changes as nodes join); ``nvml_node`` names the fleet node whose cards
     NVML reads (this host); ``cpu_card_model`` is the model name of CPU "cards". ``max_age_s`` bounds how old a
-    sample the scheduler may see.
+    sample the scheduler may see. ``nic`` measures this host's NIC load (:mod:`octacloud.observability.nic`): given
+    when every node of the fleet runs on this host (the local launcher's), each of them reports it.
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class TelemetrySampler:
         interval_s: float = 1.0,
         max_age_s: float | None = None,
         on_readings: Callable[[list[dcgm.CardReading]], None] | None = None,
+        nic: NicLoad | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"telemetry interval must be > 0 seconds, got {interval_s}")
@@ -151,6 +154,7 @@ class TelemetrySampler:
         self.interval_s = interval_s
         self.max_age_s = max_age_s if max_age_s is not None else 3 * interval_s
         self.on_readings = on_readings
+        self.nic = nic
         """Called with every sample's raw NVML readings (their fresh XIDs, a lost GPU): the card-health watch."""
         self.latest: FleetSample | None = None
         self._previous: dict[str, _Previous] = {}
@@ -172,6 +176,7 @@ class TelemetrySampler:
         readings, processes = (
             await asyncio.to_thread(self._read_nvml, self.nvml, now) if self.nvml is not None else ([], [])
         )
+        network_load = self.nic.sample() if self.nic is not None else None
         sample = FleetSample(self.clock.time(), now)
         for r in replicas:
             sample.replicas[r.id] = self._replica(r, serving.get(r.id), now)
@@ -187,7 +192,8 @@ class TelemetrySampler:
             for g in r.gpus:
                 on_card.setdefault(CardKey(r.node, g), []).append(r)
         by_index = {reading.card.index: reading for reading in readings}
-        for node in self.nodes():
+        fleet = list(self.nodes())
+        for node in fleet:
             for gpu in node.gpus:
                 key = CardKey(node.name, gpu.index)
                 here = on_card.get(key, [])
@@ -209,6 +215,9 @@ class TelemetrySampler:
                     continue  # a GPU of another host: its own node's sampler reports it
                 sample.cards[key] = card
         sample.nodes = self._node_metrics(sample)
+        if network_load is not None:
+            for node in fleet:
+                sample.nodes.setdefault(node.name, {})["network_load"] = network_load
         self.latest = sample
         return sample
 

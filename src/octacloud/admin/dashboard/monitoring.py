@@ -26,6 +26,7 @@ from octacloud.observability.dcgm import CardReading, NvmlCards, open_nvml
 from octacloud.observability.exporter import CloudCollector, Collector, cloud_registry
 from octacloud.observability.failover import FailoverCoverage
 from octacloud.observability.monitor import CloudMonitor
+from octacloud.observability.nic import HostNetFiles, NicLoad
 from octacloud.observability.replicas import ReplicaInfo, ReplicaScraper
 from octacloud.observability.telemetry import TelemetrySampler
 from octacloud.scheduler.fragmentation import TargetWorkload
@@ -99,7 +100,10 @@ class CloudMonitoring:
         replica_headers: dict[str, str] | None = None,
         replica_tls: ssl.SSLContext | None = None,
         on_card_readings: Callable[[list[CardReading]], None] | None = None,
+        local_nic: bool = False,
     ) -> None:
+        """``local_nic``: every node of the fleet runs on this host, so this host's NIC load is each node's
+        ``network_load``."""
         self._controller = controller
         nvml_node = local_nvml_node(nodes)
         nvml = open_nvml() if nvml_node is not None else None
@@ -113,6 +117,7 @@ class CloudMonitoring:
             scraper=ReplicaScraper(timeout_s=1.0, headers=replica_headers, tls=replica_tls, naming=REPLICA_HEADER),
             interval_s=interval_s,
             on_readings=on_card_readings,
+            nic=NicLoad(HostNetFiles(), clock) if local_nic else None,
         )
         self.monitor = CloudMonitor(
             self._state,
