@@ -158,3 +158,18 @@ def test_a_plan_made_again_at_once_counts_its_changes_from_zero() -> None:
     place(state, req("late", 500), "r2-n1", [0])
     plan.sync()
     assert 1 <= plan.changes <= 3 and plan.covered()  # its own backup, and any it moved off its node
+
+
+def test_a_new_backup_takes_a_nodes_leftovers_not_a_whole_free_node() -> None:
+    """A backup that can go to either a node's last free card or a whole free node takes the card: the whole node
+    stays free for work that needs all of it (a two-card request here), which a reserve there would keep out."""
+    from octacloud.scheduler.actions.backup import BackupPlan
+
+    state = fleet("r1:1 r2:2")
+    place(state, req("used", 1000), "r2-n0", [0])
+    place(state, req("a", 1000), "r1-n0", [0])
+    plan = BackupPlan(state, "rack")
+    plan.sync()
+    assert plan.covered()
+    assert state.nodes[plan.backups["a"].node].name == "r2-n0"  # its last free card, not r2-n1
+    assert plan.admits(req("two", 1000, 2), state.index["r2-n1"])  # nothing of r2-n1 is reserved

@@ -259,18 +259,19 @@ class BackupPlan:
         if best is not None and best[0][0] == 0:
             return best[1], best[2]
         need = request.total_gpu_milli * 1000 + request.cpu_milli
-        for most_gpu, most_cpu, m, cards in self._fresh(request):
+        for left_gpu, left_cpu, m, cards in self._fresh(request):
             if names[m] != domain and m not in self.reserved:
-                key = (need, 1, most_gpu, most_cpu, m)
+                key = (need, 1, left_gpu, left_cpu, m)
                 if best is None or key < best[0]:
                     best = (key, m, cards)
                 break  # the list is in key order: the first node left is the best fresh one
         return None if best is None else (best[1], best[2])
 
     def _fresh(self, request: Request) -> list[tuple[int, int, int, tuple[int, ...]]]:
-        """Every node where ``request`` fits in what is free now, the most left over first (cached per request
+        """Every node where ``request`` fits in what is free now, the least left over first (cached per request
         shape until a node changes: a plan made at once, as :meth:`replan` makes it, scans the fleet once per
-        shape)."""
+        shape). Least first, so that a new reservation takes a node's leftovers rather than a whole free node,
+        which work that needs whole nodes would otherwise be refused."""
         shape = (request.num_gpu, request.gpu_milli, request.gpu_memory_mib, request.cpu_milli, request.memory_mib,
                  request.gpu_models)  # fmt: skip
         found = self._scans.get(shape)
@@ -280,7 +281,7 @@ class BackupPlan:
                 cards = self.cards(request, m, None)
                 if cards is not None:
                     left_gpu, left_cpu = self._leftover(request, m, cards, reserved=False)
-                    found.append((-left_gpu, -left_cpu, m, cards))
+                    found.append((left_gpu, left_cpu, m, cards))
             found.sort()
             self._scans[shape] = found
         return found
