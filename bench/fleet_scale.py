@@ -324,9 +324,8 @@ async def measure(size: Size, work: Path, args: argparse.Namespace) -> dict[str,
 
 
 async def scale_out(cloud: Cloud, size: Size, timings: Timings, args: argparse.Namespace) -> dict[str, Any]:
-    """100 nodes join while whole-card work waits for room (the old fleet's free cards taken first; of the running
-    work's priority, so that it waits rather than preempts): the passes and seconds until what waited is placed,
-    and until it is ready."""
+    """100 nodes join while whole-card work waits for room (the old fleet's free cards taken first): the passes and
+    seconds until what waited is placed, and until it is ready."""
     c = cloud.controller
     state = c.scheduler.state
     free = sum(1 for i, n in enumerate(state.nodes) for g in n.gpus if state.free_gpu[i][g.index] == 1000)
@@ -336,7 +335,7 @@ async def scale_out(cloud: Cloud, size: Size, timings: Timings, args: argparse.N
     for k in range(parts):
         n = wanted // parts + (k < wanted % parts)
         c.deploy(DeploymentSpec(name=f"wide-{k}", model="mlp", octants=8, tenant="admin", min_replicas=n,
-                                max_replicas=n))  # fmt: skip
+                                max_replicas=n, priority=100))  # fmt: skip
 
     def wide() -> list[Any]:
         return [r for k in range(parts) for r in c.store.replicas(f"wide-{k}")]
