@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,15 @@ from octacloud.core.errors import InvalidSpecError
 from octacloud.core.model import Health
 
 from .controller_fakes import Harness, fleet
+
+
+async def _until(done: Callable[[], bool], limit_s: float = 60.0) -> None:
+    """Wait until ``done()`` holds, yielding to the loop; ``limit_s`` only ends a test that would hang."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while not done():
+        assert loop.time() < deadline, "the condition never held"
+        await asyncio.sleep(0.01)
 
 
 async def test_deploy_places_launches_and_routes_once_ready(tmp_path: Path) -> None:
@@ -286,10 +296,7 @@ async def test_the_loop_survives_store_errors_and_readiness_reports_it(tmp_path:
     h.store.peek_replicas = peek_replicas  # type: ignore[method-assign]
     stop = asyncio.Event()
     task = asyncio.create_task(c.run(stop))
-    for _ in range(200):
-        await asyncio.sleep(0.01)
-        if h.ready("a"):
-            break
+    await _until(lambda: h.ready("a"))
     assert c.ready() == (True, "")
     broken["on"] = True
     await asyncio.sleep(0.1)
@@ -298,10 +305,7 @@ async def test_the_loop_survives_store_errors_and_readiness_reports_it(tmp_path:
     ok, why = c.ready()
     assert not ok and "database is locked" in why and not task.done()
     broken["on"] = False
-    for _ in range(200):
-        await asyncio.sleep(0.01)
-        if c.ready()[0]:
-            break
+    await _until(lambda: c.ready()[0])
     assert c.ready() == (True, "")
     stop.set()
     await asyncio.wait_for(task, 5)
@@ -323,18 +327,13 @@ async def test_writes_the_store_refuses_are_retried_in_order_and_readiness_repor
     h.backing.put_replica = put_replica  # type: ignore[method-assign]
     stop = asyncio.Event()
     task = asyncio.create_task(c.run(stop))
-    for _ in range(200):
-        await asyncio.sleep(0.01)
-        if h.ready("a"):
-            break
+    await _until(lambda: h.ready("a"))
     c.store.flush(5)
     locked["on"] = True
     (r,) = h.replicas("a")
     h.launcher.crash(r.id)
-    for _ in range(200):  # decided at once, from memory, while the database refuses the write
-        await asyncio.sleep(0.01)
-        if h.replicas("a")[0].state is ReplicaState.FAILED:
-            break
+    # decided at once, from memory, while the database refuses the write
+    await _until(lambda: h.replicas("a")[0].state is ReplicaState.FAILED)
     assert h.replicas("a")[0].state is ReplicaState.FAILED and c.store.backlog > 0
     assert h.backing.replicas("a")[0].state is ReplicaState.READY
     assert c.ready() == (True, "")
@@ -343,8 +342,8 @@ async def test_writes_the_store_refuses_are_retried_in_order_and_readiness_repor
     assert not ok and "refused the controller's writes" in why and "database is locked" in why
     locked["on"] = False
     assert await asyncio.to_thread(c.store.flush, 5)
-    await asyncio.sleep(0.1)  # an iteration completes after the clock jumped
-    assert c.ready() == (True, "") and c.store.failing is None
+    await _until(lambda: c.ready() == (True, ""))  # an iteration completes after the clock jumped
+    assert c.store.failing is None
     stop.set()
     await asyncio.wait_for(task, 5)  # what is queued is stored as the loop ends
     assert h.backing.replicas() == h.replicas()  # nothing lost or reordered
