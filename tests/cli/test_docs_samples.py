@@ -34,6 +34,8 @@ from ..test_docs import commands
 from .test_quickstart import Up, checkout, kill_replicas, make_up_args, port_free, start_up, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "models"
+"""Where `make models` builds the example repository (what `make test` runs on); OCTACLOUD_MODELS overrides it."""
 DOCS = ("docs/cloud.md", "docs/tenants.md", "docs/toolchain.md", "docs/storage.md", "docs/monitoring.md", "docs/llm.md")
 MODELS = ("mlp", "minilm", "mlp_fp16", "bert_base")  # what the samples name
 
@@ -169,9 +171,9 @@ class Cloud:
 def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cloud]:
     if not (port_free(8000) and port_free(8001)):
         pytest.skip("ports 8000/8001 are taken: the docs talk to the default ports (run in scripts/netns-run)")
-    examples = os.environ.get("OCTACLOUD_MODELS")
+    examples = os.environ.get("OCTACLOUD_MODELS", str(EXAMPLES))
     if not examples or not all((Path(examples) / m / "config.pbtxt").is_file() for m in MODELS):
-        pytest.skip(f"the docs' samples name the example models {MODELS}: set OCTACLOUD_MODELS (make models)")
+        pytest.skip(f"the docs' samples name the example models {MODELS}: run `make models` (or set OCTACLOUD_MODELS)")
     work = checkout(tmp_path_factory.mktemp("docs") / "octacloud")
     (work / "models").symlink_to(examples, target_is_directory=True)  # `make up` builds them in models/
     env = {k: v for k, v in os.environ.items() if not k.startswith("OCTACLOUD_") or k == "OCTACLOUD_TRACES"}
@@ -212,7 +214,7 @@ def run_sample(cloud: Cloud, sample: Sample) -> str | None:
 
 
 def needs_the_engine() -> None:
-    if not (Path(os.environ["OCTACLOUD_MODELS"]) / "smollm2" / "config.pbtxt").is_file():
+    if not (Path(os.environ.get("OCTACLOUD_MODELS", str(EXAMPLES))) / "smollm2" / "config.pbtxt").is_file():
         pytest.skip("docs/llm.md deploys smollm2, which is not built: run `make models`")
     try:
         find_llama_server()

@@ -3,7 +3,8 @@
 The cloud is ``octacloud up --repository REPO $(UP_ARGS)`` with the Makefile's own ``UP_ARGS``, in a fresh
 folder (its ``var/`` state dir, the default ports 8000/8001, the demo fleet of a host without GPUs), with
 ``.venv/bin/octacloud`` in that folder running this checkout. REPO is the example repository
-(``$OCTACLOUD_MODELS``) when it holds every model the quick start names, else a repository of tiny models under
+(``models/`` as ``make models`` builds it, or ``$OCTACLOUD_MODELS``) when it holds every model the quick start
+names, else a repository of tiny models under
 those names. The ```sh block of README.md that runs ``octacloud status`` is run line by line in one bash, and
 each command's effect is checked. Then: the request ``up`` printed is pasted; ``up`` is restarted and leaves
 the operator's scaling alone; ``down`` refuses while ``up`` runs and stops every replica once it has stopped.
@@ -35,6 +36,8 @@ from ..cluster.conftest import write_linear_model
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "models"
+"""Where `make models` builds the example repository (what `make test` runs on); OCTACLOUD_MODELS overrides it."""
 URL = "http://127.0.0.1:8000"
 
 
@@ -64,7 +67,7 @@ def models_named(up_args: list[str], lines: list[str]) -> list[str]:
 
 
 def repository(tmp: Path, models: list[str]) -> Path:
-    examples = os.environ.get("OCTACLOUD_MODELS")
+    examples = os.environ.get("OCTACLOUD_MODELS", str(EXAMPLES))
     if examples and all((Path(examples) / m / "config.pbtxt").is_file() for m in models):
         return Path(examples)
     for m in models:
@@ -144,7 +147,7 @@ def run_block(lines: list[str], work: Path, env: dict[str, str]) -> list[tuple[s
 
 
 def examples_repository() -> Path | None:
-    examples = os.environ.get("OCTACLOUD_MODELS")
+    examples = os.environ.get("OCTACLOUD_MODELS", str(EXAMPLES))
     return Path(examples) if examples else None
 
 
