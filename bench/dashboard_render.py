@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from starlette.testclient import TestClient
 from tests.dashboard.big_fleet import big_document
+from tests.dashboard.chromium import CHROMIUM, chromium_page
 
 from octacloud.admin.dashboard.app import build_dashboard_app
 from record import Recorder, add_flag
 
-CHROMIUM = Path("/usr/bin/chromium")
 ORIGIN = "http://127.0.0.1:9"  # never connected to: the app answers every request in process
 FLAGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 TIMED = """([repeats, text]) => {
@@ -57,7 +55,7 @@ def measure(document: dict[str, Any], repeats: int = 10) -> dict[str, Any]:
     """Render figures for ``document`` (a dashboard document) in Chromium; ``{}`` where Chromium is missing."""
     if not CHROMIUM.exists():
         return {}
-    from playwright.sync_api import Route, sync_playwright
+    from playwright.sync_api import Route
 
     text = json.dumps(document)
     client = TestClient(build_dashboard_app(lambda since: document))
@@ -67,22 +65,12 @@ def measure(document: dict[str, Any], repeats: int = 10) -> dict[str, Any]:
         r = client.get(url.path + (f"?{url.query}" if url.query else ""), follow_redirects=False)
         route.fulfill(status=r.status_code, headers=dict(r.headers), body=r.content)
 
-    profile = tempfile.mkdtemp(prefix="octacloud-chromium-")
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch_persistent_context(
-                profile, executable_path=str(CHROMIUM), headless=True, args=FLAGS,
-                viewport={"width": 1400, "height": 1000},
-            )  # fmt: skip
-            page = browser.new_page()
-            page.route(f"{ORIGIN}/**", answer)
-            page.goto(f"{ORIGIN}/dashboard/", wait_until="commit")
-            page.wait_for_selector("#fleet .node-cell, #fleet .octant", timeout=120_000)
-            first = page.evaluate("() => performance.now()")  # since navigation: fetch, parse, first render
-            out: dict[str, Any] = page.evaluate(TIMED, [repeats, text])
-            browser.close()
-    finally:
-        shutil.rmtree(profile, ignore_errors=True)
+    with chromium_page(FLAGS) as page:
+        page.route(f"{ORIGIN}/**", answer)
+        page.goto(f"{ORIGIN}/dashboard/", wait_until="commit")
+        page.wait_for_selector("#fleet .node-cell, #fleet .octant", timeout=120_000)
+        first = page.evaluate("() => performance.now()")  # since navigation: fetch, parse, first render
+        out: dict[str, Any] = page.evaluate(TIMED, [repeats, text])
     return {"document_kib": len(text) / 1024, "first_map_ms": first, **out}
 
 

@@ -9,8 +9,6 @@ cloud's ``/metrics``, each replica's) parses with prometheus_client's official p
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -28,11 +26,11 @@ from octacloud.control.fleet import CPU_CARD_MODEL
 from octacloud.core import Gpu, Node
 from octacloud.security.internal_auth import HEADER
 
+from .chromium import CHROMIUM, chromium_page
 from .conftest import CloudThread, wait_until, write_models
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "out" / "screenshots"
 FLEET = [
     Node("node-a", 8000, 65536, tuple(Gpu(i, CPU_CARD_MODEL, 4096) for i in range(2))),
@@ -41,15 +39,6 @@ FLEET = [
 LOADED = """() => [...document.querySelectorAll('#deployments tbody tr')].filter(
     tr => tr.querySelector('.hist span') && !/^–/.test(tr.cells[5].textContent.trim())).length == 2"""
 """True once both deployments show a request rate and a batch-size histogram."""
-CHROMIUM_FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 @pytest.fixture
@@ -111,8 +100,6 @@ def expected_cells(cloud: CloudThread) -> tuple[Counter[tuple[str, int, str]], C
 def test_dashboard_in_chromium_matches_placements(cloud: CloudThread) -> None:
     if not CHROMIUM.exists():
         pytest.fail("Debian's chromium is missing: run `make browser` (apt-get install chromium chromium-driver)")
-    from playwright.sync_api import sync_playwright
-
     deploy_two(cloud)
     stop = threading.Event()
 
@@ -134,14 +121,8 @@ def test_dashboard_in_chromium_matches_placements(cloud: CloudThread) -> None:
     assert httpx.get(f"{cloud.url}/dashboard/", timeout=10).status_code == 200
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    profile = tempfile.mkdtemp(prefix="octacloud-chromium-")
     try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch_persistent_context(
-                profile, executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
-                viewport={"width": 1400, "height": 1000},
-            )  # fmt: skip
-            page = browser.new_page()
+        with chromium_page() as page:
             requests: list[str] = []
             page.on("request", lambda r: requests.append(r.url))
             page.goto(f"{cloud.url}/dashboard/")
@@ -176,11 +157,9 @@ def test_dashboard_in_chromium_matches_placements(cloud: CloudThread) -> None:
             # the key never went into a URL
             assert not [u for u in requests if cloud.key in u]
             assert cloud.key not in page.url
-            browser.close()
     finally:
         stop.set()
         worker.join(timeout=30)
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 def test_every_prometheus_endpoint_parses(cloud: CloudThread) -> None:

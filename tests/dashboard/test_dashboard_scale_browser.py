@@ -14,8 +14,6 @@ octants against the admin API.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -31,8 +29,8 @@ from octacloud.control.fleet_gen import FleetShape, generated_fleet
 
 from ..scale.test_emulated_cloud import config_for, ready, write_model
 from .big_fleet import DEPLOYMENTS, NODES, RACKS, REPLICAS_EACH, big_document
+from .chromium import CHROMIUM, chromium_page
 from .conftest import CloudThread, wait_until
-from .test_dashboard_browser import CHROMIUM, CHROMIUM_FLAGS
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +82,7 @@ def authorize(headers: Mapping[str, str]) -> bool:
 def test_a_thousand_cards_by_rack_and_node_then_one_node_card_by_card(tmp_path: Path) -> None:
     if not CHROMIUM.exists():
         pytest.fail("Debian's chromium is missing: run `make browser` (apt-get install chromium chromium-driver)")
-    from playwright.sync_api import Route, sync_playwright
+    from playwright.sync_api import Route
 
     doc = big_document()
     client = TestClient(build_dashboard_app(lambda since: doc, authorize))
@@ -97,39 +95,29 @@ def test_a_thousand_cards_by_rack_and_node_then_one_node_card_by_card(tmp_path: 
         answered[f"{url.path} {r.status_code}"] += 1
         route.fulfill(status=r.status_code, headers=dict(r.headers), body=r.content)
 
-    profile = tempfile.mkdtemp(prefix="octacloud-chromium-")
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch_persistent_context(
-                profile, executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
-                viewport={"width": 1400, "height": 1000},
-            )  # fmt: skip
-            page = browser.new_page()
-            page.route(f"{ORIGIN}/**", answer)
-            page.goto(f"{ORIGIN}/dashboard/")
-            page.fill("#login-key", KEY)
-            page.click("#login-form button[type=submit]")
-            page.wait_for_selector(".node-cell")
-            check_racks(page.evaluate(RACK_VIEW), doc)
-            check_tables(page)
-            shot(page, tmp_path / "dashboard-1000-cards-racks.png", "#fleet-section")
-            shot(page, tmp_path / "dashboard-1000-cards-page.png", None)
+    with chromium_page() as page:
+        page.route(f"{ORIGIN}/**", answer)
+        page.goto(f"{ORIGIN}/dashboard/")
+        page.fill("#login-key", KEY)
+        page.click("#login-form button[type=submit]")
+        page.wait_for_selector(".node-cell")
+        check_racks(page.evaluate(RACK_VIEW), doc)
+        check_tables(page)
+        shot(page, tmp_path / "dashboard-1000-cards-racks.png", "#fleet-section")
+        shot(page, tmp_path / "dashboard-1000-cards-page.png", None)
 
-            page.click(f'.node-cell[data-zoom="{ZOOM}"]')
-            page.wait_for_selector('#fleet[data-view="node"] .card')
-            check_node(page.evaluate(NODE_VIEW), doc)
-            shot(page, tmp_path / "dashboard-1000-cards-node.png", "#fleet-section")
-            page.wait_for_timeout(1500)  # a poll later, still zoomed in
-            assert page.evaluate(NODE_VIEW)["view"] == "node"
-            page.select_option("#colour-by", "tenant")
-            by_tenant = page.evaluate(NODE_VIEW)
-            assert not overlapping([label["box"] for label in by_tenant["labels"]])
-            assert not [label for label in by_tenant["labels"] if label["clipped"]]
-            page.click('.crumbs [data-zoom=""]')
-            page.wait_for_selector('#fleet[data-view="racks"]')
-            browser.close()
-    finally:
-        shutil.rmtree(profile, ignore_errors=True)
+        page.click(f'.node-cell[data-zoom="{ZOOM}"]')
+        page.wait_for_selector('#fleet[data-view="node"] .card')
+        check_node(page.evaluate(NODE_VIEW), doc)
+        shot(page, tmp_path / "dashboard-1000-cards-node.png", "#fleet-section")
+        page.wait_for_timeout(1500)  # a poll later, still zoomed in
+        assert page.evaluate(NODE_VIEW)["view"] == "node"
+        page.select_option("#colour-by", "tenant")
+        by_tenant = page.evaluate(NODE_VIEW)
+        assert not overlapping([label["box"] for label in by_tenant["labels"]])
+        assert not [label for label in by_tenant["labels"] if label["clipped"]]
+        page.click('.crumbs [data-zoom=""]')
+        page.wait_for_selector('#fleet[data-view="racks"]')
     assert answered["/dashboard/api/state 200"] >= 2 and answered["/dashboard/api/state 401"] >= 1
 
 
@@ -212,8 +200,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CloudThread]:
 def test_a_live_thousand_card_cloud_by_rack_then_one_node(live: CloudThread, tmp_path: Path) -> None:
     if not CHROMIUM.exists():
         pytest.fail("Debian's chromium is missing: run `make browser` (apt-get install chromium chromium-driver)")
-    from playwright.sync_api import sync_playwright
-
     rows = [r for d in live.get("/admin/deployments").json()["deployments"] for r in d["instances"]]
     held = Counter({n["name"]: 0 for n in live.get("/admin/fleet").json()["nodes"]})
     cells: Counter[tuple[str, int, str | None]] = Counter()
@@ -222,32 +208,22 @@ def test_a_live_thousand_card_cloud_by_rack_then_one_node(live: CloudThread, tmp
             held[r["node"]] += r["milli_per_gpu"] // 125
             cells[(r["node"], g, str(r["id"]))] += r["milli_per_gpu"] // 125
     busiest = max(held, key=lambda n: (len({k[2] for k in cells if k[0] == n}), n))
-    profile = tempfile.mkdtemp(prefix="octacloud-chromium-")
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch_persistent_context(
-                profile, executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
-                viewport={"width": 1400, "height": 1000},
-            )  # fmt: skip
-            page = browser.new_page()
-            page.goto(f"{live.url}/dashboard/")
-            page.fill("#login-key", live.key)
-            page.click("#login-form button[type=submit]")
-            page.wait_for_selector(".node-cell")
-            view = page.evaluate(RACK_VIEW)
-            assert [r["rack"] for r in view["racks"]] == [f"r{k:02d}" for k in range(RACKS)]
-            assert {c["node"]: c["held"] for c in view["cells"]} == dict(held)
-            assert not overlapping([c["box"] for c in view["cells"]])
-            assert len(set(dict(view["legend"]).values())) == len(LIVE)
-            shot(page, tmp_path / "live-1000-cards-racks.png", "#fleet-section")
-            page.click(f'.node-cell[data-zoom="{busiest}"]')
-            page.wait_for_selector('#fleet[data-view="node"] .card')
-            node = page.evaluate(NODE_VIEW)
-            shown = Counter((busiest, g, r) for g, r in node["octants"] if r)
-            assert shown == +Counter({k: v for k, v in cells.items() if k[0] == busiest})
-            assert node["labels"] and not overlapping([label["box"] for label in node["labels"]])
-            assert not [label for label in node["labels"] if label["clipped"]]
-            shot(page, tmp_path / "live-1000-cards-node.png", "#fleet-section")
-            browser.close()
-    finally:
-        shutil.rmtree(profile, ignore_errors=True)
+    with chromium_page() as page:
+        page.goto(f"{live.url}/dashboard/")
+        page.fill("#login-key", live.key)
+        page.click("#login-form button[type=submit]")
+        page.wait_for_selector(".node-cell")
+        view = page.evaluate(RACK_VIEW)
+        assert [r["rack"] for r in view["racks"]] == [f"r{k:02d}" for k in range(RACKS)]
+        assert {c["node"]: c["held"] for c in view["cells"]} == dict(held)
+        assert not overlapping([c["box"] for c in view["cells"]])
+        assert len(set(dict(view["legend"]).values())) == len(LIVE)
+        shot(page, tmp_path / "live-1000-cards-racks.png", "#fleet-section")
+        page.click(f'.node-cell[data-zoom="{busiest}"]')
+        page.wait_for_selector('#fleet[data-view="node"] .card')
+        node = page.evaluate(NODE_VIEW)
+        shown = Counter((busiest, g, r) for g, r in node["octants"] if r)
+        assert shown == +Counter({k: v for k, v in cells.items() if k[0] == busiest})
+        assert node["labels"] and not overlapping([label["box"] for label in node["labels"]])
+        assert not [label for label in node["labels"] if label["clipped"]]
+        shot(page, tmp_path / "live-1000-cards-node.png", "#fleet-section")
