@@ -14,7 +14,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,18 @@ def _console() -> Console:
 def _fail(message: str) -> typer.Exit:
     Console(stderr=True).print(f"[red]error:[/red] {message}", highlight=False)
     return typer.Exit(2)
+
+
+@contextmanager
+def _writing_to(out: Path) -> Iterator[None]:
+    """A generator's work for ``--out``: a bad spec is the command's error as it says, a file that cannot be
+    written (or read) is the error naming ``--out``."""
+    try:
+        yield
+    except InvalidSpecError as exc:
+        raise _fail(str(exc)) from None
+    except OSError as exc:
+        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
 
 
 def _existing(path: Path | None, option: str) -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from octacloud.cli.simulate import _existing, _fail, generate_app
+from octacloud.cli.simulate import _existing, _writing_to, generate_app
 from octacloud.core.errors import InvalidSpecError
 
 
@@ -33,17 +33,13 @@ def generate_workload(
     from octacloud.sim.generate import parse_workload_spec, restrict_workload, write_pods
     from octacloud.sim.traces import read_gpu_memory_table, read_nodes, read_pods
 
-    try:
+    with _writing_to(out):
         table = None if gpu_memory is None else read_gpu_memory_table(_existing(gpu_memory, "--gpu-memory"))
         fleet = read_nodes(_existing(nodes, "--nodes"), gpu_memory=table)
         base = [p.request for p in read_pods(_existing(pods, "--pods"))]
         family, description = restrict_workload(base, fleet, parse_workload_spec(spec), seed=seed)
         out.parent.mkdir(parents=True, exist_ok=True)
         write_pods(out, family)
-    except InvalidSpecError as exc:
-        raise _fail(str(exc)) from None
-    except OSError as exc:
-        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
     typer.echo(json.dumps(description, indent=2))
 
 
@@ -64,7 +60,7 @@ def generate_fleet_command(
     from octacloud.sim.generate import generate_fleet, parse_mix, sample_fleet, write_nodes
     from octacloud.sim.traces import read_nodes
 
-    try:
+    with _writing_to(out):
         if sample is not None:
             rows = sample_fleet(read_nodes(_existing(sample, "--sample")), fraction, seed=seed)
         else:
@@ -87,10 +83,6 @@ def generate_fleet_command(
             )
         out.parent.mkdir(parents=True, exist_ok=True)
         write_nodes(out, rows)
-    except InvalidSpecError as exc:
-        raise _fail(str(exc)) from None
-    except OSError as exc:
-        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
     typer.echo(f"{len(rows)} nodes, {sum(r[3] for r in rows)} GPUs written to {out}")
 
 
@@ -112,14 +104,10 @@ def generate_suite(
     """Write the robustness suite of docs/beating-fgd.md: its fleets and workload families."""
     from octacloud.sim.generate import SUITE_FAMILIES, write_suite
 
-    try:
+    with _writing_to(out):
         if not traces.is_dir():
             raise InvalidSpecError(f"--traces {traces}: no such folder")
         entries = write_suite(traces, out)
-    except InvalidSpecError as exc:
-        raise _fail(str(exc)) from None
-    except OSError as exc:
-        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
     fleets = {f.name: f.fleet for f in SUITE_FAMILIES}
     for entry in entries:
         typer.echo(f"gen_{entry['family']}.csv  fleet_{fleets[str(entry['family'])]}.csv  {entry['spec']}")

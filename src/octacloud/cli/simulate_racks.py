@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from octacloud.cli.simulate import _existing, _fail, app, generate_app
+from octacloud.cli.simulate import _existing, _writing_to, app, generate_app
 from octacloud.core.errors import InvalidSpecError
 
 RACKS_HELP = "Rack generator: rack_gpus=32,rack_nodes=16,feed_racks=2,zones=3 (any subset; default: those)."
@@ -41,7 +41,7 @@ def rack_loss(
     from octacloud.sim.experiment import check_policies, parse_seeds, run_parallel
     from octacloud.sim.rackloss import RackLossSpec, run_rack_loss
 
-    try:
+    with _writing_to(out):
         fleet, trace = _existing(nodes, "--nodes"), _existing(pods, "--pods")
         table = None if gpu_memory is None else _existing(gpu_memory, "--gpu-memory")
         if not 0 < tune <= 10:
@@ -53,10 +53,6 @@ def rack_loss(
         results = run_parallel(run_rack_loss, specs, jobs=jobs)
         rows = [r.as_dict() for r in results]
         (out / "rackloss.json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
-    except InvalidSpecError as exc:
-        raise _fail(str(exc)) from None
-    except OSError as exc:
-        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
     Console(soft_wrap=True).print(_table(rows))
 
 
@@ -95,16 +91,12 @@ def generate_racks(
     from octacloud.sim.domains import assign_domains, describe, parse_domain_spec, write_domain_nodes
     from octacloud.sim.traces import read_gpu_memory_table, read_nodes
 
-    try:
+    with _writing_to(out):
         table = None if gpu_memory is None else read_gpu_memory_table(_existing(gpu_memory, "--gpu-memory"))
         fleet = assign_domains(read_nodes(_existing(nodes, "--nodes"), gpu_memory=table), parse_domain_spec(racks),
                                seed=seed)  # fmt: skip
         out.parent.mkdir(parents=True, exist_ok=True)
         write_domain_nodes(out, fleet)
-    except InvalidSpecError as exc:
-        raise _fail(str(exc)) from None
-    except OSError as exc:
-        raise _fail(f"--out {out}: {exc.strerror or exc}") from None
     typer.echo(json.dumps(describe(fleet), indent=2))
 
 
