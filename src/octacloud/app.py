@@ -45,6 +45,7 @@ from octacloud.gateway.workers import GatewayWorkers
 from octacloud.metering import Ledger, Meter, PriceSheet
 from octacloud.observability.card_health import CardHealthWatch
 from octacloud.observability.dcgm import CardReading
+from octacloud.observability.node_inputs import NodeInputsCollector
 from octacloud.scheduler.framework.runner import Scheduler
 from octacloud.scheduler.framework.state import ClusterState
 from octacloud.scheduler.policies import PRODUCT_DEFAULT, cloud_profile, slice_prior
@@ -208,15 +209,13 @@ class Cloud:
         """Turns this host's NVML readings (XIDs, ECC, a lost GPU) into card health for the controller."""
 
     def _scheduler(self, clock: Clock) -> Scheduler:
-        """The scheduler over the fleet, with the cloud's policy, the sampler's telemetry priced by each node's
-        tariff, and the nodes' model caches."""
+        """The scheduler over the fleet with the cloud's policy, the node inputs below and the nodes' caches."""
         fleet_file = self.config.fleet_file
         tariffs = fleet_tariffs(read_fleet_document(fleet_file), str(fleet_file)) if fleet_file is not None else {}
         network = MeasuredNetwork(self.monitoring.sampler, self.route_latency.node_latency_us)
-        telemetry = PricedTelemetry(network, tariffs, clock.time)
-        """The sampler's measurements with each node's round trip to the gateway, power price now (its tariff) and
-        cost (× its draw)."""
-        profile = cloud_profile(self.config.policy, telemetry=telemetry, model_cache=self.cached_models)
+        self.node_inputs = PricedTelemetry(network, tariffs, clock.time)
+        """The sampler's measurements, the round trip to the gateway, power price and cost: ``octacloud_node_*``."""
+        profile = cloud_profile(self.config.policy, telemetry=self.node_inputs, model_cache=self.cached_models)
         return Scheduler(ClusterState(self.nodes), profile)
 
     def _controller(self, scheduler: Scheduler, launcher: ReplicaLauncher | None, clock: Clock) -> Controller:
@@ -247,6 +246,7 @@ class Cloud:
             extra=[
                 SharingCollector(self.mps),
                 RouteLatencyCollector(self.route_latency),
+                NodeInputsCollector(self.node_inputs),
                 *([ModelCacheCollector(cache_stats)] if isinstance(cache_stats, FleetCacheStats) else []),
             ],
         )

@@ -28,6 +28,7 @@ def test_telemetry_terms_of_the_profile_read_the_cloud_sampler(tmp_path: Path) -
         # (network_latency_us), on the cloud's sampler
         sources = [t.source.source for t in terms if isinstance(t.source, PricedTelemetry)]
         assert len(sources) == len(terms) and all(isinstance(s, MeasuredNetwork) for s in sources)
+        assert all(t.source is cloud.node_inputs for t in terms)  # the snapshot /metrics shows as octacloud_node_*
         assert all(s.source is cloud.monitoring.sampler for s in sources)  # type: ignore[attr-defined]
         assert sources[0].latency == cloud.route_latency.node_latency_us  # type: ignore[attr-defined]
         assert cloud.monitoring.sampler.interval_s == 0.25

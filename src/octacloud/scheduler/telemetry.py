@@ -56,7 +56,11 @@ class StaticTelemetry:
         return self._values
 
     def update(self, node: str, **metrics: float) -> None:
-        self._values.setdefault(node, {}).update(metrics)
+        """A new snapshot with ``node``'s ``metrics`` changed (the one handed out before stays as it was, so a
+        consumer that keeps it, as :class:`PricedTelemetry` does, sees the change as a new snapshot)."""
+        values = dict(self._values)
+        values[node] = {**values.get(node, {}), **metrics}
+        self._values = values
 
 
 class MeasuredNetwork:
