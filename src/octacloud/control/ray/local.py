@@ -6,7 +6,8 @@ difference. Run it where Ray binds 127.0.0.1 only: inside a loopback-only networ
 (``scripts/netns-run``), since Ray otherwise advertises the machine's interface address.
 
 Everything started here is stopped here, by PID (:meth:`LocalRayCluster.kill_node` kills one node's raylet
-to simulate a server dying; :meth:`LocalRayCluster.shutdown` stops all): never ``ray stop``, which would stop
+to simulate a server dying, :meth:`LocalRayCluster.kill_nodes` every process of several nodes at once, as a
+rack that loses power; :meth:`LocalRayCluster.shutdown` stops all): never ``ray stop``, which would stop
 every Ray process on the machine, other people's included.
 """
 
@@ -42,10 +43,44 @@ def node_args(node: Node) -> dict[str, Any]:
     }
 
 
-class LocalRayCluster:
-    """``nodes`` as a Ray cluster on this machine; the first is the head. Connects this process as driver."""
+BARE_HEAD: dict[str, Any] = {
+    "num_cpus": 1,
+    "num_gpus": 0,
+    "object_store_memory": OBJECT_STORE_BYTES,
+    "include_dashboard": False,
+}
+"""A head node that is no octacloud node: Ray's GCS and a driver's node, no cards."""
 
-    def __init__(self, nodes: list[Node], temp_dir: Path | None = None) -> None:
+
+def descendants(roots: list[int]) -> list[int]:
+    """The PIDs of every process below ``roots`` in the process tree (children first, then theirs), from
+    ``/proc``; processes that end while it reads are skipped."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])  # after the command name, which may hold spaces or ')'
+        children.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    queue = list(roots)
+    while queue:
+        for child in sorted(children.get(queue.pop(0), [])):
+            if child not in found:
+                found.append(child)
+                queue.append(child)
+    return found
+
+
+class LocalRayCluster:
+    """``nodes`` as a Ray cluster on this machine; the first is the head, or (``bare_head``) the head is a Ray
+    node of its own that advertises no octacloud node (the cluster's GCS, as an operator would run it apart from
+    the servers), so that every fleet node can be lost. Connects this process as driver."""
+
+    def __init__(self, nodes: list[Node], temp_dir: Path | None = None, bare_head: bool = False) -> None:
         if not nodes:
             raise ValueError("a Ray cluster needs at least one node")
         for key, value in {**QUIET_ENVIRONMENT, "RAY_AUTH_MODE": "disabled"}.items():
@@ -54,11 +89,12 @@ class LocalRayCluster:
             temp_dir.mkdir(parents=True, exist_ok=True)
             os.environ["RAY_TMPDIR"] = str(temp_dir)
         self.nodes = list(nodes)
-        head = {**node_args(nodes[0]), "_system_config": dict(FAST_FAILURE_DETECTION)}
+        workers = nodes if bare_head else nodes[1:]
+        head = {**(BARE_HEAD if bare_head else node_args(nodes[0])), "_system_config": dict(FAST_FAILURE_DETECTION)}
         self.cluster = Cluster(initialize_head=True, head_node_args=head)
-        self._ray_nodes: dict[str, Any] = {nodes[0].name: self.cluster.head_node}
+        self._ray_nodes: dict[str, Any] = {} if bare_head else {nodes[0].name: self.cluster.head_node}
         try:
-            for node in nodes[1:]:
+            for node in workers:
                 self._ray_nodes[node.name] = self.cluster.add_node(**node_args(node))
             self.cluster.wait_for_nodes()
             connect(self.cluster.address)
@@ -70,19 +106,41 @@ class LocalRayCluster:
     def address(self) -> str:
         return str(self.cluster.address)
 
-    def raylet_pid(self, name: str) -> int:
-        """The PID of node ``name``'s raylet."""
+    def _ray_node(self, name: str) -> Any:
         try:
-            ray_node = self._ray_nodes[name]
+            return self._ray_nodes[name]
         except KeyError:
             raise NotFoundError(f"no node {name!r} in this cluster; nodes: {sorted(self._ray_nodes)}") from None
-        return int(ray_node.all_processes["raylet"][0].process.pid)
+
+    def raylet_pid(self, name: str) -> int:
+        """The PID of node ``name``'s raylet."""
+        return int(self._ray_node(name).all_processes["raylet"][0].process.pid)
+
+    def node_pids(self, name: str) -> list[int]:
+        """Every process of node ``name``: those Ray started for it (its raylet first) and all they started in
+        turn (its workers, the replicas' actors among them, and agents), read from ``/proc``."""
+        started = self._ray_node(name).all_processes
+        roots = [int(p.process.pid) for kind in sorted(started, key=lambda k: k != "raylet") for p in started[kind]]
+        return roots + [pid for pid in descendants(roots) if pid not in roots]
 
     def kill_node(self, name: str) -> int:
         """Kill node ``name``'s raylet with SIGKILL, as if the server died; returns the PID killed."""
         pid = self.raylet_pid(name)
         os.kill(pid, signal.SIGKILL)
         return pid
+
+    def kill_nodes(self, names: list[str]) -> list[int]:
+        """Kill every process of nodes ``names`` with SIGKILL at once, as if their rack lost power; returns the
+        PIDs killed. All are found before the first is killed (a worker whose raylet died is re-parented)."""
+        pids = [pid for name in names for pid in self.node_pids(name)]
+        killed = []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # ended on its own meanwhile
+                continue
+            killed.append(pid)
+        return killed
 
     def add_node(self, node: Node) -> None:
         """A new server joins (or a lost one comes back under the same name)."""
