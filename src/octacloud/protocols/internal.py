@@ -4,7 +4,7 @@ A replica that a cloud launches gets the path of a file holding the cloud's secr
 ``OCTACLOUD_INTERNAL_SECRET_FILE``; every request must then carry that secret in ``x-octacloud-internal``
 (an HTTP header on REST and metrics, gRPC metadata on gRPC), compared in constant time. Without it: REST and
 metrics answer 401, gRPC UNAUTHENTICATED. The health endpoints (``/v2/health/live|ready``, ``ServerLive``,
-``ServerReady``) stay open: they say only whether the process is up.
+``ServerReady``: the open rows of ``protocols/endpoints.py``) stay open: they say only whether the process is up.
 
 A replica launched by a cloud also knows its own id (``OCTACLOUD_REPLICA_ID``). The gateway and the prober name
 the replica they mean in ``x-octacloud-replica``; a replica that is not the one named answers REST and metrics
@@ -37,6 +37,8 @@ from typing import Any
 import grpc
 
 from octacloud.core.errors import InvalidSpecError
+from octacloud.protocols.endpoints import OPEN_GRPC_METHODS as OPEN_GRPC_METHODS
+from octacloud.protocols.endpoints import OPEN_HTTP_PATHS as OPEN_HTTP_PATHS
 
 ENV_VAR = "OCTACLOUD_INTERNAL_SECRET_FILE"
 HEADER = "x-octacloud-internal"
@@ -51,10 +53,6 @@ REPLICA_HEADER = "x-octacloud-replica"
 REPLICA_HEADER_BYTES = REPLICA_HEADER.encode()
 REPLICA_ID_ENV = "OCTACLOUD_REPLICA_ID"
 REFUSED = f"this replica serves its cloud's gateway only: {HEADER} is missing or wrong"
-OPEN_HTTP_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
-OPEN_GRPC_METHODS = frozenset(
-    {"/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady"}
-)
 
 
 TLS_CERT_ENV = "OCTACLOUD_INTERNAL_TLS_CERT"

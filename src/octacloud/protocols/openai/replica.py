@@ -1,11 +1,8 @@
-"""The replica's generative endpoints on its HTTP/1.1 server: OpenAI's API and Triton's generate extension.
-
-| method | path | |
-|---|---|---|
-| GET | /v1/models | the models this replica serves |
-| POST | /v1/chat/completions, /v1/completions | generation (``stream: true``: server-sent events) |
-| POST | /v1/embeddings | embeddings of a text model (MiniLM) |
-| POST | /v2/models/<m>[/versions/<v>]/generate, .../generate_stream | Triton's generate extension |
+"""The replica's generative endpoints on its HTTP/1.1 server: OpenAI's API and Triton's generate extension (the
+``openai`` and ``generate`` rows of ``protocols/endpoints.py``): ``GET /v1/models`` (the models this replica
+serves), ``POST /v1/chat/completions`` and ``/v1/completions`` (generation; ``stream: true``: server-sent
+events), ``POST /v1/embeddings`` (a text model's, MiniLM) and ``POST /v2/models/<m>[/versions/<v>]/generate``,
+``.../generate_stream``.
 
 Bodies are checked (``protocols/openai/schema.py``) before the model is asked; errors are OpenAI's JSON shape on
 ``/v1`` and OIP's ``{"error": ...}`` on ``/v2``. A stream's events leave as the engine makes them, one chunked
@@ -25,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from octacloud.protocols.asgi import HttpError, content_length
+from octacloud.protocols.endpoints import generative_match
 from octacloud.protocols.internal import http_refusal, tenant_of
 from octacloud.protocols.openai import schema
 from octacloud.protocols.openai.errors import answer_of
@@ -44,14 +42,9 @@ GENERATE_PARAMETERS = {
 
 def generative_target(method: bytes, path: str) -> str | None:
     """Which generative endpoint ``path`` is (``chat``, ``completion``, ``embedding``, ``models``, ``generate``,
-    ``generate_stream``), or None for any other path."""
-    if path.startswith("/v1/"):
-        if method == b"GET" and path == "/v1/models":
-            return "models"
-        return schema.PATHS.get(path) if method == b"POST" else None
-    if method == b"POST" and path.startswith("/v2/models/") and path.endswith(("/generate", "/generate_stream")):
-        return path.rsplit("/", 1)[1]
-    return None
+    ``generate_stream``: its row's name in ``protocols/endpoints.py``), or None for any other path."""
+    endpoint = generative_match(method, path)
+    return None if endpoint is None else endpoint.name
 
 
 class GenerativeHttp1:

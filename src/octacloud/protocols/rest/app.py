@@ -1,17 +1,8 @@
 """The Open Inference Protocol over HTTP: a lean ASGI app (no framework router on the hot path).
 
-Endpoints (``[/versions/<v>]`` optional everywhere a model is named):
-
-| method | path | |
-|---|---|---|
-| GET | /v2/health/live, /v2/health/ready | health |
-| GET | /v2 | server metadata |
-| GET | /v2/models/<m>[/versions/<v>] | model metadata |
-| GET | /v2/models/<m>[/versions/<v>]/ready | model readiness |
-| GET | /v2/models/<m>[/versions/<v>]/config | model configuration extension |
-| GET | /v2/models[/<m>[/versions/<v>]]/stats | statistics extension |
-| POST | /v2/models/<m>[/versions/<v>]/infer | inference (JSON, or Triton's binary tensor data) |
-| POST | /v2/repository/index, /v2/repository/models/<m>/load, .../unload | repository extension |
+The endpoints are the OIP rows of the one table, ``protocols/endpoints.py`` (health, server and model metadata,
+readiness, configuration, statistics, inference in JSON or Triton's binary tensor data, the repository
+extension): a request's path is matched there and answered by the row's DataPlane operation.
 
 Errors are ``{"error": "<message>"}`` with the status that :func:`octacloud.serving.status_of` gives the
 error (400 bad request, 403 not allowed, 404 unknown model or version, 503 not ready, queue full or timed out,
@@ -27,6 +18,7 @@ from typing import Any
 
 from octacloud.protocols.asgi import DEFAULT_MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
 from octacloud.protocols.asgi import Headers, HttpError, content_length, read_body
+from octacloud.protocols.endpoints import Match, model_route, oip_match
 from octacloud.protocols.errorlog import BoundedErrorLog
 from octacloud.protocols.internal import RequireSecret, http_refusal, tenant_of
 from octacloud.protocols.openai.replica import GenerativeHttp1, generative_target
@@ -42,6 +34,9 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+Answer = tuple[int, bytes, tuple[tuple[bytes, bytes], ...]]
+"""An endpoint's answer: status, body, and its content-type and other headers (none: JSON)."""
+Answering = Callable[["Match", Scope, Receive], Awaitable[Answer]]
 
 HEADER_LENGTH = b"inference-header-content-length"
 _JSON = (b"content-type", b"application/json")
@@ -60,6 +55,7 @@ class RestApp:
         """Read the gateway's tenant header (only behind the internal secret, protocols/internal.py)."""
         self.header_cache = codec.HeaderCache()
         """Inference headers parsed and encoded once (``codec.HeaderCache``)."""
+        self._answers = self._answering()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -74,60 +70,68 @@ class RestApp:
             await _reply(send, status, body, _JSON, *extra)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        dp = self.dataplane
         method = scope["method"]
         parts = scope["path"].strip("/").split("/")
         if not parts or parts[0] != "v2":
             raise HttpError(404, f"no endpoint {scope['path']}; the API is under /v2")
-        n = len(parts)
-        if n >= 3 and parts[1] == "models" and parts[2] != "stats":
-            name, version, action = _model_route(parts)
-            if action == "infer" and method == "POST":
-                body = await self._body(scope, receive)
-                out, extra = await self.infer(name, version, scope["headers"], body)
-                await _reply(send, 200, out, *extra)
-                return
-            if method == "GET":
-                if action == "":
-                    await _reply(send, 200, codec.dumps(codec.model_metadata(dp.model_metadata(name, version))))
-                    return
-                if action == "ready":
-                    ready = dp.model_ready(name, version)
-                    await _reply(
-                        send,
-                        200 if ready else 400,
-                        b"" if ready else codec.dumps({"error": f"model {name!r} is not ready"}),
-                    )
-                    return
-                if action == "config":
-                    await _reply(send, 200, codec.dumps(codec.message_to_json(dp.model_config(name, version))))
-                    return
-                if action == "stats":
-                    await _reply(send, 200, codec.dumps(codec.statistics(dp.model_statistics(name, version))))
-                    return
-        elif method == "GET" and n == 1:
-            await _reply(send, 200, codec.dumps(codec.server_metadata(dp.server_metadata())))
-            return
-        elif method == "GET" and n == 3 and parts[1] == "health":
-            ok = dp.live() if parts[2] == "live" else dp.server_ready() if parts[2] == "ready" else None
-            if ok is not None:
-                await _reply(send, 200 if ok else 503, b"")
-                return
-        elif method == "GET" and n == 3 and parts[1:] == ["models", "stats"]:
-            await _reply(send, 200, codec.dumps(codec.statistics(dp.model_statistics())))
-            return
-        elif method == "POST" and n >= 3 and parts[1] == "repository":
-            body = await self._body(scope, receive)
-            if parts[2:] == ["index"]:
-                options = codec.loads(body) if body.strip() else {}
-                ready = bool(options.get("ready", False)) if isinstance(options, dict) else False
-                await _reply(send, 200, codec.dumps(codec.repository_index(dp.repository_index(ready))))
-                return
-            if n == 5 and parts[2] == "models" and parts[4] in ("load", "unload"):
-                await (dp.load(parts[3]) if parts[4] == "load" else dp.unload(parts[3]))
-                await _reply(send, 200, b"")
-                return
-        raise HttpError(404 if method in ("GET", "POST") else 405, f"no endpoint {method} {scope['path']}")
+        found = oip_match(method, parts)
+        answer = None if found is None else self._answers.get(found.endpoint.name)
+        if found is None or answer is None:
+            if method == "POST" and len(parts) >= 3 and parts[1] == "repository":
+                await self._body(scope, receive)  # the repository extension reads its body before its path
+            raise HttpError(404 if method in ("GET", "POST") else 405, f"no endpoint {method} {scope['path']}")
+        status, body, headers = await answer(found, scope, receive)
+        await _reply(send, status, body, *headers)
+
+    def _answering(self) -> dict[str, Answering]:
+        """Each endpoint of the table (``protocols/endpoints.py``) this app serves, by name: what answers it."""
+        dp = self.dataplane
+
+        def now(answer: Callable[[Match], Answer]) -> Answering:
+            async def answering(found: Match, scope: Scope, receive: Receive) -> Answer:
+                return answer(found)
+
+            return answering
+
+        def dumped(status: int, value: Any) -> Answer:
+            return status, codec.dumps(value), ()
+
+        return {
+            "health_live": now(lambda m: (200 if dp.live() else 503, b"", ())),
+            "health_ready": now(lambda m: (200 if dp.server_ready() else 503, b"", ())),
+            "server_metadata": now(lambda m: dumped(200, codec.server_metadata(dp.server_metadata()))),
+            "model_metadata": now(lambda m: dumped(200, codec.model_metadata(dp.model_metadata(m.model, m.version)))),
+            "model_ready": now(self._ready),
+            "model_config": now(lambda m: dumped(200, codec.message_to_json(dp.model_config(m.model, m.version)))),
+            "model_stats": now(lambda m: dumped(200, codec.statistics(dp.model_statistics(m.model, m.version)))),
+            "statistics": now(lambda m: dumped(200, codec.statistics(dp.model_statistics()))),
+            "infer": self._infer,
+            "repository_index": self._repository_index,
+            "repository_load": self._repository_load,
+            "repository_unload": self._repository_load,
+        }
+
+    def _ready(self, found: Match) -> Answer:
+        if self.dataplane.model_ready(found.model, found.version):
+            return 200, b"", ()
+        return 400, codec.dumps({"error": f"model {found.model!r} is not ready"}), ()
+
+    async def _infer(self, found: Match, scope: Scope, receive: Receive) -> Answer:
+        body = await self._body(scope, receive)
+        out, extra = await self.infer(found.model, found.version, scope["headers"], body)
+        return 200, out, extra
+
+    async def _repository_index(self, found: Match, scope: Scope, receive: Receive) -> Answer:
+        body = await self._body(scope, receive)
+        options = codec.loads(body) if body.strip() else {}
+        ready = bool(options.get("ready", False)) if isinstance(options, dict) else False
+        return 200, codec.dumps(codec.repository_index(self.dataplane.repository_index(ready))), ()
+
+    async def _repository_load(self, found: Match, scope: Scope, receive: Receive) -> Answer:
+        await self._body(scope, receive)
+        dp = self.dataplane
+        await (dp.load(found.model) if found.endpoint.name == "repository_load" else dp.unload(found.model))
+        return 200, b"", ()
 
     async def infer(
         self, name: str, version: str, headers: Headers, body: bytes
@@ -230,19 +234,8 @@ def infer_target(path: str) -> tuple[str, str] | None:
     parts = path.strip("/").split("/")
     if len(parts) < 4 or parts[2] == "stats":
         return None
-    name, version, action = _model_route(parts)
+    name, version, action = model_route(parts)
     return (name, version) if action == "infer" else None
-
-
-def _model_route(parts: list[str]) -> tuple[str, str, str | None]:
-    """``v2/models/<m>[/versions/<v>][/<action>]`` split: model, version ("" for the latest), action ("" for the
-    model itself; None for a path of more parts)."""
-    name = parts[2]
-    version, rest = "", parts[3:]
-    if len(rest) >= 2 and rest[0] == "versions":
-        version, rest = rest[1], rest[2:]
-    action = rest[0] if len(rest) == 1 else ("" if not rest else None)
-    return name, version, action
 
 
 def error_answer(e: Exception, method: str, path: str) -> tuple[int, bytes, tuple[tuple[bytes, bytes], ...]]:

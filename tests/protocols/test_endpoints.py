@@ -1,0 +1,101 @@
+"""The one table of inference endpoints (protocols/endpoints.py): how a path is matched, and that every front
+serves exactly the rows that are its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from octacloud.protocols.endpoints import (
+    BY_NAME,
+    ENDPOINTS,
+    OPEN_GRPC_METHODS,
+    OPEN_HTTP_PATHS,
+    generative_match,
+    oip_match,
+)
+from octacloud.protocols.openai import schema
+from octacloud.protocols.rest.app import RestApp
+
+
+def _split(path: str) -> list[str]:
+    return path.strip("/").split("/")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "name", "model", "version"),
+    [
+        ("GET", "/v2/health/live", "health_live", "", ""),
+        ("GET", "/v2/health/ready", "health_ready", "", ""),
+        ("GET", "/v2", "server_metadata", "", ""),
+        ("GET", "/v2/", "server_metadata", "", ""),
+        ("GET", "/v2/models/m", "model_metadata", "m", ""),
+        ("GET", "/v2/models/m/versions/3", "model_metadata", "m", "3"),
+        ("GET", "/v2/models/m/ready", "model_ready", "m", ""),
+        ("GET", "/v2/models/m/versions/3/ready", "model_ready", "m", "3"),
+        ("GET", "/v2/models/m/config", "model_config", "m", ""),
+        ("GET", "/v2/models/m/stats", "model_stats", "m", ""),
+        ("GET", "/v2/models/stats", "statistics", "", ""),
+        ("POST", "/v2/models/m/infer", "infer", "m", ""),
+        ("POST", "/v2/models/m/versions/2/infer", "infer", "m", "2"),
+        ("POST", "/v2/repository/index", "repository_index", "", ""),
+        ("POST", "/v2/repository/models/m/load", "repository_load", "m", ""),
+        ("POST", "/v2/repository/models/m/unload", "repository_unload", "m", ""),
+    ],
+)
+def test_an_oip_path_matches_its_row(method: str, path: str, name: str, model: str, version: str) -> None:
+    found = oip_match(method, _split(path))
+    assert found is not None
+    assert (found.endpoint.name, found.model, found.version) == (name, model, version)
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v2/models/m/infer"),  # the wrong method
+        ("POST", "/v2/models/m"),
+        ("PUT", "/v2/models/m/infer"),
+        ("GET", "/v2/repository/index"),
+        ("GET", "/v2/models/m/versions"),  # malformed: a version without its number
+        ("GET", "/v2/models/m/versions/1/ready/more"),
+        ("GET", "/v2/models/stats/ready"),  # "stats" is all models' statistics, not a model
+        ("GET", "/v2/models"),
+        ("GET", "/v2/health/dead"),
+        ("POST", "/v2/repository/models/m/reload"),
+        ("GET", "/v1/models"),  # OpenAI's API is the generative front's, not OIP's
+    ],
+)
+def test_other_paths_and_methods_match_no_oip_row(method: str, path: str) -> None:
+    assert oip_match(method, _split(path)) is None
+
+
+def test_generative_rows_are_openai_paths_and_the_generate_extension() -> None:
+    assert {path: generative_match(b"POST", path).name for path in schema.PATHS} == schema.PATHS  # type: ignore[union-attr]
+    assert generative_match(b"GET", "/v1/models") is BY_NAME["models"]
+    assert generative_match(b"GET", "/v1/chat/completions") is None
+    assert generative_match(b"POST", "/v1/nothing") is None
+    assert generative_match(b"POST", "/v2/models/m/generate") is BY_NAME["generate"]
+    assert generative_match(b"POST", "/v2/models/m/versions/1/generate_stream") is BY_NAME["generate_stream"]
+    assert generative_match(b"GET", "/v2/models/m/generate") is None
+    assert generative_match(b"POST", "/v2/models/m/infer") is None
+
+
+def test_the_open_endpoints_are_health_alone() -> None:
+    assert {"/v2/health/live", "/v2/health/ready"} == OPEN_HTTP_PATHS
+    assert {
+        "/inference.GRPCInferenceService/ServerLive",
+        "/inference.GRPCInferenceService/ServerReady",
+    } == OPEN_GRPC_METHODS
+
+
+def test_the_replica_rest_app_answers_every_oip_row_and_no_other() -> None:
+    served = set(RestApp(None)._answers)  # type: ignore[arg-type]
+    assert served == {e.name for e in ENDPOINTS if e.api == "oip" and e.path}
+
+
+def test_names_are_unique_and_every_operation_is_the_dataplanes() -> None:
+    from octacloud.serving import DataPlane
+
+    assert len(BY_NAME) == len(ENDPOINTS)
+    dataplane = DataPlane(None)  # type: ignore[arg-type]
+    missing = [e.name for e in ENDPOINTS if not hasattr(dataplane, e.operation)]
+    assert not missing, f"rows naming no DataPlane method: {missing}"
