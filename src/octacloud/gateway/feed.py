@@ -8,12 +8,14 @@ say ``{"t": "hello", "secret": <the cloud's internal secret>, "worker": i, "pid"
 - main → worker: ``snapshot`` (the route table, at once and then whenever it changes: the hub compares a fresh
   snapshot every ``poll_s``), ``shares`` (the worker's fractions of the tenants' rate limits, rebalanced every
   ``rebalance_s``, and what the other workers have in flight at each deployment; at once and then whenever it
-  changed; see ``gateway.sharing``), ``readmit`` (a replica the controller found ready again: its ejection ends
-  at every worker), ``forget`` (a key revoked, a tenant disabled or its quota changed: every worker drops its
-  cached verification at once), ``ready`` (the controller loop's readiness, every ``heartbeat_s``);
+  changed; see ``gateway.sharing``), ``admitted`` / ``over`` (the answer to an ``admit``), ``readmit`` (a
+  replica the controller found ready again: its ejection ends at every worker), ``forget`` (a key revoked, a
+  tenant disabled or its quota changed: every worker drops its cached verification at once), ``ready`` (the
+  controller loop's readiness, every ``heartbeat_s``);
 - worker → main: ``serving`` (its fronts listen), ``counters`` (what it counted since its last push, every
   ``push_s``; see ``gateway.sharing``), ``demand`` (the requests each rate-limited tenant sent it since its last
-  push, admitted or not).
+  push, admitted or not), ``admit`` and ``settle`` (a generation of a tenant with generation limits, before it
+  starts and when it ends: the main process holds those limits for every worker; see ``gateway.generations``).
 
 A worker that stops hearing from the main process for ``stale_s`` reports not ready; one whose connection
 ends exits (its supervisor, in the main process, starts a new one).
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from octacloud.gateway.generations import GenerationOwner, RemoteGenerationLimits
 from octacloud.gateway.routing import RouteTable
 from octacloud.gateway.sharing import (
     CounterMerger,
@@ -43,6 +46,7 @@ from octacloud.gateway.sharing import (
     route_snapshot,
 )
 from octacloud.security import internal_auth
+from octacloud.tenancy.tokens import GenerationLimits
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +115,8 @@ class FeedHub:
         self.merger = CounterMerger(routes)
         self.rates = DemandShares(workers)
         """Each worker's fractions of the tenants' rates."""
+        self.generations = GenerationOwner(GenerationLimits())
+        """The tenants' generation limits (streams, tokens per minute), for every worker."""
         self.workers: dict[int, _Worker] = {}
         """Connected workers by :attr:`_Worker.key` (index and pid)."""
         self.refused = 0
@@ -220,6 +226,10 @@ class FeedHub:
                     self.merger.add(worker.key, message)
                 elif message["t"] == "demand":
                     self.rates.add(index, message.get("tenants"))
+                elif message["t"] == "admit":
+                    worker.send(_line(self.generations.admit(worker.key, message)))
+                elif message["t"] == "settle":
+                    self.generations.settle(worker.key, message)
                 elif message["t"] == "serving":
                     ports = message.get("ports")
                     if not (isinstance(ports, list) and len(ports) == 2 and all(isinstance(p, int) for p in ports)):
@@ -242,6 +252,7 @@ class FeedHub:
                 self.workers.pop(worker.key, None)
                 self.merger.gone(worker.key)
                 self.rates.gone(worker.index)
+                self.generations.gone(worker.key)
             writer.close()
 
 
@@ -270,6 +281,8 @@ class FeedClient:
         self.push_s = push_s
         self.stale_s = stale_s
         self.tracker = CounterTracker(routes)
+        self.generations = RemoteGenerationLimits(self._send)
+        """The tenants' generation limits, as the main process holds them."""
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._main_ready = False
@@ -325,6 +338,7 @@ class FeedClient:
                     return
                 self._apply(_parse(line))
         finally:
+            self.generations.close()
             pusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await pusher
@@ -343,6 +357,8 @@ class FeedClient:
             elsewhere = parse_levels(message.get("inflight_elsewhere"))
             self.limiter.set_fractions(message.get("rates"))  # checked before anything changes, as elsewhere was
             self.routes.inflight_elsewhere = elsewhere
+        elif kind in ("admitted", "over"):
+            self.generations.answer(message)
         elif kind == "ready":
             self._main_ready = message.get("ready") is True
         elif kind == "readmit":

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from octacloud.gateway.forward import Unanswered
 from octacloud.gateway.routing import DeploymentCounters, Endpoint
@@ -33,10 +33,21 @@ from octacloud.security.internal_auth import REPLICA_HEADER_BYTES, TENANT_HEADER
 from octacloud.serving.generate.client import Answer, StreamError, Target, request
 from octacloud.serving.generate.sse import EventSplitter, data_of
 from octacloud.tenancy import AuthError, Principal, RateLimitedError
-from octacloud.tenancy.tokens import GenerationLimits, OverLimitError
+from octacloud.tenancy.tokens import GenerationLimits, Hold, OverLimitError
 
 if TYPE_CHECKING:
     from octacloud.gateway.rest import RestGateway
+    from octacloud.tenancy.keys import Quota
+
+
+class Admission(Protocol):
+    """Who admits a tenant's generations: :class:`GenerationLimits` in this process, or a gateway worker's
+    ``gateway.generations.RemoteGenerationLimits``, which asks the main process."""
+
+    async def ask(self, tenant: str, quota: Quota, estimate: int) -> Hold: ...
+
+    def settle(self, hold: Hold, used: int) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +82,10 @@ class OpenAIFront:
     """``/v1/models``, ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings`` and
     ``/v2/models/<m>/generate[_stream]`` on the gateway's HTTP/1.1 server (see the module docstring)."""
 
-    def __init__(self, gateway: RestGateway, limits: GenerationLimits | None = None) -> None:
+    def __init__(self, gateway: RestGateway, limits: Admission | None = None) -> None:
         self.gateway = gateway
         clock = gateway.guard.keys.clock if gateway.guard is not None else None
-        self.limits = limits or GenerationLimits(clock)
+        self.limits: Admission = limits or GenerationLimits(clock)
 
     async def __call__(self, request: Http1Request) -> None:
         target = generative_target(request.method, request.path)
@@ -128,7 +139,7 @@ class OpenAIFront:
             estimate = call.prompt_bytes() // 4 + call.requested_tokens()
         unknown = f"The model '{deployment}' does not exist or you do not have access to it."
         counters = gateway.admit(deployment, principal, unknown)
-        hold = self.limits.admit(principal.tenant, principal.quota, estimate)
+        hold = await self.limits.ask(principal.tenant, principal.quota, estimate)
         traffic = gateway.routes.tenant_traffic(principal.tenant, deployment)
         billed = Billed(traffic)
         endpoint: Endpoint | None = None

@@ -28,7 +28,7 @@ from typing import TypeVar
 from octacloud import __version__
 from octacloud.gateway.forward import Ask, Exhausted, Forwarding, TimedOut, Unanswered
 from octacloud.gateway.limits import GatewayLimits
-from octacloud.gateway.openai import OpenAIFront, is_generative_path
+from octacloud.gateway.openai import Admission, OpenAIFront, is_generative_path
 from octacloud.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable
 from octacloud.gateway.stats import merge_model_statistics
 from octacloud.gateway.upstream import HOP_BY_HOP, Response, UpstreamError, UpstreamPool
@@ -142,6 +142,7 @@ class RestGateway:
         metrics: ASGIApp | None = None,
         limits: GatewayLimits | None = None,
         internal_secret: str | None = None,
+        generation_limits: Admission | None = None,
     ) -> None:
         self.dashboard = dashboard
         """``/dashboard...``: public static page; its JSON API checks the admin key itself."""
@@ -160,8 +161,9 @@ class RestGateway:
         """Seconds to wait for a replica's answer (``GatewayLimits.upstream_timeout_s`` unless given)."""
         self._internal = [(HEADER_BYTES, internal_secret.encode())] if internal_secret else []
         """Added to every request forwarded to a replica: it proves the request comes from this cloud."""
-        self.openai = OpenAIFront(self)
-        """OpenAI's API and Triton's generate extension, streamed (``gateway/openai.py``)."""
+        self.openai = OpenAIFront(self, generation_limits)
+        """OpenAI's API and Triton's generate extension, streamed (``gateway/openai.py``); a tenant's generation
+        limits are ``generation_limits`` (a gateway worker's ask the main process), else this process's own."""
         routes.on_drop.append(lambda e: self.pool.forget(e.host, e.http_port))
         routes.on_gone.append(self._abandon)
         self._bridge = AsgiBridge(self)

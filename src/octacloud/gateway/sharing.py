@@ -21,6 +21,7 @@
   (:meth:`CounterMerger.elsewhere`), against the deployment's bound: no worker's share is fixed, so none sheds
   while the others leave the bound unused; workers that take requests in the same push interval may together
   pass the bound by what they took in it.
+- **Generation limits.** Not shared out but held by the main process alone (``gateway.generations``).
 """
 
 from __future__ import annotations

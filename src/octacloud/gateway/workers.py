@@ -345,6 +345,7 @@ async def serve_worker(spec: WorkerSpec, index: int) -> None:
         limits=limits,
         internal_secret=secret,
         pool=pool,
+        generation_limits=feed.generations,
     )
     grpc_gateway = GrpcGateway(
         routes, ready=feed.ready, guard=guard, limits=limits, internal_secret=secret, replica_ssl=channel_tls

@@ -9,6 +9,9 @@ refill pays it off (``Retry-After``).
 
 Every generation in flight counts against ``max_streams``, whether it streams or not (a generation holds an
 engine slot either way).
+
+One process holds a tenant's limits: the gateway's, or with gateway workers the main process's, which the workers
+ask (``gateway/generations.py``), so that N workers give a tenant its limits once, not N times.
 """
 
 from __future__ import annotations
@@ -47,11 +50,13 @@ class Hold:
     tenant: str
     tokens: int
     budgeted: bool
+    ticket: int = 0
+    """Where another process holds it (a gateway worker's admission at the main process): its id there."""
 
 
 @dataclass(slots=True)
 class GenerationLimits:
-    """Per-tenant token budgets and stream counts of one gateway process (see the module docstring)."""
+    """Per-tenant token budgets and stream counts (see the module docstring)."""
 
     clock: Clock | None = None
     _budgets: dict[str, _Budget] = field(default_factory=dict)
@@ -60,6 +65,10 @@ class GenerationLimits:
 
     def _now(self) -> float:
         return (self.clock or SystemClock()).monotonic()
+
+    async def ask(self, tenant: str, quota: Quota, estimate: int) -> Hold:
+        """:meth:`admit`, as the gateway's front asks it (a gateway worker asks the main process instead)."""
+        return self.admit(tenant, quota, estimate)
 
     def admit(self, tenant: str, quota: Quota, estimate: int) -> Hold:
         """Admit one generation estimated at ``estimate`` tokens, or raise :class:`OverLimitError`."""
