@@ -1,6 +1,7 @@
 """Generation through octacloud's gateway vs the engine's own OpenAI server, side by side in one run.
 
-    .venv/bin/python bench/llm.py [--model-dir DIR] [--streams 1 8 32] [--max-tokens 64] [--rounds 2]
+    .venv/bin/python bench/llm.py [--model-dir DIR] [--streams 1 8 32] [--max-tokens 64] [--rounds 3]
+                                  [--via engine replica octacloud worker]
 
 Starts ``octacloud up`` (a one-node, one-card CPU fleet) and deploys SmolLM2 (``$OCTACLOUD_MODELS/smollm2``, or
 ``--model-dir``) on the whole card, so that its engine gets every core; then starts llama.cpp's own
@@ -17,6 +18,11 @@ octacloud ÷ engine for each, and the goals: throughput ≥ 0.95×, TTFT p99 ≤
 second at 8 streams ≥ 2× at 1 stream (continuous batching against one stream at a time). Both servers run while
 the bench runs; only one is under load at a time. Each run appends its figures to ``bench/results/llm.jsonl``
 (``bench/record.py``; ``--no-record`` does not).
+
+``--via`` names the servers compared (``engine`` and ``octacloud`` by default, which the goals compare); to see
+what each hop adds, also ``replica`` (the replica's own port, asked with the cloud's internal secret, as the
+gateway asks it) and ``worker`` (a second cloud, its gateway in a worker process: ``--gateway-workers 1``, as
+``octacloud up`` runs by default; ``octacloud`` is ``--gateway-workers 0``, the gateway in ``up``'s process).
 
 The client is octacloud's streaming HTTP/1.1 client in this process (asyncio; it costs both sides the same); the
 gateway's key is the admin key ``up`` wrote. The engine's own server gets no key (it is on loopback, as a user
@@ -39,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from benchutil import LocalCloud, free_port
+from octacloud.security.internal_auth import HEADER_BYTES, REPLICA_HEADER_BYTES
 from octacloud.serving.generate.args import EngineArgs
 from octacloud.serving.generate.client import Target, request
 from octacloud.serving.generate.engine import find_llama_server
@@ -46,6 +53,7 @@ from octacloud.serving.generate.sse import EventSplitter, data_of
 from record import Recorder, add_flag
 
 ROOT = Path(__file__).resolve().parent.parent
+VIA = ("engine", "replica", "octacloud", "worker")
 PROMPT = [{"role": "user", "content": "Write a long story about a robot who learns to paint."}]
 
 
@@ -97,11 +105,19 @@ async def one_stream(target: Target, headers: list[tuple[bytes, bytes]], body: b
                 last = now
 
 
-async def run_point(target: Target, key: str, streams: int, completions: int, max_tokens: int) -> Point:
+@dataclass(frozen=True, slots=True)
+class Server:
+    """One server the bench asks: where, and the headers that authorize the call there."""
+
+    name: str
+    target: Target
+    auth: tuple[tuple[bytes, bytes], ...] = ()
+
+
+async def run_point(server: Server, streams: int, completions: int, max_tokens: int) -> Point:
     """``completions`` streamed completions asked by ``streams`` concurrent closed loops (each its share)."""
-    headers = [(b"content-type", b"application/json")]
-    if key:
-        headers.append((b"authorization", f"Bearer {key}".encode()))
+    target = server.target
+    headers = [(b"content-type", b"application/json"), *server.auth]
     body = json.dumps(
         {
             "model": "smollm2",
@@ -181,6 +197,9 @@ def main() -> None:
         "--completions", type=int, default=16, help="Completions per point (at least 2 per stream: 2 × streams)."
     )
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--via", nargs="+", choices=VIA, default=["engine", "octacloud"], help="Servers compared (module docstring)."
+    )
     add_flag(parser)
     opts = parser.parse_args()
     recorder = Recorder("llm")
@@ -190,25 +209,37 @@ def main() -> None:
     repo = Path(tempfile.mkdtemp(prefix="octacloud-llm-repo-"))
     (repo / "smollm2").symlink_to(opts.model_dir.resolve(), target_is_directory=True)
     # A card's 6 octants (what one replica may hold with the failover reserve kept) get every core of the machine.
-    cloud = LocalCloud(repo, prefix="octacloud-llm-bench-", cpu_milli=-(-cores * 8 // 6) * 1000)
-    engine, direct, log = None, None, None
+    cpu_milli = -(-cores * 8 // 6) * 1000
+    clouds = {"octacloud": LocalCloud(repo, prefix="octacloud-llm-bench-", cpu_milli=cpu_milli)}
+    if "worker" in opts.via:
+        clouds["worker"] = LocalCloud(repo, prefix="octacloud-llm-bench-", cpu_milli=cpu_milli,
+                                      extra=["--gateway-workers", "1"])  # fmt: skip
+    engine, log = None, None
     try:
-        cloud.start()
-        replica = cloud.deploy({"name": "smollm2", "model": "smollm2", "octants": 6})
-        threads = int(replica["env"]["OCTACLOUD_THREADS"])
+        servers, threads = {}, 0
+        for name, cloud in clouds.items():
+            cloud.start()
+            replica = cloud.deploy({"name": "smollm2", "model": "smollm2", "octants": 6})
+            threads = int(replica["env"]["OCTACLOUD_THREADS"])
+            servers[name] = Server(name, Target("127.0.0.1", cloud.http_port),
+                                   ((b"authorization", f"Bearer {cloud.key}".encode()),))  # fmt: skip
+            if name == "octacloud":
+                internal = ((HEADER_BYTES, cloud.secret.encode()), (REPLICA_HEADER_BYTES, replica["id"].encode()))
+                servers["replica"] = Server("replica", Target("127.0.0.1", int(replica["http_port"])), internal)
         engine, direct, log = start_engine(opts.model_dir, threads)
-        gateway = Target("127.0.0.1", cloud.http_port)
-        for target, key in ((direct, ""), (gateway, cloud.key)):  # warm both up: first prompt, caches, connections
-            asyncio.run(run_point(target, key, 2, 4, 16))
+        servers["engine"] = Server("engine", direct)
+        chosen = [servers[name] for name in VIA if name in opts.via]
+        for server in chosen:  # warm each up: first prompt, caches, connections
+            asyncio.run(run_point(server, 2, 4, 16))
         results: dict[tuple[str, int], list[Point]] = {}
         for streams in opts.streams:
             completions = max(opts.completions, 2 * streams)
             for r in range(opts.rounds):
-                order = [("engine", direct, ""), ("octacloud", gateway, cloud.key)]
-                for name, target, key in order if r % 2 == 0 else order[::-1]:
-                    point = asyncio.run(run_point(target, key, streams, completions, opts.max_tokens))
-                    results.setdefault((name, streams), []).append(point)
-                    print(f"  {row(name, streams, point)}  (round {r + 1}, load {os.getloadavg()[0]:.1f})", flush=True)
+                for server in chosen if r % 2 == 0 else chosen[::-1]:
+                    point = asyncio.run(run_point(server, streams, completions, opts.max_tokens))
+                    results.setdefault((server.name, streams), []).append(point)
+                    print(f"  {row(server.name, streams, point)}  (round {r + 1}, load {os.getloadavg()[0]:.1f})",
+                          flush=True)  # fmt: skip
         recorder.save(report(results, opts, threads))
     finally:
         if engine is not None:
@@ -216,34 +247,39 @@ def main() -> None:
             engine.wait(30)
         if log is not None:
             log.unlink(missing_ok=True)
-        cloud.stop()
+        for cloud in clouds.values():
+            cloud.stop()
 
 
 def report(results: dict[tuple[str, int], list[Point]], opts: argparse.Namespace, threads: int) -> dict[str, Any]:
     """Print the table and the goals; returns the figures to record."""
     print(f"\n{'server':<10} {'streams':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
           f"{'ITL p99':>8} {'errors':>6}   (ms; {threads} threads, {opts.max_tokens} tokens a completion)")  # fmt: skip
-    record: dict[str, Any] = {"threads": threads, "max_tokens": opts.max_tokens, "points": []}
+    record: dict[str, Any] = {"threads": threads, "max_tokens": opts.max_tokens, "via": opts.via, "points": []}
     merged = {key: merge(points) for key, points in results.items()}
+    names = [name for name in VIA if name in opts.via]
     for streams in opts.streams:
-        ours, theirs = merged[("octacloud", streams)], merged[("engine", streams)]
-        print(row("engine", streams, theirs))
-        print(row("octacloud", streams, ours))
-        ratio = ours.tokens_per_s / theirs.tokens_per_s if theirs.tokens_per_s else float("nan")
-        ttft = pct(ours.ttft_ms, 0.99) / pct(theirs.ttft_ms, 0.99)
-        print(f"{'ratio':<10} {streams:>7} {ratio:>9.3f} {'':>9} {ttft:>9.3f}   (octacloud ÷ engine)")
-        record["points"].append({
-            "streams": streams,
-            "engine": _figures(theirs),
-            "octacloud": _figures(ours),
-            "throughput_ratio": ratio,
-            "ttft_p99_ratio": ttft,
-        })  # fmt: skip
+        point: dict[str, Any] = {"streams": streams}
+        for name in names:
+            print(row(name, streams, merged[(name, streams)]))
+            point[name] = _figures(merged[(name, streams)])
+        theirs = merged.get(("engine", streams))
+        for name in [n for n in names if n != "engine" and theirs is not None]:
+            assert theirs is not None
+            ours = merged[(name, streams)]
+            ratio = ours.tokens_per_s / theirs.tokens_per_s if theirs.tokens_per_s else float("nan")
+            ttft = pct(ours.ttft_ms, 0.99) / pct(theirs.ttft_ms, 0.99)
+            print(f"{'ratio':<10} {streams:>7} {ratio:>9.3f} {'':>9} {ttft:>9.3f}   ({name} ÷ engine)")
+            if name == "octacloud":
+                point["throughput_ratio"], point["ttft_p99_ratio"] = ratio, ttft
+        record["points"].append(point)
     goals = []
     for p in record["points"]:
+        if "throughput_ratio" not in p:
+            continue
         goals.append((f"throughput at {p['streams']} stream(s) ≥ 0.95× the engine's", p["throughput_ratio"] >= 0.95))
         goals.append((f"TTFT p99 at {p['streams']} stream(s) ≤ 1.1× the engine's", p["ttft_p99_ratio"] <= 1.1))
-    if 1 in opts.streams and 8 in opts.streams:
+    if 1 in opts.streams and 8 in opts.streams and {"engine", "octacloud"} <= set(names):
         batching = merged[("octacloud", 8)].tokens_per_s / merged[("octacloud", 1)].tokens_per_s
         own = merged[("engine", 8)].tokens_per_s / merged[("engine", 1)].tokens_per_s
         record["batching_8_vs_1"] = {"octacloud": batching, "engine": own}
