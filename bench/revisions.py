@@ -72,6 +72,7 @@ NUM = r"(-?[\d.]+|nan|inf)"
 SERVING_ROW = re.compile(rf"^(http|grpc)\s+(\d+) \| (\S+)\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+\S+\s+\S+ \|")
 CLOUD_ROW = re.compile(rf"^(shared|split|apart)\s+(http|grpc)\s+(\d+)\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}\s+"
                        rf"{NUM}\s+{NUM}\s+{NUM}\s+\S+\s*$")  # fmt: skip
+SIDE_DIR = re.compile(r"^octa-(before|after)-\w+$")
 FLEET_ROW = re.compile(r"^openb fleet ×(\d+): (\d+) nodes, (\d+) GPUs")
 PASS_ROW = re.compile(
     r"^\s+(indexed|exhaustive)\s+pass\s+(\d+) ms wall\s+(\d+) ms cpu;.*?(?:; placed (\d+), moves (\d+))?$"
@@ -208,18 +209,66 @@ def git(*args: str) -> str:
     return done.stdout.strip()
 
 
+OWNER = "owner.pid"  # in a temporary worktree's folder: the run that made it
+
+
+def ours(porcelain: str, tmp: Path) -> list[Path]:
+    """The worktrees ``git worktree list --porcelain`` names that a run of this bench made under ``tmp``."""
+    paths = [Path(line.split(" ", 1)[1]) for line in porcelain.splitlines() if line.startswith("worktree ")]
+    return [p for p in paths if p.name == "octacloud" and p.parent.parent == tmp and SIDE_DIR.match(p.parent.name)]
+
+
+def stale(trees: Sequence[Path], alive: Callable[[int], bool]) -> list[Path]:
+    """Those of ``trees`` whose run is gone (killed before it could remove them); one with no owner is left."""
+    found = []
+    for tree in trees:
+        try:
+            pid = int((tree.parent / OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        if not alive(pid):
+            found.append(tree)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove(tree: Path) -> None:
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "remove", "--force", "--force", str(tree)],
+        capture_output=True,
+        check=False,
+    )
+    shutil.rmtree(tree.parent, ignore_errors=True)
+
+
+def remove_stale() -> list[Path]:
+    """Remove the temporary worktrees of earlier runs that were killed (kill -9) before they removed them."""
+    found = stale(ours(git("worktree", "list", "--porcelain"), Path(tempfile.gettempdir())), alive)
+    for tree in found:
+        remove(tree)
+    return found
+
+
 @contextmanager
 def worktree(revision: str, side: str) -> Iterator[Path]:
     """A detached checkout of ``revision`` in a temporary folder, removed (and unregistered) afterwards."""
     parent = Path(tempfile.mkdtemp(prefix=f"octa-{side}-"))
+    (parent / OWNER).write_text(str(os.getpid()))
     tree = parent / "octacloud"
-    git("worktree", "add", "--detach", "--quiet", str(tree), revision)
     try:
+        git("worktree", "add", "--detach", "--quiet", str(tree), revision)
         yield tree
     finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
-        shutil.rmtree(parent, ignore_errors=True)
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
+        remove(tree)
 
 
 def run_bench(tree: Path, bench: str, args: list[str]) -> str:
@@ -269,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     commits = {side: git("rev-parse", "--verify", f"{getattr(args, side)}^{{commit}}") for side in ("before", "after")}
     recorder = Recorder("revisions", None if argv is None else [sys.argv[0], *argv])
+    for tree in remove_stale():
+        print(f"removed {tree}, left by a run that was killed", flush=True)
     print(f"before {args.before} = {commits['before'][:12]}; after {args.after} = {commits['after'][:12]}", flush=True)
     samples = measure(commits, args.benches, {b: shlex.split(getattr(args, f"{b}_args")) for b in args.benches},
                       args.rounds)  # fmt: skip

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -161,3 +166,61 @@ def test_bad_rounds_and_unknown_revisions_are_refused_naming_them(
     assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no-such-revision"):
         rev.main(["--before", "no-such-revision", "--no-record"])
+
+
+def test_only_this_benchs_temporary_worktrees_of_a_dead_run_are_stale(rev: ModuleType, tmp_path: Path) -> None:
+    mine, gone = (tmp_path / f"octa-{side}-x1" / "octacloud" for side in ("before", "after"))
+    unowned = tmp_path / "octa-before-y2" / "octacloud"
+    for tree, pid in ((mine, "101"), (gone, "202"), (unowned, None)):
+        tree.mkdir(parents=True)
+        if pid is not None:
+            (tree.parent / rev.OWNER).write_text(pid)
+    porcelain = "\n".join(
+        f"worktree {p}\nHEAD abc\ndetached\n" for p in (Path("/work/main"), tmp_path / "other", mine, gone, unowned)
+    )
+    assert rev.ours(porcelain, tmp_path) == [mine, gone, unowned]
+    assert rev.stale(rev.ours(porcelain, tmp_path), alive=lambda pid: pid == 101) == [gone]
+
+
+def worktrees(rev: ModuleType) -> set[Path]:
+    return set(rev.ours(rev.git("worktree", "list", "--porcelain"), Path(tempfile.gettempdir())))
+
+
+def made_by(tree: Path, pid: int) -> bool:
+    """``tree`` is checked out, by the run ``pid``."""
+    owner = tree.parent / "owner.pid"
+    return owner.is_file() and owner.read_text() == str(pid) and (tree / "bench" / "scheduler_loop.py").is_file()
+
+
+def test_a_bench_that_fails_names_itself_and_leaves_no_worktree(
+    rev: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OCTACLOUD_TRACES", str(tmp_path / "none"))
+    before = worktrees(rev)
+    with pytest.raises(SystemExit, match=r"(?s)scheduler_loop at .* exited 2:.*no openb traces"):
+        rev.main(["--benches", "scheduler_loop", "--rounds", "1", "--no-record"])
+    assert worktrees(rev) == before
+
+
+def test_worktrees_left_by_a_run_killed_with_kill_9_are_removed_by_the_next(rev: ModuleType, tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    os.mkfifo(traces / "openb_node_list_gpu_node.csv")  # the bench blocks reading it: the run is in the middle
+    proc = subprocess.Popen(
+        [sys.executable, str(BENCH), "--benches", "scheduler_loop", "--rounds", "1", "--no-record"],
+        env={**os.environ, "OCTACLOUD_TRACES": str(traces)}, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300  # against a hang only
+        while len(left := [t for t in worktrees(rev) if made_by(t, proc.pid)]) < 2:
+            assert proc.poll() is None, "the run ended before it made both worktrees"
+            assert time.monotonic() < deadline, "the run made no worktrees"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the run and the bench it started
+        proc.wait()
+    assert all(t.is_dir() for t in left)
+    assert set(left) <= set(rev.remove_stale())
+    assert not set(left) & worktrees(rev)
+    assert not any(t.parent.exists() for t in left)
