@@ -159,9 +159,12 @@ def batching_text(max_batch: int, delay_us: int, preferred: list[int]) -> str:
     )
 
 
-def write_repos(model_dir: Path, work: Path, name: str, batching: str, computes: list[str]) -> dict[str, Path]:
+def write_repos(
+    model_dir: Path, work: Path, name: str, batching: str, computes: list[str], *, triton: bool = True
+) -> dict[str, Path]:
     """Repositories with the same model and batching: octacloud's (onnxruntime; one per ``compute`` mode,
-    labelled as :func:`label` says) and Triton's (python backend)."""
+    labelled as :func:`label` says) and, with ``triton``, Triton's (python backend; it reads the Triton peer's
+    folder, which ``--skip-triton`` does not need)."""
     onnx = model_dir / "1" / "model.onnx"
     in_name, in_dims, out_name, out_dims = io_of(onnx)
     io = (
@@ -176,6 +179,8 @@ def write_repos(model_dir: Path, work: Path, name: str, batching: str, computes:
         where = f'parameters {{ key: "compute" value {{ string_value: "{compute}" }} }}\n'
         (ours / "config.pbtxt").write_text(f'backend: "onnxruntime"\n{batching}{io}{where}')
         repos[label(compute)] = ours.parent
+    if not triton:
+        return repos
     theirs = work / "triton" / name
     (theirs / "1").mkdir(parents=True)
     shutil.copy(onnx, theirs / "1" / "model.onnx")
@@ -363,7 +368,7 @@ def main() -> None:
         in_name, in_dims, _, _ = io_of(model_dir / "1" / "model.onnx")
         shape = f"{in_name}:{','.join(str(max(1, d)) for d in in_dims)}"
         batching = batching_text(args.max_batch, args.delay_us, preferred)
-        repos = write_repos(model_dir, work, name, batching, args.compute)
+        repos = write_repos(model_dir, work, name, batching, args.compute, triton=not args.skip_triton)
         servers: dict[str, Server] = {}
         try:
             for kind in kinds:
