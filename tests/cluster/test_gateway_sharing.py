@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,7 +42,9 @@ def test_snapshot_round_trip_keeps_live_endpoint_state() -> None:
     apply_snapshot(worker, json.loads(json.dumps(route_snapshot(main))))
     assert route_snapshot(worker) == route_snapshot(main)
     r1 = worker.routes["a"][0]
-    r1.outstanding, r1.failures = 2, 3  # the worker's own live state and ejection
+    r1.outstanding = 2  # the worker's own live state and ejection
+    for _ in range(3):
+        worker.failed(r1)
     dropped: list[str] = []
     worker.on_drop.append(lambda e: dropped.append(e.replica_id))
     main.drop_endpoint("r2")
@@ -336,9 +339,12 @@ async def test_feed_pushes_routes_readmits_forgets_and_merges(tmp_path: Path) ->
         main.owners["b"] = Owner("acme")
         await _until(lambda: "b" in worker.routes and "b" in worker.owners)
         ejected = worker.routes["b"][0]
-        ejected.failures = 3
+        for _ in range(3):
+            worker.failed(ejected)  # the worker ejects it and tells the hub
+        await _until(lambda: hub.ejected == {"r3"})
         hub.readmit("r3")
         await _until(lambda: ejected.failures == 0)
+        assert not hub.ejected
         hub.forget("k1", None)
         await _until(lambda: forgotten == [("k1", None)])
 
@@ -386,4 +392,56 @@ async def test_feed_refuses_a_client_without_the_secret(tmp_path: Path) -> None:
         await unknown.close()
         assert hub.refused == 3 and not hub.workers
     finally:
+        await hub.stop()
+
+
+async def test_feed_readmits_only_what_a_worker_ejected(tmp_path: Path) -> None:
+    """The controller reports every probe that passes; the hub sends a readmission only for a replica some worker
+    said it ejected, once, and forgets ejections of replicas no longer routed. A second worker hears the
+    readmission too; an ``ejected`` that is not a replica id cuts its worker off, and the other keeps its feed."""
+    main = main_table()
+    hub = FeedHub(main, SECRET, tmp_path / "feed.sock", lambda: True, workers=2, poll_s=0.01)
+    sent: list[dict[str, Any]] = []
+    broadcast = hub.broadcast
+
+    def recorded(message: dict[str, Any]) -> None:
+        sent.append(message)
+        broadcast(message)
+
+    hub.broadcast = recorded  # type: ignore[method-assign]
+    await hub.start()
+    tables = [RouteTable(), RouteTable()]
+    clients = [
+        FeedClient(hub.path, SECRET, i, tables[i], lambda k, t: None, SharedRateLimiter(ManualClock(), 2), push_s=0.01)
+        for i in range(2)
+    ]
+    try:
+        for c in clients:
+            await c.connect()
+        running = [asyncio.create_task(c.run()) for c in clients]
+        hub.readmit("r1")  # ready, and ejected nowhere: nothing to say
+        hub.readmit("nobody")
+        assert not [m for m in sent if m["t"] == "readmit"]
+        r1, other = tables[0].routes["a"][0], tables[1].routes["a"][0]
+        for _ in range(3):
+            tables[0].failed(r1)
+        other.failures = 2  # failing at the other worker, not ejected: a readmission leaves its count
+        await _until(lambda: hub.ejected == {"r1"})
+        hub.readmit("r1")
+        hub.readmit("r1")  # the next probe: already readmitted
+        await _until(lambda: r1.failures == 0)
+        assert [m for m in sent if m["t"] == "readmit"] == [{"t": "readmit", "replica": "r1"}]
+        assert other.failures == 2 and not hub.ejected
+        for _ in range(3):
+            tables[1].failed(tables[1].routes["a"][1])
+        await _until(lambda: hub.ejected == {"r2"})
+        main.drop_endpoint("r2")  # no longer routed: its ejection is forgotten
+        await _until(lambda: not hub.ejected)
+        clients[1]._send({"t": "ejected", "replica": 7})
+        with pytest.raises(ShareError, match="ejected needs a replica id"):
+            await asyncio.wait_for(running[1], 5)
+        assert len(hub.workers) == 1 and tables[0].routes["a"] == [r1]
+    finally:
+        for c in clients:
+            await c.close()
         await hub.stop()

@@ -235,3 +235,22 @@ async def test_an_answer_is_billed_before_it_leaves_the_gateway() -> None:
     }
     await gateway(scope, receive, send)  # type: ignore[arg-type]
     assert seen == [(1, 2, len(b'{"outputs": []}'))]
+
+
+def test_readmission_ends_only_an_ejection() -> None:
+    """The controller readmits after every probe that passes: an endpoint not ejected keeps its failures, one no
+    longer routed is not touched, and the replica's current endpoint is the one readmitted."""
+    table = RouteTable(now=FakeClock())
+    a = Endpoint("a", "127.0.0.1", 1, 2)
+    table.update("m", [a])
+    table.failed(a)
+    assert table.readmit("a") is False and a.failures == 1
+    assert table.readmit("nobody") is False
+    moved = Endpoint("a", "127.0.0.1", 5, 6)  # the replica moved: a new endpoint
+    table.update("m", [moved])
+    assert table.endpoint("a") is moved
+    for _ in range(MAX_CONSECUTIVE_FAILURES):
+        table.failed(moved)
+    assert table.readmit("a") is True and table.choose("m") is moved
+    table.drop_endpoint("a")
+    assert table.endpoint("a") is None and table.readmit("a") is False

@@ -9,13 +9,14 @@ say ``{"t": "hello", "secret": <the cloud's internal secret>, "worker": i, "pid"
   snapshot every ``poll_s``), ``shares`` (the worker's fractions of the tenants' rate limits, rebalanced every
   ``rebalance_s``, and what the other workers have in flight at each deployment; at once and then whenever it
   changed; see ``gateway.sharing``), ``admitted`` / ``over`` (the answer to an ``admit``), ``readmit`` (a
-  replica the controller found ready again: its ejection ends at every worker), ``forget`` (a key revoked, a
-  tenant disabled or its quota changed: every worker drops its cached verification at once), ``ready`` (the
-  controller loop's readiness, every ``heartbeat_s``);
+  replica the controller found ready that a worker said it ejected: its ejection ends at every worker),
+  ``forget`` (a key revoked, a tenant disabled or its quota changed: every worker drops its cached verification
+  at once), ``ready`` (the controller loop's readiness, every ``heartbeat_s``);
 - worker → main: ``serving`` (its fronts listen), ``counters`` (what it counted since its last push, every
   ``push_s``; see ``gateway.sharing``), ``demand`` (the requests each rate-limited tenant sent it since its last
   push, admitted or not), ``admit`` and ``settle`` (a generation of a tenant with generation limits, before it
-  starts and when it ends: the main process holds those limits for every worker; see ``gateway.generations``).
+  starts and when it ends: the main process holds those limits for every worker; see ``gateway.generations``),
+  ``ejected`` (it ejected a replica's endpoint after failures in a row).
 
 A worker that stops hearing from the main process for ``stale_s`` reports not ready; one whose connection
 ends exits (its supervisor, in the main process, starts a new one).
@@ -121,6 +122,8 @@ class FeedHub:
         """Connected workers by :attr:`_Worker.key` (index and pid)."""
         self.refused = 0
         """Connections refused (wrong secret, malformed): for tests and logs."""
+        self.ejected: set[str] = set()
+        """Routed replicas that a worker said it ejected and that no readmission has ended since."""
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._snapshot = b""
@@ -156,7 +159,11 @@ class FeedHub:
             w.send(data)
 
     def readmit(self, replica_id: str) -> None:
-        self.broadcast({"t": "readmit", "replica": replica_id})
+        """The controller found ``replica_id`` ready: end its ejection at every worker, if one ejected it (the
+        controller says so after every probe that passes: a set lookup then, no message)."""
+        if replica_id in self.ejected:
+            self.ejected.discard(replica_id)
+            self.broadcast({"t": "readmit", "replica": replica_id})
 
     def forget(self, key_id: str | None, tenant: str | None) -> None:
         self.broadcast({"t": "forget", "key": key_id, "tenant": tenant})
@@ -182,6 +189,14 @@ class FeedHub:
             worker.shares = held
             worker.send(_line({"t": "shares", **held}))
 
+    def _ejected(self, replica: object) -> None:
+        """A worker ejected ``replica``'s endpoint: the next probe that finds it ready readmits it everywhere (one
+        the main table no longer routes to is let be: nothing would readmit it)."""
+        if not isinstance(replica, str):
+            raise ShareError("ejected needs a replica id")
+        if self.routes.endpoint(replica) is not None:
+            self.ejected.add(replica)
+
     async def _publish(self) -> None:
         last_beat = last_rebalance = 0.0
         was_ready: bool | None = None
@@ -189,6 +204,7 @@ class FeedHub:
             snapshot = _line({"t": "snapshot", **route_snapshot(self.routes)})
             if snapshot != self._snapshot:
                 self._snapshot = snapshot
+                self.ejected = {r for r in self.ejected if self.routes.endpoint(r) is not None}
                 for w in list(self.workers.values()):
                     w.send(snapshot)
             ready = self.ready()
@@ -236,6 +252,8 @@ class FeedHub:
                         raise ShareError("serving needs [http_port, grpc_port]")
                     worker.ports = (ports[0], ports[1])
                     log.info("gateway worker %d (pid %d) serves", index, pid)
+                elif message["t"] == "ejected":
+                    self._ejected(message.get("replica"))
                 else:
                     raise ShareError(f"unknown message {message['t']!r}")
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -283,6 +301,7 @@ class FeedClient:
         self.tracker = CounterTracker(routes)
         self.generations = RemoteGenerationLimits(self._send)
         """The tenants' generation limits, as the main process holds them."""
+        routes.on_eject.append(lambda e: self._send({"t": "ejected", "replica": e.replica_id}))
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._main_ready = False

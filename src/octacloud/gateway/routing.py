@@ -138,6 +138,11 @@ class RouteTable:
     inflight_elsewhere: dict[str, int] = field(default_factory=dict)
     """In a gateway worker: deployment → requests the other workers have in flight, as they last pushed it (every
     0.25 s; ``gateway.sharing``). They count against the deployment's in-flight bound here too."""
+    on_eject: list[Callable[[Endpoint], None]] = field(default_factory=list)
+    """Called with each endpoint this table ejects (a gateway worker tells the main process, whose readmissions
+    reach only the workers that ejected something)."""
+    _by_replica: dict[str, Endpoint] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Replica id → its endpoint in ``routes`` (what :meth:`readmit` and :meth:`endpoint` look up)."""
 
     def update(self, deployment: str, endpoints: Iterable[Endpoint]) -> None:
         """Set the ready endpoints of ``deployment``, keeping the live counts of endpoints that stay."""
@@ -153,6 +158,8 @@ class RouteTable:
         self.routes[deployment] = new
         self.counters.setdefault(deployment, DeploymentCounters())
         self._dropped(e for e in old.values() if id(e) not in kept_ids)
+        for e in new:
+            self._by_replica[e.replica_id] = e
 
     def remove(self, deployment: str) -> None:
         self._dropped(self.routes.pop(deployment, []))
@@ -178,6 +185,8 @@ class RouteTable:
 
     def _dropped(self, endpoints: Iterable[Endpoint]) -> None:
         for e in endpoints:
+            if self._by_replica.get(e.replica_id) is e:
+                del self._by_replica[e.replica_id]
             for callback in self.on_drop:
                 callback(e)
 
@@ -201,18 +210,26 @@ class RouteTable:
         e.ejected_until = now + self.outlier.ejection_s(e.ejections)
         e.ejections += 1
         e.last_ejected_at = now
+        for callback in self.on_eject:
+            callback(e)
 
     def succeeded(self, e: Endpoint) -> None:
         """``e`` answered: its failures (and any ejection) are over."""
         e.failures = 0
 
-    def readmit(self, replica_id: str) -> None:
-        """The controller found the replica ready: end its ejection now (its ejection count is kept)."""
-        for endpoints in self.routes.values():
-            for e in endpoints:
-                if e.replica_id == replica_id:
-                    e.failures = 0
-                    e.ejected_until = 0.0
+    def endpoint(self, replica_id: str) -> Endpoint | None:
+        """The endpoint routed to replica ``replica_id`` (None: not routed)."""
+        return self._by_replica.get(replica_id)
+
+    def readmit(self, replica_id: str) -> bool:
+        """The controller found the replica ready: end its ejection now (its ejection count is kept). Whether it
+        was ejected; one that is not keeps its failures (a success resets them)."""
+        e = self._by_replica.get(replica_id)
+        if e is None or e.failures < self.outlier.consecutive_failures:
+            return False
+        e.failures = 0
+        e.ejected_until = 0.0
+        return True
 
     def inflight_bound(self, deployment: str, default_per_replica: int) -> int:
         """How many requests ``deployment`` may have in flight now (0: no bound)."""
