@@ -49,6 +49,10 @@ class ControllerSettings:
     startup_timeout_s: float = 120.0
     probe_timeout_s: float = 2.0
     probe_failures_to_fail: int = 3
+    ready_probe_interval_s: float = 5.0
+    """How often a READY replica's readiness is probed, each at its own phase within the interval (a fleet's probes
+    spread over it, not all in every health check); one whose latest probe failed is probed at every check, and a
+    starting one too (0: every READY replica at every check). A process that exits is seen at every check."""
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
     stop_grace_s: float = 5.0

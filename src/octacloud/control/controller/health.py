@@ -2,14 +2,16 @@
 
 * a process that exited, a start that failed, a model that failed to load, or a replica not ready within
   ``startup_timeout_s`` is FAILED at once (the gateway stops routing to it);
-* a READY replica is FAILED after ``probe_failures_to_fail`` failed readiness probes in a row;
+* a READY replica is FAILED after ``probe_failures_to_fail`` failed readiness probes in a row; it is probed once
+  every ``ready_probe_interval_s``, at a phase of its own (the fleet's probes spread over the interval), and at
+  every check while its latest probe failed; a starting replica is probed at every check;
 * a FAILED replica restarts on its own slice once its back-off (``backoff_base_s`` × 2^restarts, at most
   ``backoff_max_s``) has passed, checked at every health tick rather than at the next full reconcile; one whose
   card or node is unusable goes back to pending (it may use the failover headroom);
 * a placed replica whose slice has become free starts;
 * a surge replica that becomes READY moves its replacement on; one that fails undoes it (:mod:`.replacement`).
 
-Probes of all replicas run concurrently (at most :data:`PROBES_AT_ONCE` at a time), each bounded by
+The probes a check makes run concurrently (at most :data:`PROBES_AT_ONCE` at a time), each bounded by
 ``probe_timeout_s``; starts and restarts too (at most :data:`~.lifecycle.LAUNCHES_AT_ONCE`); a deployment whose
 replicas became ready is routed once per check, not once per replica. A launcher that can ``refresh`` what its
 ``alive`` reads (the emulated fleet's listing of each replica host) is asked to in a thread before the check.
@@ -18,6 +20,7 @@ replicas became ready is routed once per check, not once per replica. A launcher
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +49,8 @@ class _Runtime:
     """Failed readiness probes in a row (reset by one that passes)."""
     next_restart_at: float = 0.0
     """When a FAILED replica may restart."""
+    next_probe_at: float = 0.0
+    """When a READY replica is probed next (a replica seen afresh is probed at once)."""
 
 
 class HealthChecker:
@@ -97,7 +102,8 @@ class HealthChecker:
                 why = self.lifecycle.exit_reason(r.handle)
                 self.failed(copied(r), f"process exited: {why}" if why else "process exited")
             elif r.http_port:
-                probing.append(r)
+                if self._due(r, now):
+                    probing.append(r)
             elif self._addressed(c := copied(r), now):
                 probing.append(c)
         await self.launch_all(launching)
@@ -111,11 +117,28 @@ class HealthChecker:
             if self.lifecycle.is_stopping(r.id):
                 continue
             if probe.ready and r.state is ReplicaState.READY:  # serving as it was: nothing to change
-                self._rt(r.id).probe_failures = 0
+                rt = self._rt(r.id)
+                rt.probe_failures, rt.next_probe_at = 0, self._next_probe(r.id, now)
             else:
                 self._judge(copied(r), probe, now, route)
         for deployment in sorted(route):
             self.lifecycle.route(deployment)
+
+    def _due(self, r: Replica, now: float) -> bool:
+        """Whether ``r`` is probed in this check: a starting one always; a READY one at its turn, or while failing."""
+        if r.state is not ReplicaState.READY:
+            return True
+        rt = self._rt(r.id)
+        return rt.probe_failures > 0 or now >= rt.next_probe_at
+
+    def _next_probe(self, replica_id: str, now: float) -> float:
+        """The next turn of a READY replica that passed its probe at ``now``: the next instant after ``now`` at its
+        own phase within ``ready_probe_interval_s`` (from its id, so the fleet's turns are spread evenly)."""
+        every = self.settings.ready_probe_interval_s
+        if every <= 0:
+            return now
+        phase = every * zlib.crc32(replica_id.encode()) / 2**32
+        return now + every - (now + phase) % every
 
     @staticmethod
     async def launch_all(launches: Iterable[Coroutine[Any, Any, None]]) -> None:
@@ -151,7 +174,7 @@ class HealthChecker:
         rt = self._rt(r.id)
         timeout = self.settings.startup_timeout_s
         if probe.ready:
-            rt.probe_failures = 0
+            rt.probe_failures, rt.next_probe_at = 0, self._next_probe(r.id, now)
             if r.state is ReplicaState.STARTING:
                 r.state, r.last_ready_at, r.message = ReplicaState.READY, self.clock.time(), ""
                 self.store.put_replica(r)
