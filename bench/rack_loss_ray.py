@@ -1,17 +1,18 @@
 """Losing a rack of a live Ray cluster under traffic: how long until requests succeed again, the dead replica is
-ejected and every deployment is back at its count.
+taken out and every deployment is back at its count.
 
     scripts/netns-run .venv/bin/python bench/rack_loss_ray.py [--runs 1] [--no-record]
 
 The scenario of ``tests/ray/test_rack_loss.py`` (``tests/ray/rack_drill.py``): a head node and four servers in
 two racks of two on this machine, one CPU "card" each; the MLP (``$OCTACLOUD_MODELS/mlp``) as a deployment of
 two replicas (one per rack, the default spread rule) and one of one; the controller's default settings, as
-``octacloud up --backend ray`` runs it. One client sends the two-replica deployment one request after the other
-through the gateway; every process of the rack holding the one-replica deployment is killed with SIGKILL at once.
-Printed per run, in seconds from the kill: the first request answered after it, the controller's first event
-that takes the dead replica out (its readiness probes failed, or its node was seen lost), both nodes seen
-lost, the replacements placed, and every deployment back at its count on the other rack; and the requests that
-failed of all sent. Appends the runs to ``bench/results/rack_loss_ray.jsonl``. Run it inside the loopback-only
+``octacloud up --backend ray`` runs it. One client per deployment sends it one request after the other through
+the gateway; every process of the rack holding the one-replica deployment is killed with SIGKILL at once.
+Printed per run, in seconds from the kill: the two-replica deployment's first answer after it, the
+controller's first event that takes its dead replica out (its process seen gone or its probes failed, or its
+node seen lost), both nodes seen lost, the replacements placed, every deployment back at its count on the
+other rack, and the one-replica deployment answering again; and the requests that failed of all sent, per
+deployment. Appends the runs to ``bench/results/rack_loss_ray.jsonl``. Run it inside the loopback-only
 namespace: there Ray binds 127.0.0.1 only.
 """
 
@@ -53,15 +54,18 @@ def run_once(work: Path, models: Path, settings: ControllerSettings) -> dict[str
             dead = next(r["id"] for r in cloud.ready(drill.PAIR) if r["node"] in lost)
             record = drill.Record()
             cloud.cloud.store.subscribe(record.listen)
-            traffic = drill.Traffic(cloud, record).start()
+            traffic = [drill.Traffic(cloud, record, name).start() for name in drill.COUNTS]
             try:
-                drill.wait_for("traffic before the kill", drill.oks_after(record, None, 50), timeout=60)
+                for name in drill.COUNTS:
+                    drill.wait_for(f"{name} before the kill", drill.oks_after(record, None, 50, name), timeout=60)
                 record.add("kill", " ".join(map(str, cluster.kill_nodes(list(lost)))))
                 drill.wait_for("every deployment back at its count", lambda: drill.at_count(cloud, lost), 300)
                 record.add("back")
-                drill.wait_for("traffic after the re-placement", drill.oks_after(record, "back", 50), timeout=60)
+                for name in drill.COUNTS:
+                    drill.wait_for(f"{name} after the kill", drill.oks_after(record, "back", 50, name), timeout=60)
             finally:
-                traffic.stop()
+                for client in traffic:
+                    client.stop()
             left = drill.cards_given_twice(cloud)
         finally:
             cloud.stop(stop_replicas=True)
@@ -82,18 +86,27 @@ def figures(entries: list[drill.Entry], dead: str, lost: tuple[str, ...]) -> dic
     events = [e for e in after if e.what == "event"]
     taken_out = (f"failed {dead} ", f"failover {dead} ")
     nodes_lost = [first(lambda e, n=n: e.what == "event" and e.detail == f"node {n} failed") for n in lost]
+    last_failed = max(
+        (i for i, e in enumerate(after) if e.what == "failed" and e.deployment == drill.SINGLE), default=0
+    )
+    answered = next((e for e in after[last_failed:] if e.what == "ok" and e.deployment == drill.SINGLE), None)
     return {
-        "first_ok_s": first(lambda e: e.what == "ok"),
+        "first_ok_s": first(lambda e: e.what == "ok" and e.deployment == drill.PAIR),
         "ejected_s": first(lambda e: e.what == "event" and e.detail.startswith(taken_out)),
         "nodes_lost_s": max((t for t in nodes_lost if t is not None), default=None),
         "replaced_placed_s": first(lambda e: e.what == "event" and e.detail.startswith("placed ")),
         "back_at_count_s": first(lambda e: e.what == "back"),
-        "requests": sum(e.what in ("ok", "failed") for e in entries),
-        "requests_after_kill": sum(e.what in ("ok", "failed") for e in after),
-        "failed": sum(e.what == "failed" for e in entries),
-        "failures": [e.detail for e in entries if e.what == "failed"][:5],
+        "single_answers_again_s": None if answered is None else round(answered.at - t0, 3),
+        **{f"{name}_{key}": value for name in drill.COUNTS for key, value in outcomes(entries, name).items()},
         "events": [f"{e.at - t0:+.3f} {e.detail}" for e in events],
     }
+
+
+def outcomes(entries: list[drill.Entry], deployment: str) -> dict[str, Any]:
+    """Requests to ``deployment``: all, failed, and the first few failures' answers."""
+    mine = [e for e in entries if e.deployment == deployment]
+    failed = [e.detail for e in mine if e.what == "failed"]
+    return {"requests": len(mine), "failed": len(failed), "failures": failed[:3]}
 
 
 def main() -> None:
@@ -116,11 +129,12 @@ def main() -> None:
     print(f"controller: health every {settings.health_interval_s:g} s, {settings.probe_failures_to_fail} probes "
           f"to fail, pass every {settings.interval_s:g} s; Ray: a node seen lost after ~1.3 s")  # fmt: skip
     print(f"{'run':>3} {'rack':>4} {'first ok':>8} {'ejected':>8} {'nodes lost':>10} {'placed':>7} "
-          f"{'back':>6} {'failed/total':>13} {'twice':>5}")  # fmt: skip
+          f"{'back':>6} {'single ok':>9} {'pair failed':>12} {'single failed':>13} {'twice':>5}")  # fmt: skip
     for i, r in enumerate(runs, 1):
         print(f"{i:>3} {r['rack_lost']:>4} {_s(r['first_ok_s']):>8} {_s(r['ejected_s']):>8} "
               f"{_s(r['nodes_lost_s']):>10} {_s(r['replaced_placed_s']):>7} {_s(r['back_at_count_s']):>6} "
-              f"{r['failed']:>6}/{r['requests']:<6} {len(r['cards_given_twice']):>5}")  # fmt: skip
+              f"{_s(r['single_answers_again_s']):>9} {r['pair_failed']:>5}/{r['pair_requests']:<6} "
+              f"{r['single_failed']:>6}/{r['single_requests']:<6} {len(r['cards_given_twice']):>5}")  # fmt: skip
     for r in runs:
         print("\n".join(r["events"]))
     recorder.save({"settings": {"health_interval_s": settings.health_interval_s, "interval_s": settings.interval_s,

@@ -6,8 +6,9 @@ Four Ray nodes in two racks (``r1``: ``rack-a1``, ``rack-a2``; ``r2``: ``rack-b1
 label ``octacloud.io/rack``), behind a head node of their own that is no octacloud node (the cluster's GCS
 survives the rack). One deployment of two replicas (``pair``) and one of one (``single``), both the MLP.
 
-A :class:`Record` holds, in the order they happened, every request's outcome of a client thread, the kill and
-every event the controller stores; the checks read the order, the bench reads the clocks stamped beside it.
+A :class:`Record` holds, in the order they happened, every request's outcome of the client threads (one per
+deployment), the kill and every event the controller stores; the checks read the order, the bench reads the
+clocks stamped beside it.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class Entry:
     detail: str
     at: float
     """``time.monotonic()`` when it was recorded (the bench's clock; the checks read the order)."""
+    deployment: str = ""
+    """A request's deployment."""
 
 
 @dataclass(slots=True)
@@ -85,9 +88,9 @@ class Record:
     entries: list[Entry] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, what: str, detail: str = "") -> None:
+    def add(self, what: str, detail: str = "", deployment: str = "") -> None:
         with self.lock:
-            self.entries.append(Entry(what, detail, time.monotonic()))
+            self.entries.append(Entry(what, detail, time.monotonic(), deployment))
 
     def listen(self, event: dict[str, object]) -> None:
         """A store subscriber: the controller's events, as they are stored."""
@@ -103,6 +106,7 @@ class Traffic:
     in order (``ok`` with the right shape of answer, else ``failed`` with the status or the error)."""
 
     def __init__(self, cloud: CloudThread, record: Record, deployment: str = PAIR) -> None:
+        self.deployment = deployment
         self.url = f"{cloud.url}/v2/models/{deployment}/infer"
         self.headers = {**cloud.headers, "content-type": "application/json"}
         self.body = json.dumps(
@@ -124,7 +128,10 @@ class Traffic:
     def _run(self) -> None:
         with httpx.Client(timeout=30) as client:
             while not self.done.is_set():
-                self.record.add(*self._one(client))
+                what, detail = self._one(client)
+                self.record.add(what, detail, self.deployment)
+                if what == "failed":
+                    self.done.wait(0.05)  # as a client would back off (the answer says retry after 1 s)
 
     def _one(self, client: httpx.Client) -> tuple[str, str]:
         try:
@@ -148,13 +155,14 @@ def wait_for(what: str, predicate: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.1)
 
 
-def oks_after(record: Record, what: str | None, count: int) -> Callable[[], bool]:
-    """Whether ``count`` requests succeeded after the last ``what`` entry (None: since the start)."""
+def oks_after(record: Record, what: str | None, count: int, deployment: str = PAIR) -> Callable[[], bool]:
+    """Whether ``count`` requests to ``deployment`` succeeded after the last ``what`` entry (None: since the
+    start)."""
 
     def check() -> bool:
         entries = record.snapshot()
         last = 0 if what is None else max((i for i, e in enumerate(entries) if e.what == what), default=None)
-        return last is not None and sum(e.what == "ok" for e in entries[last:]) >= count
+        return last is not None and sum(e.what == "ok" and e.deployment == deployment for e in entries[last:]) >= count
 
     return check
 

@@ -1,13 +1,14 @@
 """Losing a rack of a Ray cluster under traffic (one machine, loopback-only namespace).
 
 A head node and four servers in two racks (``tests/ray/rack_drill.py``); a two-replica and a one-replica
-deployment of the MLP. The two replicas sit on different racks (the default spread rule). A client sends the
-two-replica deployment one request after the other through the gateway while every process of both nodes of
-the rack that holds the one-replica deployment (raylets, workers, the replicas' actors) is killed with SIGKILL
-at once. Checked on the order of what happened, not on time: no request fails — not even within the health
-interval before the controller ejects the dead replica, since the gateway retries a request that a replica
-did not answer on the other one (``gateway/forward.py``) — the controller fails both nodes over and brings
-every deployment back to its count on the surviving rack, and no card is given twice.
+deployment of the MLP. The two replicas sit on different racks (the default spread rule). A client per
+deployment sends it one request after the other through the gateway while every process of both nodes of the
+rack that holds the one-replica deployment (raylets, workers, the replicas' actors) is killed with SIGKILL at
+once. Checked on the order of what happened, not on time: no request of the two-replica deployment fails — not
+even within the health interval before the controller ejects the dead replica, since the gateway retries a
+request that a replica did not answer on the other one (``gateway/forward.py``); the one-replica deployment's
+requests fail with a clear 503 until its re-placement serves, and none after; the controller fails both nodes
+over and brings every deployment back to its count on the surviving rack, and no card is given twice.
 """
 
 from __future__ import annotations
@@ -57,24 +58,31 @@ def test_losing_a_rack_under_traffic_fails_no_request(racked: tuple[LocalRayClus
     rack = drill.RACK_OF[cloud.ready(drill.SINGLE)[0]["node"]]  # the rack that holds the single replica too
     lost, kept = drill.RACKS[rack], next(r for r in drill.RACKS if r != rack)
     dead = next(r["id"] for r in pair if r["node"] in lost)
+    single = cloud.ready(drill.SINGLE)[0]["id"]
     domains = {n["name"]: n["domains"] for n in cloud.admin("GET", "/fleet").json()["nodes"]}
     assert {name: d["rack"] for name, d in domains.items()} == drill.RACK_OF  # read back from the Ray labels
 
     record = drill.Record()
     cloud.cloud.store.subscribe(record.listen)
-    traffic = drill.Traffic(cloud, record).start()
+    traffic = [drill.Traffic(cloud, record, name).start() for name in (drill.PAIR, drill.SINGLE)]
     try:
-        drill.wait_for("traffic before the kill", drill.oks_after(record, None, 20), timeout=60)
+        for name in drill.COUNTS:
+            drill.wait_for(f"traffic to {name} before the kill", drill.oks_after(record, None, 20, name), 60)
         killed = cluster.kill_nodes(list(lost))
         record.add("kill", " ".join(map(str, killed)))
         drill.wait_for("every deployment back at its count", lambda: drill.at_count(cloud, avoid=lost), 120)
         record.add("back")
-        drill.wait_for("traffic after the re-placement", drill.oks_after(record, "back", 20), timeout=60)
+        for name in drill.COUNTS:
+            drill.wait_for(f"traffic to {name} after the re-placement", drill.oks_after(record, "back", 20, name), 60)
     finally:
-        traffic.stop()
+        for client in traffic:
+            client.stop()
 
     entries = record.snapshot()
-    print("\n".join(f"{e.at:.3f} {e.what} {e.detail}" for e in entries if e.what != "ok"))  # shown with -s
+    shown = [f"{e.at:.3f} {e.what} {e.detail}" for e in entries if e.what not in ("ok", "failed")]
+    counts = {(e.deployment, e.what) for e in entries if e.deployment}
+    shown += [f"{d} {w}: {sum((e.deployment, e.what) == (d, w) for e in entries)}" for d, w in sorted(counts)]
+    print("\n" + "\n".join(shown))  # shown with -s
     kill = next(i for i, e in enumerate(entries) if e.what == "kill")
     assert len(killed) >= 2 * 2, killed  # at least each node's raylet and the actor of a replica
     events = [(i, e.detail) for i, e in enumerate(entries) if e.what == "event"]
@@ -82,12 +90,22 @@ def test_losing_a_rack_under_traffic_fails_no_request(racked: tuple[LocalRayClus
     assert ejected > kill
     for node in lost:
         assert any(d == f"node {node} failed" and i > kill for i, d in events), (node, events)
-    first_ok = next(i for i in range(kill, len(entries)) if entries[i].what == "ok")
-    failures = [e.detail for e in entries if e.what == "failed"]
+    pair_outcomes = [e for e in entries[kill:] if e.deployment == drill.PAIR]
+    failures = [e.detail for e in entries if e.deployment == drill.PAIR and e.what == "failed"]
     # the gateway retried every request the dead replica did not answer on the surviving one: none failed,
     # neither before the controller ejected it nor after
     assert failures == [], failures[:5]
-    assert first_ok < len(entries) and sum(e.what == "ok" for e in entries[kill:]) >= 20
+    assert sum(e.what == "ok" for e in pair_outcomes) >= 20
+
+    # the single replica has nothing to retry on: its requests fail, clearly, until its re-placement serves
+    outage = [(i, e.detail) for i, e in enumerate(entries) if e.deployment == drill.SINGLE and e.what == "failed"]
+    assert outage and all(i > kill for i, _ in outage), outage[:3]
+    assert all(d.startswith("503: ") and "single" in d for _, d in outage), outage[:3]
+    serving = next(i for i, d in events if i > kill and d.startswith(f"ready {single} "))
+    served = next(
+        i for i in range(serving, len(entries)) if entries[i].deployment == drill.SINGLE and entries[i].what == "ok"
+    )
+    assert all(i < served for i, _ in outage), (served, outage[-3:])
 
     for name, count in drill.COUNTS.items():
         ready = cloud.ready(name)
