@@ -79,10 +79,7 @@ def test_losing_a_rack_under_traffic_fails_no_request(racked: tuple[LocalRayClus
             client.stop()
 
     entries = record.snapshot()
-    shown = [f"{e.at:.3f} {e.what} {e.detail}" for e in entries if e.what not in ("ok", "failed")]
-    counts = {(e.deployment, e.what) for e in entries if e.deployment}
-    shown += [f"{d} {w}: {sum((e.deployment, e.what) == (d, w) for e in entries)}" for d, w in sorted(counts)]
-    print("\n" + "\n".join(shown))  # shown with -s
+    show(entries)
     kill = next(i for i, e in enumerate(entries) if e.what == "kill")
     assert len(killed) >= 2 * 2, killed  # at least each node's raylet and the actor of a replica
     events = [(i, e.detail) for i, e in enumerate(entries) if e.what == "event"]
@@ -97,15 +94,7 @@ def test_losing_a_rack_under_traffic_fails_no_request(racked: tuple[LocalRayClus
     assert failures == [], failures[:5]
     assert sum(e.what == "ok" for e in pair_outcomes) >= 20
 
-    # the single replica has nothing to retry on: its requests fail, clearly, until its re-placement serves
-    outage = [(i, e.detail) for i, e in enumerate(entries) if e.deployment == drill.SINGLE and e.what == "failed"]
-    assert outage and all(i > kill for i, _ in outage), outage[:3]
-    assert all(d.startswith("503: ") and "single" in d for _, d in outage), outage[:3]
-    serving = next(i for i, d in events if i > kill and d.startswith(f"ready {single} "))
-    served = next(
-        i for i in range(serving, len(entries)) if entries[i].deployment == drill.SINGLE and entries[i].what == "ok"
-    )
-    assert all(i < served for i, _ in outage), (served, outage[-3:])
+    single_fails_until_it_serves_again(entries, kill, single)
 
     for name, count in drill.COUNTS.items():
         ready = cloud.ready(name)
@@ -114,3 +103,25 @@ def test_losing_a_rack_under_traffic_fails_no_request(racked: tuple[LocalRayClus
     assert drill.cards_given_twice(cloud) == []
     held = {a.placement.node for a in cloud.cloud.state.allocations.values()}
     assert held.isdisjoint(lost), held
+
+
+def single_fails_until_it_serves_again(entries: list[drill.Entry], kill: int, single: str) -> None:
+    """The single replica has nothing to retry on: its requests fail, with a clear 503 naming the deployment,
+    from the kill until its re-placement answers, and none after."""
+    outage = [(i, e.detail) for i, e in enumerate(entries) if e.deployment == drill.SINGLE and e.what == "failed"]
+    assert outage and all(i > kill for i, _ in outage), outage[:3]
+    assert all(d.startswith("503: ") and "single" in d for _, d in outage), outage[:3]
+    ready = f"ready {single} "
+    serving = next(i for i, e in enumerate(entries) if i > kill and e.what == "event" and e.detail.startswith(ready))
+    served = next(
+        i for i in range(serving, len(entries)) if entries[i].deployment == drill.SINGLE and entries[i].what == "ok"
+    )
+    assert all(i < served for i, _ in outage), (served, outage[-3:])
+
+
+def show(entries: list[drill.Entry]) -> None:
+    """What happened besides the requests, and the requests counted (shown with -s)."""
+    shown = [f"{e.at:.3f} {e.what} {e.detail}" for e in entries if e.what not in ("ok", "failed")]
+    counts = {(e.deployment, e.what) for e in entries if e.deployment}
+    shown += [f"{d} {w}: {sum((e.deployment, e.what) == (d, w) for e in entries)}" for d, w in sorted(counts)]
+    print("\n" + "\n".join(shown))
