@@ -18,7 +18,9 @@ and the bench prints:
   size), **memory** of this process and of each replica host, the **event stream** (events stored, and the time
   to build the dashboard's document once), and that document drawn in Chromium (``dashboard_render.py``: one
   redraw, and opening the page to the first map);
-* **scale-out**: 100 nodes join while work waits; the passes and seconds until their capacity is used;
+* **scale-out**: 100 nodes join while an operator's backlog waits for them (whole-card work of the running work's
+  priority, which preempts nothing, as much as the old fleet's room and the new nodes' within the failover
+  reserve); the passes and seconds until it is placed and until it is ready (none waiting: "measured nothing");
 * **failure**: 10 % of the nodes are lost at once (their replicas end, the fleet watcher reports the nodes lost);
   the seconds until every deployment is back at its count, and whether any card was ever given twice.
 
@@ -144,6 +146,10 @@ def instrument(cloud: Cloud) -> Timings:
     c.health.check = t.wrap("health", c.health.check, True)  # type: ignore[method-assign]
     c.loop.run_pass = t.wrap("scheduling", c.loop.run_pass, False)  # type: ignore[method-assign]
     c.executor.execute = t.wrap("execute", c.executor.execute, True)  # type: ignore[method-assign]
+    prober = c.health.prober
+    prober.probe = t.wrap("health.probe", prober.probe, True)  # type: ignore[method-assign]
+    if isinstance(c.launcher, EmulatedLauncher):  # the replica hosts' listings, fetched in a thread each check
+        c.launcher.refresh = t.wrap("health.refresh", c.launcher.refresh, False)  # type: ignore[method-assign]
     backing = c.store.backing
     for name in ("put_replica", "delete_replica", "put_deployment", "insert_event", "put_transition"):
         setattr(backing, name, t.wrap(f"store.{name}", getattr(backing, name), False))
@@ -289,9 +295,11 @@ async def measure(size: Size, work: Path, args: argparse.Namespace) -> dict[str,
         parts = {k: statistics.median(v) for k, v in timings.seconds.items() if v and not k.startswith("store.")}
         out["pass_s"] = parts.get("pass", 0.0)
         out["pass_parts_s"] = parts
+        out["probes_per_check"] = timings.started["health.probe"] / max(1, timings.started["health"])
         out["simulator_pass_s"] = simulator_pass(cloud)
         out["propagation"] = propagation(cloud.routes)
-        print(f"    steady pass {out['pass_s']:.3f} s; simulator {out['simulator_pass_s']:.3f} s", flush=True)
+        print(f"    steady pass {out['pass_s']:.3f} s ({parts}, {out['probes_per_check']:.0f} probes a check); "
+              f"simulator {out['simulator_pass_s']:.3f} s", flush=True)  # fmt: skip
         cpu, failed, wall = await asyncio.to_thread(
             load_cpu_per_request, cloud, plan(size.replicas, size.deployments)[0][0], args.requests
         )
