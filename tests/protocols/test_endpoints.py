@@ -99,3 +99,28 @@ def test_names_are_unique_and_every_operation_is_the_dataplanes() -> None:
     dataplane = DataPlane(None)  # type: ignore[arg-type]
     missing = [e.name for e in ENDPOINTS if not hasattr(dataplane, e.operation)]
     assert not missing, f"rows naming no DataPlane method: {missing}"
+
+
+def test_every_grpc_method_of_the_table_is_in_the_proto_and_the_servicer_serves_exactly_those() -> None:
+    from tritonclient.grpc import service_pb2 as pb
+
+    from octacloud.protocols.endpoints import GRPC_METHODS, GRPC_SERVICE
+    from octacloud.protocols.grpc.servicer import InferenceServicer
+
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    assert service.full_name == GRPC_SERVICE
+    in_proto = {m.name for m in service.methods}
+    assert in_proto >= GRPC_METHODS, f"not in Triton's service: {sorted(GRPC_METHODS - in_proto)}"
+    served = {name for name in vars(InferenceServicer) if name[0].isupper() and callable(vars(InferenceServicer)[name])}
+    assert served == GRPC_METHODS, f"served but not in the table: {sorted(served - GRPC_METHODS)}; " + (
+        f"in the table but not served: {sorted(GRPC_METHODS - served)}"
+    )
+
+
+def test_the_gateways_grpc_front_offers_the_rows_it_forwards_or_answers() -> None:
+    from octacloud.gateway.grpc_proxy import GrpcGateway
+    from octacloud.gateway.routing import RouteTable
+    from octacloud.protocols.endpoints import GRPC_SERVICE
+
+    offered = set(GrpcGateway(RouteTable()).methods())
+    assert offered == {f"/{GRPC_SERVICE}/{e.grpc}" for e in ENDPOINTS if e.grpc and e.gateway != "none"}

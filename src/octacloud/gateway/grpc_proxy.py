@@ -37,15 +37,18 @@ from octacloud.gateway.rest import SERVER_EXTENSIONS
 from octacloud.gateway.routing import DeploymentCounters, Endpoint, NotAdmitted, RouteTable
 from octacloud.gateway.stats import merge_model_statistics
 from octacloud.protocols import headers
+from octacloud.protocols.endpoints import ENDPOINTS, GRPC_SERVICE, OPEN_GRPC_METHODS
 from octacloud.protocols.grpc.h2 import CallContext, Metadata, Method, Refusal, metadata_block
 from octacloud.protocols.grpc.h2_client import Answer, Channel, Unreachable
 from octacloud.security.internal_auth import HEADER, REPLICA_HEADER, TENANT_HEADER
 from octacloud.tenancy import ANONYMOUS_ADMIN, AuthError, Guard, Principal, RateLimitedError
 
-SERVICE = "inference.GRPCInferenceService"
-PER_MODEL = ("ModelReady", "ModelMetadata", "ModelInfer", "ModelConfig", "ModelStatistics")
-PUBLIC = ("ServerLive", "ServerReady")
-_OPEN = frozenset(f"/{SERVICE}/{name}" for name in PUBLIC)
+SERVICE = GRPC_SERVICE
+PER_MODEL = tuple(e.grpc for e in ENDPOINTS if e.grpc and e.per_model and e.gateway in ("forward", "fan_out"))
+"""The per-model calls the gateway forwards (the endpoint table's, ``protocols/endpoints.py``)."""
+_FAN_OUT = frozenset(e.grpc for e in ENDPOINTS if e.grpc and e.gateway == "fan_out")
+"""Asked of every ready replica and answered with the sum (statistics)."""
+_OPEN = OPEN_GRPC_METHODS
 MAX_STREAMS = 256
 """Concurrent calls per client connection."""
 _RETRY_SOON = (("retry-after", "1"),)
@@ -292,7 +295,7 @@ class GrpcGateway:
             metadata = forwarded(context.invocation_metadata(), held.principal.tenant)
             started = time.perf_counter()
             try:
-                if method == "ModelStatistics":
+                if method in _FAN_OUT:
                     return await self._statistics(held, path, request, metadata, context)
                 return await self._exchange(held, path, request, metadata, context)
             finally:

@@ -1,7 +1,8 @@
 """The Open Inference Protocol over gRPC: Triton's ``GRPCInferenceService`` (generated modules shipped in
 ``tritonclient.grpc``) on ``grpc.aio``, translating to and from the DataPlane.
 
-Errors abort the call with the code :mod:`octacloud.serving.errors` gives them (one decorator,
+Its methods are the gRPC methods of the endpoint table (``protocols/endpoints.py``), each over the row's DataPlane
+operation. Errors abort the call with the code :mod:`octacloud.serving.errors` gives them (one decorator,
 :func:`answers_errors`, on every method), or UNIMPLEMENTED (shared memory, tracing and logging are not offered).
 """
 
@@ -19,6 +20,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from octacloud.protocols.endpoints import GRPC_SERVICE
 from octacloud.protocols.errorlog import BoundedErrorLog
 from octacloud.protocols.internal import tenant_of
 from octacloud.protocols.tensors import from_list, from_raw, to_raw
@@ -61,7 +63,7 @@ def code_of(error: BaseException) -> grpc.StatusCode:
 
 
 _Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
-SERVICE = "inference.GRPCInferenceService"
+SERVICE = GRPC_SERVICE
 
 
 class Malformed:
