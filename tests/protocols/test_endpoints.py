@@ -124,3 +124,41 @@ def test_the_gateways_grpc_front_offers_the_rows_it_forwards_or_answers() -> Non
 
     offered = set(GrpcGateway(RouteTable()).methods())
     assert offered == {f"/{GRPC_SERVICE}/{e.grpc}" for e in ENDPOINTS if e.grpc and e.gateway != "none"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "role"),
+    [
+        ("POST", "/v2/models/m/infer", "forward"),
+        ("GET", "/v2/models/m/versions/2/ready", "forward"),
+        ("GET", "/v2/models/m/nothing", "forward"),  # the replica answers what no row names
+        ("GET", "/v2/models/m/stats", "fan_out"),
+        ("GET", "/v2/models/m/versions/1/stats", "fan_out"),
+        ("POST", "/v2/models/m/stats", "forward"),
+        ("GET", "/v2/models", None),
+        ("GET", "/v2/health/live", None),
+        ("POST", "/v2/repository/index", None),
+        ("POST", "/admin/deployments", None),
+    ],
+)
+def test_the_gateway_role_of_a_path(method: str, path: str, role: str | None) -> None:
+    from octacloud.protocols.endpoints import gateway_role
+
+    assert gateway_role(method, path) == role
+
+
+def test_the_gateway_answers_the_rows_it_answers_itself() -> None:
+    from octacloud.gateway.rest import RestGateway
+    from octacloud.gateway.routing import RouteTable
+    from octacloud.protocols.endpoints import gateway_answer
+
+    answered = {e.name for e in ENDPOINTS if e.gateway == "answer" and e.api == "oip"}
+    assert set(RestGateway(RouteTable())._answers) == answered
+    assert [gateway_answer(p).name for p in ("/v2/health/live", "/v2/health/ready", "/v2", "/v2/")] == [  # type: ignore[union-attr]
+        "health_live",
+        "health_ready",
+        "server_metadata",
+        "server_metadata",
+    ]
+    assert gateway_answer("/v2/health/live/") is None
+    assert gateway_answer("/v2/models/m") is None

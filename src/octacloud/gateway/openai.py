@@ -25,9 +25,9 @@ from octacloud.gateway.forward import Unanswered
 from octacloud.gateway.routing import DeploymentCounters, Endpoint
 from octacloud.metering import Traffic
 from octacloud.protocols.asgi import HttpError, content_length
+from octacloud.protocols.endpoints import deployment_of, generative_match
 from octacloud.protocols.openai import schema
 from octacloud.protocols.openai.errors import answer_of, error_body
-from octacloud.protocols.openai.replica import generative_target
 from octacloud.protocols.rest.request import Http1Request, encode_headers
 from octacloud.security.internal_auth import REPLICA_HEADER_BYTES, TENANT_HEADER_BYTES
 from octacloud.serving.generate.client import Answer, StreamError, Target, request
@@ -58,7 +58,8 @@ _FORWARDED = frozenset({b"content-type", b"accept", b"user-agent", b"x-request-i
 
 
 def is_generative_path(method: bytes, path: str) -> bool:
-    return generative_target(method, path) is not None
+    """Whether the path is one of the endpoint table's generative rows (``protocols/endpoints.py``)."""
+    return generative_match(method, path) is not None
 
 
 @dataclass(slots=True)
@@ -88,16 +89,16 @@ class OpenAIFront:
         self.limits: Admission = limits or GenerationLimits(clock)
 
     async def __call__(self, request: Http1Request) -> None:
-        target = generative_target(request.method, request.path)
-        oip = target is not None and target.startswith("generate")
+        endpoint = generative_match(request.method, request.path)
+        oip = endpoint is not None and endpoint.api == "generate"
         try:
-            if target is None:
+            if endpoint is None:
                 raise HttpError(404, f"no endpoint {request.method.decode()} {request.path}")
             principal = self.gateway.core.authorize(request.headers)
-            if target == "models":
+            if endpoint.gateway == "answer":  # the models the caller may see
                 self._models(request, principal)
                 return
-            await self._generate(request, target, principal)
+            await self._generate(request, endpoint.name, principal)
         except Exception as exc:
             if request.answered:
                 return
@@ -131,7 +132,7 @@ class OpenAIFront:
         except TimeoutError:
             raise HttpError(408, f"the request body did not arrive within {wait:g} s") from None
         if target.startswith("generate"):
-            deployment = request.path[len("/v2/models/") :].split("/", 1)[0]
+            deployment = deployment_of(request.path)
             estimate, stream = _generate_estimate(body), target == "generate_stream"
         else:
             call = schema.parse(target, body)

@@ -1,8 +1,9 @@
 """The gateway's REST front end: a raw ASGI app that forwards OIP V2 requests to replicas.
 
-Per-model paths (``/v2/models/<name>/...``) go to a ready replica of deployment ``<name>``; the server-level
-paths (health, metadata) are answered by the gateway itself; ``GET .../stats`` asks every ready replica and
-answers with the sum; ``/admin/...`` goes to the admin API. Bodies are
+What each inference path is comes from the endpoint table (``protocols/endpoints.py``): per-model paths
+(``/v2/models/<name>/...``) go to a ready replica of deployment ``<name>``; the server-level paths (health,
+metadata) are answered by the gateway itself; ``GET .../stats`` asks every ready replica and answers with the
+sum; the generative rows go to ``gateway/openai.py``. ``/admin/...`` goes to the admin API. Bodies are
 forwarded untouched, so JSON and Triton's binary tensor extension both work and cost no re-encoding.
 
 With a :class:`Guard`, every path but ``/v2/health/live|ready`` needs ``Authorization: Bearer <key>`` (401
@@ -23,7 +24,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from octacloud import __version__
 from octacloud.gateway.forward import Ask, Exhausted, Forwarding, TimedOut, Unanswered
@@ -46,6 +47,7 @@ from octacloud.protocols.asgi import (
     lifespan,
     read_body,
 )
+from octacloud.protocols.endpoints import deployment_of, gateway_answer, gateway_role
 from octacloud.protocols.headers import DROPPED_FROM_CLIENTS
 from octacloud.protocols.rest.bridge import AsgiBridge
 from octacloud.protocols.rest.request import Http1Request, encode_headers
@@ -167,6 +169,13 @@ class RestGateway:
         routes.on_drop.append(lambda e: self.pool.forget(e.host, e.http_port))
         routes.on_gone.append(self._abandon)
         self._bridge = AsgiBridge(self)
+        server = {"name": "octacloud", "version": __version__, "extensions": SERVER_EXTENSIONS}
+        self._answers: dict[str, Callable[[], tuple[int, Any]]] = {
+            "health_live": lambda: (200, {"live": True}),
+            "health_ready": lambda: (200 if (ok := self.ready()) else 503, {"ready": ok}),
+            "server_metadata": lambda: (200, server),
+        }
+        """The rows of the endpoint table (``protocols/endpoints.py``) the gateway answers itself, by name."""
 
     async def serve_http1(self, request: Http1Request) -> None:
         """The native handler (``protocols/rest/server.py``): inference and the other per-model routes without the
@@ -175,7 +184,7 @@ class RestGateway:
         if is_generative_path(request.method, path):
             await self.openai(request)
             return
-        if not path.startswith("/v2/models/") or (request.method == b"GET" and path.endswith("/stats")):
+        if gateway_role(request.method, path) != "forward":
             await self._bridge(request)
             return
         headers = request.headers
@@ -223,7 +232,7 @@ class RestGateway:
             raise HttpError(504, str(exc)) from None
 
     async def _proxy_native(self, request: Http1Request, path: str, principal: Principal) -> None:
-        deployment = path[11:].split("/", 1)[0]  # len("/v2/models/")
+        deployment = deployment_of(path)
         counters = self.admit(deployment, principal)
         content_length(request.headers, self.limits.max_body_bytes)
         with self.core.flight(counters):
@@ -297,12 +306,9 @@ class RestGateway:
         if scope["type"] != "http":
             return
         path: str = scope["path"]
-        if path == "/v2/health/live":
-            await json_reply(send, 200, {"live": True})
-            return
-        if path == "/v2/health/ready":
-            ok = self.ready()
-            await json_reply(send, 200 if ok else 503, {"ready": ok})
+        answered = gateway_answer(path)
+        if answered is not None and answered.open:  # health: no key
+            await json_reply(send, *self._answers[answered.name]())
             return
         if path.startswith("/dashboard") and self.dashboard is not None:
             await self.dashboard(scope, receive, send)
@@ -313,13 +319,14 @@ class RestGateway:
         principal = await self._authorize(scope, send)
         if principal is None:
             return
-        if path.startswith("/v2/models/"):
+        role = gateway_role(scope["method"], path)
+        if role is not None:
             try:
-                await self._proxy(scope, receive, send, path, principal)
+                await self._proxy(scope, receive, send, path, principal, fan_out=role == "fan_out")
             except HttpError as exc:
                 await error_reply(send, exc, _unread_body_headers(scope) if exc.status != 408 else [_CLOSE])
-        elif path in ("/v2", "/v2/"):
-            await json_reply(send, 200, {"name": "octacloud", "version": __version__, "extensions": SERVER_EXTENSIONS})
+        elif answered is not None:
+            await json_reply(send, *self._answers[answered.name]())
         elif path.startswith("/admin") and self.admin is not None:
             try:
                 _small_body(scope)
@@ -341,8 +348,10 @@ class RestGateway:
             await error_reply(send, exc, _unread_body_headers(scope))
             return None
 
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: str, principal: Principal) -> None:
-        deployment = path[len("/v2/models/") :].split("/", 1)[0]
+    async def _proxy(
+        self, scope: Scope, receive: Receive, send: Send, path: str, principal: Principal, fan_out: bool
+    ) -> None:
+        deployment = deployment_of(path)
         counters = self.admit(deployment, principal)
         content_length(scope["headers"], self.limits.max_body_bytes)
         with self.core.flight(counters):
@@ -356,7 +365,7 @@ class RestGateway:
             if scope.get("query_string"):
                 target += b"?" + scope["query_string"]
             method = scope["method"]
-            if method == "GET" and path.endswith("/stats"):
+            if fan_out:
                 headers_out = self._headers_out(scope["headers"], principal)  # ASGI names are lower-case
                 sent = await self._statistics(send, deployment, counters, target, headers_out, len(body))
                 usage = self.routes.tenant_traffic(principal.tenant, deployment)

@@ -171,6 +171,38 @@ def generative_match(method: bytes, path: str) -> Endpoint | None:
     return None
 
 
+_ANSWERED = {e.path: e for e in ENDPOINTS if e.gateway == "answer" and e.api == "oip" and e.path}
+_ANSWERED["/v2/"] = BY_NAME["server_metadata"]  # as a replica, which strips a path's slashes, answers it
+_FAN_OUT = tuple(
+    ((e.method, e.method.encode()), f"/{e.action}")
+    for e in ENDPOINTS
+    if e.gateway == "fan_out" and e.per_model and e.method
+)
+"""Each fanned-out row's method (as text and as the HTTP/1.1 server's bytes) and the end of its path."""
+
+
+def gateway_answer(path: str) -> Endpoint | None:
+    """The OIP row the gateway answers itself at ``path`` (whatever the method: health, server metadata)."""
+    return _ANSWERED.get(path)
+
+
+def gateway_role(method: str | bytes, path: str) -> GatewayRole | None:
+    """What the gateway does with a per-model path: ``fan_out`` (statistics), else ``forward`` (any other path
+    under ``/v2/models/``, also one no row names: the replica answers it); None for a path that is not per-model.
+    The generative rows are :func:`generative_match`'s, asked first."""
+    if not path.startswith(MODEL_PREFIX):
+        return None
+    for methods, end in _FAN_OUT:
+        if method in methods and path.endswith(end):
+            return "fan_out"
+    return "forward"
+
+
+def deployment_of(path: str) -> str:
+    """The deployment a per-model path names (its segment after ``/v2/models/``)."""
+    return path[len(MODEL_PREFIX) :].split("/", 1)[0]
+
+
 __all__ = [
     "BY_NAME",
     "ENDPOINTS",
@@ -181,6 +213,9 @@ __all__ = [
     "OPEN_HTTP_PATHS",
     "Endpoint",
     "Match",
+    "deployment_of",
+    "gateway_answer",
+    "gateway_role",
     "generative_match",
     "model_route",
     "oip_match",
