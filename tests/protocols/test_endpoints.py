@@ -162,3 +162,21 @@ def test_the_gateway_answers_the_rows_it_answers_itself() -> None:
     ]
     assert gateway_answer("/v2/health/live/") is None
     assert gateway_answer("/v2/models/m") is None
+
+
+@pytest.mark.parametrize(
+    ("path", "target"),
+    [
+        ("/v2/models/m/infer", ("m", "")),
+        ("/v2/models/m/versions/2/infer", ("m", "2")),
+        ("/v2/models/infer", None),  # the model "infer" itself
+        ("/v2/models/stats/infer", None),
+        ("/v2/models/m/versions/infer", None),
+        ("/v2/models/m/x/infer", None),
+        ("/v1/models/m/infer", None),
+    ],
+)
+def test_the_replicas_inference_fast_path_is_the_infer_row(path: str, target: tuple[str, str] | None) -> None:
+    from octacloud.protocols.rest.app import infer_target
+
+    assert infer_target(path) == target

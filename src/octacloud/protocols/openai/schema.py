@@ -15,12 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from octacloud.protocols.endpoints import ENDPOINTS
 from octacloud.serving.errors import InvalidInputError
 
 CHAT = "chat"
 COMPLETION = "completion"
 EMBEDDING = "embedding"
-PATHS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/embeddings": EMBEDDING}
+PATHS = {e.path: e.name for e in ENDPOINTS if e.api == "openai" and e.method == "POST" and e.path}
+"""The body-checked paths of OpenAI's API, from the endpoint table (its rows are named as the kinds above)."""
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions`` (chat has none: up to the context)."""
 MAX_STOP_SEQUENCES = 4

@@ -18,7 +18,7 @@ from typing import Any
 
 from octacloud.protocols.asgi import DEFAULT_MAX_BODY_BYTES as DEFAULT_MAX_BODY_BYTES
 from octacloud.protocols.asgi import Headers, HttpError, content_length, read_body
-from octacloud.protocols.endpoints import Match, model_route, oip_match
+from octacloud.protocols.endpoints import BY_NAME, MODEL_PREFIX, Match, oip_match
 from octacloud.protocols.errorlog import BoundedErrorLog
 from octacloud.protocols.internal import RequireSecret, http_refusal, tenant_of
 from octacloud.protocols.openai.replica import GenerativeHttp1, generative_target
@@ -164,6 +164,8 @@ class RestApp:
 DEFAULT_BODY_TIMEOUT_S = 60.0
 """Seconds a request body may take to arrive once its head has."""
 _JSON_LINES = encode_headers([_JSON])
+_INFER = BY_NAME["infer"]
+_INFER_SUFFIX = f"/{_INFER.action}"
 
 
 class ReplicaHttp1:
@@ -229,13 +231,10 @@ class ReplicaHttp1:
 
 def infer_target(path: str) -> tuple[str, str] | None:
     """``(model, version)`` of an inference path (``/v2/models/<m>[/versions/<v>]/infer``), else None."""
-    if not path.startswith("/v2/models/") or not path.endswith("/infer"):
+    if not path.startswith(MODEL_PREFIX) or not path.endswith(_INFER_SUFFIX):
         return None
-    parts = path.strip("/").split("/")
-    if len(parts) < 4 or parts[2] == "stats":
-        return None
-    name, version, action = model_route(parts)
-    return (name, version) if action == "infer" else None
+    found = oip_match("POST", path.strip("/").split("/"))
+    return (found.model, found.version) if found is not None and found.endpoint is _INFER else None
 
 
 def error_answer(e: Exception, method: str, path: str) -> tuple[int, bytes, tuple[tuple[bytes, bytes], ...]]:
