@@ -129,3 +129,20 @@ async def test_an_interval_of_zero_probes_every_ready_replica_at_every_check(tmp
         h.clock.advance(h.controller.settings.health_interval_s)
         await h.health()
     assert set(prober.count.values()) == {3} and len(prober.count) == 5
+
+
+async def test_a_replica_the_gateway_ejects_is_probed_at_the_next_check(tmp_path: Path) -> None:
+    """Its readmission (a probe that passes) does not wait for its turn; the others keep theirs."""
+    h, prober = harness(tmp_path)
+    s = h.controller.settings
+    await ready_fleet(h, a=6)
+    h.clock.advance(s.health_interval_s)
+    await h.health()
+    prober.count.clear()
+    await h.health()  # the same instant: nobody's turn again
+    assert not prober.count
+    [e, *_] = h.routes.routes["a"]
+    for _ in range(3):
+        h.routes.failed(e)  # transport failures in a row at the gateway: ejected
+    await h.health()
+    assert dict(prober.count) == {e.replica_id: 1}

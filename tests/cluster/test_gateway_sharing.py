@@ -422,11 +422,14 @@ async def test_feed_readmits_only_what_a_worker_ejected(tmp_path: Path) -> None:
         hub.readmit("r1")  # ready, and ejected nowhere: nothing to say
         hub.readmit("nobody")
         assert not [m for m in sent if m["t"] == "readmit"]
+        told: list[str] = []
+        main.on_eject.append(lambda e: told.append(e.replica_id))  # the controller's probe-soon, in the cloud
         r1, other = tables[0].routes["a"][0], tables[1].routes["a"][0]
         for _ in range(3):
             tables[0].failed(r1)
         other.failures = 2  # failing at the other worker, not ejected: a readmission leaves its count
         await _until(lambda: hub.ejected == {"r1"})
+        assert told == ["r1"]
         hub.readmit("r1")
         hub.readmit("r1")  # the next probe: already readmitted
         await _until(lambda: r1.failures == 0)

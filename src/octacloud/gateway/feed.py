@@ -194,8 +194,11 @@ class FeedHub:
         the main table no longer routes to is let be: nothing would readmit it)."""
         if not isinstance(replica, str):
             raise ShareError("ejected needs a replica id")
-        if self.routes.endpoint(replica) is not None:
+        endpoint = self.routes.endpoint(replica)
+        if endpoint is not None:
             self.ejected.add(replica)
+            for callback in self.routes.on_eject:  # as if this table had ejected it (the controller probes it soon)
+                callback(endpoint)
 
     async def _publish(self) -> None:
         last_beat = last_rebalance = 0.0

@@ -139,8 +139,9 @@ class RouteTable:
     """In a gateway worker: deployment → requests the other workers have in flight, as they last pushed it (every
     0.25 s; ``gateway.sharing``). They count against the deployment's in-flight bound here too."""
     on_eject: list[Callable[[Endpoint], None]] = field(default_factory=list)
-    """Called with each endpoint this table ejects (a gateway worker tells the main process, whose readmissions
-    reach only the workers that ejected something)."""
+    """Called with each endpoint this table ejects and, in the main process, each one a gateway worker said it
+    ejected (a worker tells the main process, whose readmissions reach only the workers that ejected something;
+    the controller probes an ejected replica at its next check)."""
     _by_replica: dict[str, Endpoint] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Replica id → its endpoint in ``routes`` (what :meth:`readmit` and :meth:`endpoint` look up)."""
 

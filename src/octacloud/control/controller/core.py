@@ -109,6 +109,7 @@ class Controller:
             store=store, launcher=launcher, prober=prober, lifecycle=lifecycle, replacements=replacements,
             reservations=reservations, events=events, clock=clock, settings=settings, wakeup=wakeup,
         )  # fmt: skip
+        routes.on_eject.append(lambda e: health.probe_soon(e.replica_id))  # its readmission need not wait its turn
         self.executor = executor = Executor(
             store=store, loop=self.loop, lifecycle=lifecycle, replacements=replacements, health=health,
             reservations=reservations, events=events, clock=clock, scheduling=scheduling, wakeup=wakeup,

@@ -4,7 +4,7 @@
   ``startup_timeout_s`` is FAILED at once (the gateway stops routing to it);
 * a READY replica is FAILED after ``probe_failures_to_fail`` failed readiness probes in a row; it is probed once
   every ``ready_probe_interval_s``, at a phase of its own (the fleet's probes spread over the interval), and at
-  every check while its latest probe failed; a starting replica is probed at every check;
+  every check while its latest probe failed or once the gateway ejected it; a starting replica at every check;
 * a FAILED replica restarts on its own slice once its back-off (``backoff_base_s`` × 2^restarts, at most
   ``backoff_max_s``) has passed, checked at every health tick rather than at the next full reconcile; one whose
   card or node is unusable goes back to pending (it may use the failover headroom);
@@ -123,6 +123,13 @@ class HealthChecker:
                 self._judge(copied(r), probe, now, route)
         for deployment in sorted(route):
             self.lifecycle.route(deployment)
+
+    def probe_soon(self, replica_id: str) -> None:
+        """The gateway ejected ``replica_id``: probe it at the next check, not at its turn (a probe that passes ends
+        the ejection at once)."""
+        rt = self._runtime.get(replica_id)
+        if rt is not None:
+            rt.next_probe_at = 0.0
 
     def _due(self, r: Replica, now: float) -> bool:
         """Whether ``r`` is probed in this check: a starting one always; a READY one at its turn, or while failing."""
