@@ -1,7 +1,7 @@
 """Generation through octacloud's gateway vs the engine's own OpenAI server, side by side in one run.
 
     .venv/bin/python bench/llm.py [--model-dir DIR] [--streams 1 8 32] [--max-tokens 64] [--rounds 3]
-                                  [--via engine replica octacloud worker]
+                                  [--via engine replica octacloud inproc]
 
 Starts ``octacloud up`` (a one-node, one-card CPU fleet) and deploys SmolLM2 (``$OCTACLOUD_MODELS/smollm2``, or
 ``--model-dir``) on the whole card, so that its engine gets every core; then starts llama.cpp's own
@@ -19,10 +19,12 @@ second at 8 streams ≥ 2× at 1 stream (continuous batching against one stream 
 the bench runs; only one is under load at a time. Each run appends its figures to ``bench/results/llm.jsonl``
 (``bench/record.py``; ``--no-record`` does not).
 
-``--via`` names the servers compared (``engine`` and ``octacloud`` by default, which the goals compare); to see
-what each hop adds, also ``replica`` (the replica's own port, asked with the cloud's internal secret, as the
-gateway asks it) and ``worker`` (a second cloud, its gateway in a worker process: ``--gateway-workers 1``, as
-``octacloud up`` runs by default; ``octacloud`` is ``--gateway-workers 0``, the gateway in ``up``'s process).
+``octacloud`` is ``octacloud up`` as it runs by default: the gateway's fronts in a worker process
+(``--gateway-workers 1``), whose event loop does nothing but relay, away from the controller, the health probes
+and the meter in ``up``'s own process. ``--via`` names the servers compared (``engine`` and ``octacloud`` by
+default, which the goals compare); to see what each hop adds, also ``replica`` (the replica's own port, asked
+with the cloud's internal secret, as the gateway asks it) and ``inproc`` (a second cloud whose gateway runs in
+``up``'s process, ``--gateway-workers 0``, on the loop the controller also runs on).
 
 The client is octacloud's streaming HTTP/1.1 client in this process (asyncio; it costs both sides the same); the
 gateway's key is the admin key ``up`` wrote. The engine's own server gets no key (it is on loopback, as a user
@@ -44,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchutil import LocalCloud, free_port
+from benchutil import LocalCloud, cpu_s, find_replica_pid, free_port, proc_stat
 from octacloud.security.internal_auth import HEADER_BYTES, REPLICA_HEADER_BYTES
 from octacloud.serving.generate.args import EngineArgs
 from octacloud.serving.generate.client import Target, request
@@ -53,7 +55,7 @@ from octacloud.serving.generate.sse import EventSplitter, data_of
 from record import Recorder, add_flag
 
 ROOT = Path(__file__).resolve().parent.parent
-VIA = ("engine", "replica", "octacloud", "worker")
+VIA = ("engine", "replica", "octacloud", "inproc")
 PROMPT = [{"role": "user", "content": "Write a long story about a robot who learns to paint."}]
 
 
@@ -66,10 +68,16 @@ class Point:
     ttft_ms: list[float] = field(default_factory=list)
     itl_ms: list[float] = field(default_factory=list)
     errors: int = 0
+    cpu_s: float = 0.0
+    """CPU time the server's processes used during the point (the engine's, and octacloud's around it)."""
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def cpu_ms_per_token(self) -> float:
+        return 1000 * self.cpu_s / self.tokens if self.tokens else float("nan")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -112,6 +120,34 @@ class Server:
     name: str
     target: Target
     auth: tuple[tuple[bytes, bytes], ...] = ()
+    pid: int = 0
+    """The server's first process: its CPU time and its descendants' is the point's ``cpu_s``."""
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                children.setdefault(int(proc_stat(int(entry.name))[1]), []).append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo += children.get(out[-1], [])
+    return out
+
+
+def tree_cpu_s(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            total += cpu_s(pid)
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
 
 
 async def run_point(server: Server, streams: int, completions: int, max_tokens: int) -> Point:
@@ -131,6 +167,8 @@ async def run_point(server: Server, streams: int, completions: int, max_tokens: 
     point = Point()
 
     left = [completions]
+    pids = process_tree(server.pid) if server.pid else []
+    cpu_before = tree_cpu_s(pids)
 
     async def loop() -> None:
         while left[0] > 0:
@@ -140,6 +178,7 @@ async def run_point(server: Server, streams: int, completions: int, max_tokens: 
     started = time.perf_counter()
     await asyncio.gather(*(loop() for _ in range(streams)))
     point.wall_s = time.perf_counter() - started
+    point.cpu_s = tree_cpu_s(pids) - cpu_before
     return point
 
 
@@ -172,7 +211,7 @@ def start_engine(model_dir: Path, threads: int) -> tuple[subprocess.Popen[bytes]
 def row(name: str, streams: int, p: Point) -> str:
     return (
         f"{name:<10} {streams:>7} {p.tokens_per_s:>9.1f} {pct(p.ttft_ms, 0.5):>9.1f} {pct(p.ttft_ms, 0.99):>9.1f} "
-        f"{pct(p.itl_ms, 0.5):>8.1f} {pct(p.itl_ms, 0.99):>8.1f} {p.errors:>6}"
+        f"{pct(p.itl_ms, 0.5):>8.1f} {pct(p.itl_ms, 0.99):>8.1f} {p.errors:>6} {p.cpu_ms_per_token:>9.2f}"
     )
 
 
@@ -184,6 +223,7 @@ def merge(points: list[Point]) -> Point:
         out.ttft_ms += p.ttft_ms
         out.itl_ms += p.itl_ms
         out.errors += p.errors
+        out.cpu_s += p.cpu_s
     return out
 
 
@@ -210,10 +250,10 @@ def main() -> None:
     (repo / "smollm2").symlink_to(opts.model_dir.resolve(), target_is_directory=True)
     # A card's 6 octants (what one replica may hold with the failover reserve kept) get every core of the machine.
     cpu_milli = -(-cores * 8 // 6) * 1000
-    clouds = {"octacloud": LocalCloud(repo, prefix="octacloud-llm-bench-", cpu_milli=cpu_milli)}
-    if "worker" in opts.via:
-        clouds["worker"] = LocalCloud(repo, prefix="octacloud-llm-bench-", cpu_milli=cpu_milli,
-                                      extra=["--gateway-workers", "1"])  # fmt: skip
+    clouds = {"octacloud": LocalCloud(repo, prefix="octacloud-llm-bench-", cpu_milli=cpu_milli,
+                                      extra=["--gateway-workers", "1"])}  # fmt: skip
+    if "inproc" in opts.via:
+        clouds["inproc"] = LocalCloud(repo, prefix="octacloud-llm-bench-", cpu_milli=cpu_milli)
     engine, log = None, None
     try:
         servers, threads = {}, 0
@@ -222,12 +262,13 @@ def main() -> None:
             replica = cloud.deploy({"name": "smollm2", "model": "smollm2", "octants": 6})
             threads = int(replica["env"]["OCTACLOUD_THREADS"])
             servers[name] = Server(name, Target("127.0.0.1", cloud.http_port),
-                                   ((b"authorization", f"Bearer {cloud.key}".encode()),))  # fmt: skip
+                                   ((b"authorization", f"Bearer {cloud.key}".encode()),), cloud.pid)  # fmt: skip
             if name == "octacloud":
                 internal = ((HEADER_BYTES, cloud.secret.encode()), (REPLICA_HEADER_BYTES, replica["id"].encode()))
-                servers["replica"] = Server("replica", Target("127.0.0.1", int(replica["http_port"])), internal)
+                address = Target("127.0.0.1", int(replica["http_port"]))
+                servers["replica"] = Server("replica", address, internal, find_replica_pid(address.port))
         engine, direct, log = start_engine(opts.model_dir, threads)
-        servers["engine"] = Server("engine", direct)
+        servers["engine"] = Server("engine", direct, pid=engine.pid)
         chosen = [servers[name] for name in VIA if name in opts.via]
         for server in chosen:  # warm each up: first prompt, caches, connections
             asyncio.run(run_point(server, 2, 4, 16))
@@ -254,7 +295,8 @@ def main() -> None:
 def report(results: dict[tuple[str, int], list[Point]], opts: argparse.Namespace, threads: int) -> dict[str, Any]:
     """Print the table and the goals; returns the figures to record."""
     print(f"\n{'server':<10} {'streams':>7} {'tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
-          f"{'ITL p99':>8} {'errors':>6}   (ms; {threads} threads, {opts.max_tokens} tokens a completion)")  # fmt: skip
+          f"{'ITL p99':>8} {'errors':>6} {'CPU/token':>9}")  # fmt: skip
+    print(f"  (ms; {threads} threads, {opts.max_tokens} tokens a completion; CPU/token: the server's processes)")
     record: dict[str, Any] = {"threads": threads, "max_tokens": opts.max_tokens, "via": opts.via, "points": []}
     merged = {key: merge(points) for key, points in results.items()}
     names = [name for name in VIA if name in opts.via]
@@ -302,6 +344,7 @@ def _figures(p: Point) -> dict[str, float]:
         "itl_p99_ms": round(pct(p.itl_ms, 0.99), 2),
         "errors": p.errors,
         "tokens": p.tokens,
+        "cpu_ms_per_token": round(p.cpu_ms_per_token, 3),
     }
 
 
