@@ -20,14 +20,14 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import httpx
-
 from octacloud.control.controller import Controller
 from octacloud.control.deployments import ReplicaState
 from octacloud.core.errors import NotFoundError
+from octacloud.gateway.upstream import UpstreamPool
 from octacloud.metering import Allocation, Stored, Traffic, Work
 from octacloud.observability.replicas import bounded_gather
-from octacloud.security.internal_auth import REPLICA_HEADER
+from octacloud.security.internal_auth import REPLICA_HEADER_BYTES
+from octacloud.security.internal_tls import replica_server_name
 from octacloud.storage.store import FsspecStore, StoreUnavailableError
 
 log = logging.getLogger("octacloud.metering")
@@ -113,7 +113,7 @@ class ClusterUsage:
         self.storage_ttl_s = storage_ttl_s
         self._now = now
         self._sizes: dict[str, tuple[float, int]] = {}
-        self._client: httpx.AsyncClient | None = None
+        self._pool: UpstreamPool | None = None
 
     def allocations(self) -> list[Allocation]:
         state = self.controller.scheduler.state
@@ -140,12 +140,10 @@ class ClusterUsage:
         return {key: t.copy() for key, t in self.controller.routes.traffic.items()}
 
     async def work(self) -> Mapping[str, Work]:
-        if self._client is None:
-            verify = self.replica_tls if self.replica_tls is not None else True
-            self._client = httpx.AsyncClient(
-                timeout=self.scrape_timeout_s, headers=self.replica_headers, trust_env=False, verify=verify
-            )
-        scheme = "https" if self.replica_tls is not None else "http"
+        if self._pool is None:  # the gateway's own HTTP/1.1 pool: httpx's per-request cost, a thousand times over
+            self._pool = UpstreamPool(max_idle_per_host=1, connect_timeout=self.scrape_timeout_s, tls=self.replica_tls)
+        pool = self._pool
+        headers = [(k.lower().encode(), v.encode()) for k, v in (self.replica_headers or {}).items()]
         owners = {a.replica: a for a in self.allocations()}
         live = [
             r
@@ -153,18 +151,24 @@ class ClusterUsage:
             if r.state in (ReplicaState.READY, ReplicaState.STARTING) and r.metrics_port and r.id in owners
         ]
         texts = await bounded_gather(  # (a fleet's worth at once is quadratic)
-            self._client.get(
-                f"{scheme}://{getattr(r, 'host', '') or '127.0.0.1'}:{r.metrics_port}/metrics",
-                headers={REPLICA_HEADER: r.id},  # another replica at a dead one's port answers 421, not its work
+            pool.request(
+                getattr(r, "host", "") or "127.0.0.1",
+                r.metrics_port or 0,
+                b"GET",
+                b"/metrics",
+                [*headers, (REPLICA_HEADER_BYTES, r.id.encode())],  # another replica at a dead one's port: 421
+                b"",
+                self.scrape_timeout_s,
+                server_name=replica_server_name(r.id) if pool.tls is not None else None,
             )
             for r in live
         )
         out: dict[str, Work] = {}
         for r, response in zip(live, texts, strict=True):
-            if isinstance(response, BaseException) or response.status_code != 200:
+            if isinstance(response, BaseException) or response.status != 200:
                 continue  # unreachable now: its counters are read at a later close (they are cumulative)
             try:
-                exec_us, inferences = parse_work(response.text)
+                exec_us, inferences = parse_work(response.body.decode("utf-8", "replace"))
             except ValueError:
                 log.warning("replica %s: unreadable metrics", r.id)
                 continue
@@ -203,6 +207,6 @@ class ClusterUsage:
             return self._sizes.get(model, (0.0, 0))[1]
 
     async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
