@@ -106,12 +106,38 @@ def parse(obj: Mapping[str, Any], footprint: FootprintSource | None, card_memory
     meta = obj.get("metadata") or {}
     name, namespace = str(meta.get("name", "")), str(meta.get("namespace") or "default")
     where = f"{KIND} {namespace}/{name}"
+    spec = _known_spec(obj, where)
+    ds, replicas = _deployment_spec(spec, name, where)
+    fp = _footprint(footprint, ds.model, where)
+    octants, count = _size(ds, replicas, fp, card_memory_mib, where)
+    return Desired(
+        name,
+        namespace,
+        ds,
+        octants,
+        count,
+        0 if fp is None else fp.memory_mib,
+        str(spec.get("priorityClassName", "")),
+        str(spec.get("image", DEFAULT_IMAGE)),
+        str(spec.get("modelsClaim", "octacloud-models")),
+        str(spec.get("schedulerName", SCHEDULER_NAME)),
+        *_storage_fields(spec, where),
+    )
+
+
+def _known_spec(obj: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    """The resource's spec, present and with no field the operator does not know."""
     spec = obj.get("spec")
     if not isinstance(spec, Mapping):
         raise InvalidSpecError(f"{where}: spec is missing")
     unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:
         raise InvalidSpecError(f"{where}: unknown spec field(s) {unknown}; allowed: {list(SPEC_KEYS)}")
+    return spec
+
+
+def _deployment_spec(spec: Mapping[str, Any], name: str, where: str) -> tuple[DeploymentSpec, Any]:
+    """The deployment the spec asks for, and its fixed ``replicas`` (None: sized from ``targetQPS`` or the bounds)."""
     model = spec.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidSpecError(f"{where}: spec.model must name a model of the repository")
@@ -138,35 +164,30 @@ def parse(obj: Mapping[str, Any], footprint: FootprintSource | None, card_memory
         )
     except (TypeError, ValueError) as exc:
         raise InvalidSpecError(f"{where}: {exc}") from None
-    fp = _footprint(footprint, model, where)
-    memory = 0 if fp is None else fp.memory_mib
+    return ds, replicas
+
+
+def _size(
+    ds: DeploymentSpec, replicas: Any, fp: ModelFootprint | None, card_memory_mib: int | None, where: str
+) -> tuple[int, int]:
+    """``(octants, replicas)``: as given, or sized from the footprint for octants 'auto' or a ``targetQPS``."""
     octants = ds.octants
-    count = replicas if replicas is not None else lo
-    if ds.octants is None or target is not None:
+    count = replicas if replicas is not None else ds.min_replicas
+    if ds.octants is None or ds.target_qps is not None:
         if fp is None or not card_memory_mib:
             raise InvalidSpecError(
                 f"{where}: octants 'auto' and targetQPS need the model repository and the fleet's card memory "
                 "(run the operator with --repository, on a cluster whose nodes octacloud's device plugin labelled)"
             )
-        sizing = size_deployment(fp, card_memory_mib, target_qps=ds.target_qps, min_replicas=lo, max_replicas=hi)
+        sizing = size_deployment(
+            fp, card_memory_mib, target_qps=ds.target_qps, min_replicas=ds.min_replicas, max_replicas=ds.max_replicas
+        )
         octants = ds.octants or sizing.octants
         count = sizing.replicas
     assert octants is not None
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise InvalidSpecError(f"{where}: spec.replicas must be an integer >= 0, got {count!r}")
-    return Desired(
-        name,
-        namespace,
-        ds,
-        octants,
-        count,
-        memory,
-        str(spec.get("priorityClassName", "")),
-        str(spec.get("image", DEFAULT_IMAGE)),
-        str(spec.get("modelsClaim", "octacloud-models")),
-        str(spec.get("schedulerName", SCHEDULER_NAME)),
-        *_storage_fields(spec, where),
-    )
+    return octants, count
 
 
 def _footprint(footprint: FootprintSource | None, model: str, where: str) -> ModelFootprint | None:
