@@ -220,30 +220,12 @@ def compare(
     """
     if not 0 <= at < len(ARRIVED_PERCENTS):
         raise InvalidSpecError(f"--at must be within 0..{ARRIVED_PERCENTS[-1]}, got {at}")
-
-    def grouped(rows: Sequence[CurveRow]) -> dict[tuple[str, str], list[float | None]]:
-        out: dict[tuple[str, str], list[float | None]] = {}
-        for row in rows:
-            value = row.at(at)
-            out.setdefault((row.workload, row.sc_policy), []).append(None if value is None else 100.0 - value)
-        return out
-
-    mine, theirs = grouped(ours), grouped(published)
+    mine, theirs = _unallocated(ours, at), _unallocated(published, at)
     keys = sorted(mine, key=lambda k: (_first_index(ours, k[0]), k[1]))
     seeds: dict[tuple[str, str], list[int]] = {}
     for row in ours:
         seeds.setdefault((row.workload, row.sc_policy), []).append(row.seed)
-    bounds: dict[tuple[str, int], float] = {}
-    large: dict[tuple[str, str], list[int]] = {}
-    for r in runs:
-        workload, seed, value = r.get("workload"), r.get("seed"), r.get("lower_bound_unallocated_pct_at_100")
-        if isinstance(workload, str) and isinstance(seed, int) and isinstance(value, int | float):
-            bounds[(workload, seed)] = float(value)
-        failed = r.get("failed_by_shape")
-        policy = r.get("sc_policy")
-        if isinstance(workload, str) and isinstance(policy, str) and isinstance(failed, dict):
-            count = sum(n for shape, n in failed.items() if isinstance(n, int) and _cards(shape) >= 8)
-            large.setdefault((workload, policy), []).append(count)
+    bounds, large = _run_bounds(runs)
     table = []
     for key in keys:
         om, osd = mean_sd(mine[key])
@@ -268,6 +250,34 @@ def compare(
             )
         )
     return table
+
+
+def _unallocated(rows: Sequence[CurveRow], at: int) -> dict[tuple[str, str], list[float | None]]:
+    """Per (workload, policy): each row's unallocated GPU % at arrived ``at`` % (None where it has no value)."""
+    out: dict[tuple[str, str], list[float | None]] = {}
+    for row in rows:
+        value = row.at(at)
+        out.setdefault((row.workload, row.sc_policy), []).append(None if value is None else 100.0 - value)
+    return out
+
+
+def _run_bounds(
+    runs: Sequence[dict[str, object]],
+) -> tuple[dict[tuple[str, int], float], dict[tuple[str, str], list[int]]]:
+    """From ``summary.json``'s runs: the LP lower bound per (workload, seed), and the failed eight-card pods of
+    each run per (workload, policy)."""
+    bounds: dict[tuple[str, int], float] = {}
+    large: dict[tuple[str, str], list[int]] = {}
+    for r in runs:
+        workload, seed, value = r.get("workload"), r.get("seed"), r.get("lower_bound_unallocated_pct_at_100")
+        if isinstance(workload, str) and isinstance(seed, int) and isinstance(value, int | float):
+            bounds[(workload, seed)] = float(value)
+        failed = r.get("failed_by_shape")
+        policy = r.get("sc_policy")
+        if isinstance(workload, str) and isinstance(policy, str) and isinstance(failed, dict):
+            count = sum(n for shape, n in failed.items() if isinstance(n, int) and _cards(shape) >= 8)
+            large.setdefault((workload, policy), []).append(count)
+    return bounds, large
 
 
 def _cards(shape: str) -> int:
