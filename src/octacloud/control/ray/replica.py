@@ -23,7 +23,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from octacloud.control.launcher import LaunchSpec, model_view
 from octacloud.control.models import fetch_model
@@ -32,6 +32,9 @@ from octacloud.security.internal_tls import Credentials
 from octacloud.storage.cache import NodeCache
 from octacloud.storage.stats import FetchResult
 from octacloud.storage.store import ModelStore
+
+if TYPE_CHECKING:
+    from octacloud.protocols.server import ReplicaServer, ServerSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +84,7 @@ class ReplicaActor:
 
     def start(self, launch: ActorLaunch) -> ActorStarted:
         """Fetch the model, start the server, return once it serves (model loaded and warmed up)."""
-        from octacloud.idlespin import REPLICA_SPIN_ENV
-        from octacloud.protocols.server import ReplicaServer, ServerSettings, new_event_loop
-        from octacloud.serving import ControlMode
+        from octacloud.protocols.server import ReplicaServer
 
         spec = launch.spec
         node_cache = NodeCache(launch.cache_root / launch.node, launch.cache_limit)
@@ -93,29 +94,23 @@ class ReplicaActor:
         scratch.mkdir(parents=True, exist_ok=True)
         self._scratch = scratch
         if launch.internal_secret is not None:
-            secret_file = scratch / internal_auth.FILE_NAME
-            fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(launch.internal_secret + "\n")
-            os.environ[internal_auth.ENV_VAR] = str(secret_file)  # this actor's own process only
-        local = LaunchSpec(spec.replica_id, spec.serve_as, cache.path, spec.version, spec.env, spec.threads)
-        repository = model_view(local, scratch, cache.versions)
-        tls = launch.tls.write(scratch, "replica") if launch.tls is not None else None
-        settings = ServerSettings(
-            repository=repository,
-            host=launch.host,
-            http_port=0,
-            grpc_port=0,
-            metrics_port=0,
-            control_mode=ControlMode.EXPLICIT,
-            load_models=(spec.serve_as,),
-            threads=spec.threads,
-            tls=tls,
-            replica_id=spec.replica_id,
-            fetch_seconds=cache.seconds,
-        )
-        server = ReplicaServer(settings)
+            _write_secret(scratch, launch.internal_secret)
+        server = ReplicaServer(_server_settings(launch, cache, scratch))
+        self._serve(server, spec.replica_id)
+        gc.collect()
+        gc.freeze()  # as `octacloud serve` does: keep the start-up heap out of the collector (latency tail)
+        gc.set_threshold(50_000, 20, 100)
+        assert server.http_port is not None and server.grpc_port is not None and server.metrics_port is not None
+        ports = (server.http_port, server.grpc_port, server.metrics_port)
+        self._started = ActorStarted(launch.host, *ports, os.getpid(), cache)
+        return self._started
+
+    def _serve(self, server: ReplicaServer, replica_id: str) -> None:
+        """Run ``server`` on its own event loop in a thread of this actor, until :meth:`stop`; return once it
+        has started (or raise why it did not)."""
+        from octacloud.idlespin import REPLICA_SPIN_ENV
+        from octacloud.protocols.server import new_event_loop
+
         started = threading.Event()
         failure: list[BaseException] = []
 
@@ -137,18 +132,11 @@ class ReplicaActor:
                 loop.close()
                 self._stopped.set()
 
-        self._thread = threading.Thread(target=serve, name=f"replica-{spec.replica_id}", daemon=True)
+        self._thread = threading.Thread(target=serve, name=f"replica-{replica_id}", daemon=True)
         self._thread.start()
         started.wait()
         if failure:
             raise failure[0]
-        gc.collect()
-        gc.freeze()  # as `octacloud serve` does: keep the start-up heap out of the collector (latency tail)
-        gc.set_threshold(50_000, 20, 100)
-        assert server.http_port is not None and server.grpc_port is not None and server.metrics_port is not None
-        ports = (server.http_port, server.grpc_port, server.metrics_port)
-        self._started = ActorStarted(launch.host, *ports, os.getpid(), cache)
-        return self._started
 
     def renew_tls(self, credentials: Credentials) -> None:
         """Replace this replica's certificate files; the server loads them for its next handshakes."""
@@ -186,3 +174,37 @@ class ReplicaActor:
         thread.join(timeout=max(grace, 0.0) + 5.0)
         if self._lease is not None and not thread.is_alive():
             self._lease[0].release(self._lease[1])
+
+
+def _write_secret(scratch: Path, secret: str) -> None:
+    """Write the cloud's internal secret (mode 0600) where this actor's replica reads it, as a local one does."""
+    secret_file = scratch / internal_auth.FILE_NAME
+    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    os.environ[internal_auth.ENV_VAR] = str(secret_file)  # this actor's own process only
+
+
+def _server_settings(launch: ActorLaunch, cache: FetchResult, scratch: Path) -> ServerSettings:
+    """The replica server's settings: the fetched model's view in ``scratch``, ports the system picks."""
+    from octacloud.protocols.server import ServerSettings
+    from octacloud.serving import ControlMode
+
+    spec = launch.spec
+    local = LaunchSpec(spec.replica_id, spec.serve_as, cache.path, spec.version, spec.env, spec.threads)
+    repository = model_view(local, scratch, cache.versions)
+    tls = launch.tls.write(scratch, "replica") if launch.tls is not None else None
+    return ServerSettings(
+        repository=repository,
+        host=launch.host,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        control_mode=ControlMode.EXPLICIT,
+        load_models=(spec.serve_as,),
+        threads=spec.threads,
+        tls=tls,
+        replica_id=spec.replica_id,
+        fetch_seconds=cache.seconds,
+    )
