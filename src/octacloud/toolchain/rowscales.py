@@ -110,13 +110,17 @@ def _column_sums(weight: np.ndarray, zero_point: np.ndarray | None) -> np.ndarra
     return sums
 
 
+Uses = dict[str, list[tuple[onnx.NodeProto, int]]]
+"""Per tensor name: the nodes that read it, with the input index."""
+
+
 def per_row_activation_scales(model: onnx.ModelProto) -> RowScaleRewrite:
     """Rewrite ``model`` in place (see the module docstring); returns what was rewritten and what was kept."""
     graph = model.graph
     opset = _opset(model)
     inits = {t.name: t for t in graph.initializer}
     nodes = list(graph.node)  # one wrapper per node, so that identities below are stable
-    uses: dict[str, list[tuple[onnx.NodeProto, int]]] = defaultdict(list)
+    uses: Uses = defaultdict(list)
     for node in nodes:
         for i, name in enumerate(node.input):
             uses[name].append((node, i))
@@ -129,23 +133,9 @@ def per_row_activation_scales(model: onnx.ModelProto) -> RowScaleRewrite:
         if node.op_type != "DynamicQuantizeLinear" or node.domain not in ("", "ai.onnx"):
             continue
         label = node.name or node.output[0]
-        x, q, scale, zp = node.input[0], *node.output
+        x, q, scale, _ = node.input[0], *node.output
         matmuls = [n for n, _ in uses[q]]
-        why = ""
-        if opset < 13:
-            why = f"opset {opset} < 13"
-        elif {q, scale, zp} & outputs:
-            why = "its outputs are graph outputs"
-        elif not matmuls or any(n.op_type != "MatMulInteger" or i != 0 for n, i in uses[q]):
-            why = "its quantized tensor feeds an operator other than MatMulInteger's A"
-        elif any(len(n.input) < 3 or n.input[2] != zp for n in matmuls) or len(uses[zp]) != len(matmuls):
-            why = "its zero point is used other than as MatMulInteger's a_zero_point"
-        elif any(n.op_type != "Mul" for n, _ in uses[scale]):
-            why = "its scale feeds an operator other than Mul"
-        elif any(n.input[1] not in inits or len(inits[n.input[1]].dims) != 2 for n in matmuls):
-            why = "a MatMulInteger's B is not a 2-D constant"
-        elif any(len(n.input) > 3 and n.input[3] and n.input[3] not in inits for n in matmuls):
-            why = "a MatMulInteger's b_zero_point is not a constant"
+        why = _why_kept(node, uses, inits, outputs, opset)
         if why:
             kept.append(f"{label}: {why}")
             continue
@@ -156,21 +146,64 @@ def per_row_activation_scales(model: onnx.ModelProto) -> RowScaleRewrite:
         changed |= {scale, *(n.output[0] for n, _ in uses[scale])}
         u8_zero = b.const("a_zero_point", np.array(0, np.uint8))
         for mm in matmuls:
-            after = _Builder(model, f"{mm.name or mm.output[0]}/rowscale")
-            weight = numpy_helper.to_array(inits[mm.input[1]])
-            wzp = numpy_helper.to_array(inits[mm.input[3]]) if len(mm.input) > 3 and mm.input[3] else None
-            sums = after.const("column_sums", _column_sums(weight, wzp))
-            product = mm.output[0]
-            mm.input[2] = u8_zero
-            mm.output[0] = after.name("uncorrected")
-            after.op("Add", [mm.output[0], after.op("Mul", [minus_zp, sums])], product)
-            replaced[id(mm)] = [mm, *after.nodes]
-
+            replaced[id(mm)] = _corrected_matmul(model, mm, inits, minus_zp, u8_zero)
     if replaced:
-        order = [n for node in nodes for n in replaced.get(id(node), [node])]
-        del graph.node[:]
-        graph.node.extend(order)
-        keep = [v for v in graph.value_info if v.name not in changed]
-        del graph.value_info[:]
-        graph.value_info.extend(keep)
+        _replace_nodes(graph, nodes, replaced, changed)
     return RowScaleRewrite(rewritten, tuple(kept))
+
+
+def _why_kept(
+    node: onnx.NodeProto, uses: Uses, inits: dict[str, onnx.TensorProto], outputs: set[str], opset: int
+) -> str:
+    """Why a DynamicQuantizeLinear node cannot be rewritten ('' : it can)."""
+    q, scale, zp = node.output
+    matmuls = [n for n, _ in uses[q]]
+    if opset < 13:
+        return f"opset {opset} < 13"
+    if {q, scale, zp} & outputs:
+        return "its outputs are graph outputs"
+    if not matmuls or any(n.op_type != "MatMulInteger" or i != 0 for n, i in uses[q]):
+        return "its quantized tensor feeds an operator other than MatMulInteger's A"
+    if any(len(n.input) < 3 or n.input[2] != zp for n in matmuls) or len(uses[zp]) != len(matmuls):
+        return "its zero point is used other than as MatMulInteger's a_zero_point"
+    if any(n.op_type != "Mul" for n, _ in uses[scale]):
+        return "its scale feeds an operator other than Mul"
+    if any(n.input[1] not in inits or len(inits[n.input[1]].dims) != 2 for n in matmuls):
+        return "a MatMulInteger's B is not a 2-D constant"
+    if any(len(n.input) > 3 and n.input[3] and n.input[3] not in inits for n in matmuls):
+        return "a MatMulInteger's b_zero_point is not a constant"
+    return ""
+
+
+def _corrected_matmul(
+    model: onnx.ModelProto,
+    mm: onnx.NodeProto,
+    inits: dict[str, onnx.TensorProto],
+    minus_zp: str,
+    u8_zero: str,
+) -> list[onnx.NodeProto]:
+    """``mm`` with a zero point of 0, then the correction ``- zp * column_sums(B)`` that restores its product."""
+    after = _Builder(model, f"{mm.name or mm.output[0]}/rowscale")
+    weight = numpy_helper.to_array(inits[mm.input[1]])
+    wzp = numpy_helper.to_array(inits[mm.input[3]]) if len(mm.input) > 3 and mm.input[3] else None
+    sums = after.const("column_sums", _column_sums(weight, wzp))
+    product = mm.output[0]
+    mm.input[2] = u8_zero
+    mm.output[0] = after.name("uncorrected")
+    after.op("Add", [mm.output[0], after.op("Mul", [minus_zp, sums])], product)
+    return [mm, *after.nodes]
+
+
+def _replace_nodes(
+    graph: onnx.GraphProto,
+    nodes: list[onnx.NodeProto],
+    replaced: dict[int, list[onnx.NodeProto]],
+    changed: set[str],
+) -> None:
+    """Put the replacements in their nodes' places, in order; drop the shapes recorded for changed tensors."""
+    order = [n for node in nodes for n in replaced.get(id(node), [node])]
+    del graph.node[:]
+    graph.node.extend(order)
+    keep = [v for v in graph.value_info if v.name not in changed]
+    del graph.value_info[:]
+    graph.value_info.extend(keep)
