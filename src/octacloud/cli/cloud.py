@@ -104,50 +104,65 @@ def _call(
     return data
 
 
+DEPLOY_MODEL: Any = typer.Argument(..., help="Model name in the repository (octacloud models list).")
+DEPLOY_NAME: Any = typer.Option(None, "--name", help="Deployment name (default: the model's).")
+DEPLOY_VERSION: Any = typer.Option(None, "--version", help="Model version (new: the latest).")
+DEPLOY_OCTANTS: Any = typer.Option(
+    None,
+    "--octants",
+    help="Octants per replica: 1-8, a multiple of 8 (whole cards), or auto (new: auto, sized to the model).",
+)
+DEPLOY_MIN_REPLICAS: Any = typer.Option(
+    None, "--min-replicas", help="Fewest replicas, also the autoscaler's floor (new: 1)."
+)
+DEPLOY_MAX_REPLICAS: Any = typer.Option(
+    None,
+    "--max-replicas",
+    help=f"Most replicas `scale` and the autoscaler may reach (new: {DEFAULT_MAX_REPLICAS}, or --min-replicas).",
+)
+DEPLOY_TARGET_QPS: Any = typer.Option(
+    None, "--target-qps", help="Requests/s to size for (with --octants auto) and to autoscale towards."
+)
+DEPLOY_SLO_MS: Any = typer.Option(
+    None, "--slo-ms", help="Latency objective (ms): the autoscaler adds a replica while it is broken."
+)
+DEPLOY_PRIORITY_CLASS: Any = typer.Option(
+    None, "--priority-class", help="A priority class granted to the tenant (new: the tenant's default)."
+)
+DEPLOY_PRIORITY: Any = typer.Option(
+    None,
+    "--priority",
+    help="A raw priority (admin keys only): higher preempts lower when the fleet is full; >= 100 may use the "
+    "failover reserve.",
+)
+DEPLOY_TENANT: Any = typer.Option(
+    None, "--tenant", help="Owner (admin keys only; new: the key's tenant, a redeploy: its owner)."
+)
+DEPLOY_PUBLISH: Any = typer.Option(
+    None, "--publish/--no-publish", help="Let every tenant infer on it (new: not published)."
+)
+DEPLOY_SPREAD: Any = typer.Option(
+    None,
+    "--spread",
+    help="Keep replicas apart: soft (other nodes, then racks, where they fit), node or rack (hard: one per "
+    "node or rack; a replica that cannot be kept apart waits) (new: soft).",
+)
+
+
 def deploy(
-    model: str = typer.Argument(..., help="Model name in the repository (octacloud models list)."),
-    name: str | None = typer.Option(None, "--name", help="Deployment name (default: the model's)."),
-    version: str | None = typer.Option(None, "--version", help="Model version (new: the latest)."),
-    octants: str | None = typer.Option(
-        None,
-        "--octants",
-        help="Octants per replica: 1-8, a multiple of 8 (whole cards), or auto (new: auto, sized to the model).",
-    ),
-    min_replicas: int | None = typer.Option(
-        None, "--min-replicas", help="Fewest replicas, also the autoscaler's floor (new: 1)."
-    ),
-    max_replicas: int | None = typer.Option(
-        None,
-        "--max-replicas",
-        help=f"Most replicas `scale` and the autoscaler may reach (new: {DEFAULT_MAX_REPLICAS}, or --min-replicas).",
-    ),
-    target_qps: float | None = typer.Option(
-        None, "--target-qps", help="Requests/s to size for (with --octants auto) and to autoscale towards."
-    ),
-    slo_ms: float | None = typer.Option(
-        None, "--slo-ms", help="Latency objective (ms): the autoscaler adds a replica while it is broken."
-    ),
-    priority_class: str | None = typer.Option(
-        None, "--priority-class", help="A priority class granted to the tenant (new: the tenant's default)."
-    ),
-    priority: int | None = typer.Option(
-        None,
-        "--priority",
-        help="A raw priority (admin keys only): higher preempts lower when the fleet is full; >= 100 may use the "
-        "failover reserve.",
-    ),
-    tenant: str | None = typer.Option(
-        None, "--tenant", help="Owner (admin keys only; new: the key's tenant, a redeploy: its owner)."
-    ),
-    publish: bool | None = typer.Option(
-        None, "--publish/--no-publish", help="Let every tenant infer on it (new: not published)."
-    ),
-    spread: str | None = typer.Option(
-        None,
-        "--spread",
-        help="Keep replicas apart: soft (other nodes, then racks, where they fit), node or rack (hard: one per "
-        "node or rack; a replica that cannot be kept apart waits) (new: soft).",
-    ),
+    model: str = DEPLOY_MODEL,
+    name: str | None = DEPLOY_NAME,
+    version: str | None = DEPLOY_VERSION,
+    octants: str | None = DEPLOY_OCTANTS,
+    min_replicas: int | None = DEPLOY_MIN_REPLICAS,
+    max_replicas: int | None = DEPLOY_MAX_REPLICAS,
+    target_qps: float | None = DEPLOY_TARGET_QPS,
+    slo_ms: float | None = DEPLOY_SLO_MS,
+    priority_class: str | None = DEPLOY_PRIORITY_CLASS,
+    priority: int | None = DEPLOY_PRIORITY,
+    tenant: str | None = DEPLOY_TENANT,
+    publish: bool | None = DEPLOY_PUBLISH,
+    spread: str | None = DEPLOY_SPREAD,
     url: str | None = URL,
     key: str | None = KEY,
     cacert: Path | None = CACERT,
