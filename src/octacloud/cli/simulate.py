@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from octacloud.cli import simulate_options as options
 from octacloud.core.errors import InvalidSpecError
 
 if TYPE_CHECKING:
@@ -71,39 +72,25 @@ def _existing(path: Path | None, option: str) -> Path:
 @app.callback(invoke_without_command=True)
 def simulate(
     ctx: typer.Context,
-    nodes: Path | None = typer.Option(None, "--nodes", help="Fleet CSV (openb node list)."),
-    pods: list[Path] | None = typer.Option(None, "--pods", help="Pods CSV; repeat for several traces."),
-    policy: str = typer.Option("fgd", "--policy", help="Comma-separated policies, e.g. random,bestfit,fgd."),
-    seeds: str = typer.Option("42", "--seeds", help="Seeds: 42-51, or 42,45,50-51."),
-    tune: float = typer.Option(1.3, "--tune", help="Inflate each trace to TUNE × cluster GPU capacity."),
-    out: Path | None = typer.Option(None, "--out", help="Folder for the result files (created if needed)."),
-    jobs: int = typer.Option(1, "--jobs", help="Runs in parallel worker processes (results do not depend on it)."),
-    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG figures."),
-    arrivals: str | None = typer.Option(None, "--arrivals", help="Churn mode: poisson:RATE (requests per second)."),
-    lifetime: str = typer.Option(
-        "lognormal:7,1", "--lifetime", help="Churn: lognormal:MU,SIGMA, exponential:MEAN or fixed:SECONDS."
-    ),
-    duration: float = typer.Option(86400.0, "--duration", help="Churn: simulated seconds."),
-    warmup: float = typer.Option(0.0, "--warmup", help="Churn: seconds left out of the time average."),
-    queue: bool = typer.Option(False, "--queue/--no-queue", help="Churn: requests that fit nowhere wait."),
-    period: float = typer.Option(5.0, "--period", help="Churn: seconds between re-evaluations of the queue."),
-    defrag: int = typer.Option(
-        0, "--defrag", help="Churn: re-evaluate with the scheduler's loop, defragmenting with up to N moves per pass."
-    ),
-    reservations: int = typer.Option(
-        1,
-        "--reservations",
-        help="Churn: queued requests that may each reserve the node where they fit soonest (0: plain greedy retry).",
-    ),
-    serve_releases: bool = typer.Option(
-        True,
-        "--serve-releases/--no-serve-releases",
-        help="Churn: capacity a departure frees goes to the queue at once (off: it waits for the next pass).",
-    ),
-    gpu_memory: Path | None = typer.Option(
-        None, "--gpu-memory", help="Card memory per model for the fleet: a CSV with model,gpu_memory_mib."
-    ),
-    bound: bool = typer.Option(True, "--bound/--no-bound", help="Compute the LP lower bound per seed."),
+    nodes: Path | None = options.NODES,
+    pods: list[Path] | None = options.PODS,
+    policy: str = options.POLICY,
+    seeds: str = options.SEEDS,
+    tune: float = options.TUNE,
+    out: Path | None = options.OUT,
+    jobs: int = options.JOBS,
+    plots: bool = options.PLOTS,
+    arrivals: str | None = options.ARRIVALS,
+    lifetime: str = options.LIFETIME,
+    duration: float = options.DURATION,
+    warmup: float = options.WARMUP,
+    queue: bool = options.QUEUE,
+    period: float = options.PERIOD,
+    defrag: int = options.DEFRAG,
+    reservations: int = options.RESERVATIONS,
+    serve_releases: bool = options.SERVE_RELEASES,
+    gpu_memory: Path | None = options.GPU_MEMORY,
+    bound: bool = options.BOUND,
 ) -> None:
     """Replay traces under the FGD paper's protocol (or in churn mode) and write results to --out."""
     if ctx.invoked_subcommand is not None:
@@ -137,11 +124,16 @@ def simulate(
     except OSError as exc:
         raise _fail(f"--out {out}: {exc.strerror or exc}") from None
 
+    _run(specs, out, jobs, plots, churn=arrivals is not None)
+
+
+def _run(specs: Sequence[object], out: Path, jobs: int, plots: bool, *, churn: bool) -> None:
+    """Run the protocol's specs (or churn mode's) and write their results to ``out``; a bad spec is the error."""
     try:
-        if arrivals is None:
-            _run_protocol(specs, out, jobs, plots)
-        else:
+        if churn:
             _run_churn(specs, out, jobs, plots)
+        else:
+            _run_protocol(specs, out, jobs, plots)
     except InvalidSpecError as exc:
         raise _fail(str(exc)) from None
 
