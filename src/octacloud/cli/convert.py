@@ -134,22 +134,8 @@ def convert_command(
     if source.suffix.lower() == ".gguf":
         _publish_gguf(source, name, repository, engine_arg)
         return
-    from octacloud.toolchain.sources import SourceOptions
-    from octacloud.toolchain.spec import parse_input_spec
-
     try:
-        source_options = SourceOptions(
-            kind=kind,  # type: ignore[arg-type]  # checked by load_source
-            task=task,  # type: ignore[arg-type]
-            inputs=tuple(parse_input_spec(i) for i in inputs),
-            output_names=tuple(outputs),
-            classifier=classifier,
-            random_init=random_init,
-            seed=seed,
-            sequence_length=sequence_length,
-        )
-        _check_choice("--kind", kind, ("auto", "huggingface", "torch", "onnx"))
-        _check_choice("--task", task, TASKS)
+        source_options = _source_options(kind, task, inputs, outputs, classifier, random_init, seed, sequence_length)
         options = _convert_options(
             name, precision, max_batch_size, calibration, samples, force, tolerance, seed, tokenizer,
             max_text_length, (threads, batch_sizes, profile_seconds),
@@ -158,6 +144,40 @@ def convert_command(
     except OctacloudError as e:
         _err.print(f"[red]convert failed:[/] {e}\n[dim]nothing was published to {publish or repository}[/]")
         raise typer.Exit(2) from None
+    _print_result(result)
+
+
+def _source_options(
+    kind: str,
+    task: str,
+    inputs: list[str],
+    outputs: list[str],
+    classifier: bool | None,
+    random_init: bool,
+    seed: int,
+    sequence_length: int,
+) -> SourceOptions:
+    """How to read the source, from its options (``--input`` specs parsed, ``--kind`` and ``--task`` checked)."""
+    from octacloud.toolchain.sources import SourceOptions
+    from octacloud.toolchain.spec import parse_input_spec
+
+    source_options = SourceOptions(
+        kind=kind,  # type: ignore[arg-type]  # checked by load_source
+        task=task,  # type: ignore[arg-type]
+        inputs=tuple(parse_input_spec(i) for i in inputs),
+        output_names=tuple(outputs),
+        classifier=classifier,
+        random_init=random_init,
+        seed=seed,
+        sequence_length=sequence_length,
+    )
+    _check_choice("--kind", kind, ("auto", "huggingface", "torch", "onnx"))
+    _check_choice("--task", task, TASKS)
+    return source_options
+
+
+def _print_result(result: ConversionResult) -> None:
+    """The conversion's table; exit status 1 when a variant was not published for its parity."""
     _out().print(result_table(result))
     if result.rejected:
         names = ", ".join(v.name for v in result.rejected)
