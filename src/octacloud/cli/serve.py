@@ -6,8 +6,44 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from octacloud.protocols.server import ServerSettings
+    from octacloud.serving import ControlMode
+
+
+REPOSITORY: Any = typer.Option(..., "--repository", "--model-repository", help="Model repository folder.")
+HOST: Any = typer.Option("127.0.0.1", help="Address to bind (all three endpoints).")
+HTTP_PORT: Any = typer.Option(8000, help="REST port (0: pick a free one; -1: off).")
+GRPC_PORT: Any = typer.Option(8001, help="gRPC port (0: pick a free one; -1: off).")
+METRICS_PORT: Any = typer.Option(8002, help="Prometheus metrics port (0: pick a free one; -1: off).")
+HTTP_FD: Any = typer.Option(
+    -1, help="Serve REST on this inherited, bound TCP socket instead of --http-port (as a launcher hands it)."
+)
+GRPC_FD: Any = typer.Option(-1, help="Serve gRPC on this inherited, bound TCP socket instead of --grpc-port.")
+METRICS_FD: Any = typer.Option(-1, help="Serve metrics on this inherited, bound TCP socket instead of --metrics-port.")
+MODEL_CONTROL_MODE: Any = typer.Option("none", help="none | poll | explicit (Triton's model control modes).")
+LOAD_MODEL: Any = typer.Option([], help="Model to load at start in explicit mode ('*': all).")
+THREADS: Any = typer.Option(0, help="CPU threads for inference (0: $OCTACLOUD_THREADS or every core).")
+POLL_SECONDS: Any = typer.Option(15.0, help="Repository poll interval in poll mode.")
+MAX_BODY_MB: Any = typer.Option(64, help="Largest request body (MiB) over REST and gRPC.")
+GRPC_SERVER: Any = typer.Option("h2", help="h2: octacloud's HTTP/2 gRPC server (leanest); aio: grpc.aio.")
+LOG_LEVEL: Any = typer.Option("info", help="Log level.")
+MODEL_STORAGE: Any = typer.Option(
+    None,
+    "--model-storage",
+    help="Fetch --fetch-model from this model store (a folder or URL) into the node "
+    "cache first; --repository is then the folder where this replica's one-model view is made.",
+)
+STORAGE_CREDENTIALS: Any = typer.Option(None, help="S3 credentials file for --model-storage.")
+MODEL_CACHE: Any = typer.Option(None, help="The node's model cache folder (with --model-storage).")
+MODEL_CACHE_SIZE: Any = typer.Option(None, help="The node cache's size limit (e.g. 20GiB).")
+FETCH_MODEL: Any = typer.Option(None, help="With --model-storage: the model to fetch and serve.")
+FETCH_VERSION: Any = typer.Option("", help="With --fetch-model: its version ('' = the model's policy).")
+SERVE_AS: Any = typer.Option(None, help="With --fetch-model: the name clients use (default: the model).")
 
 
 def register(app: typer.Typer) -> None:
@@ -15,48 +51,34 @@ def register(app: typer.Typer) -> None:
 
 
 def serve(
-    repository: Path = typer.Option(..., "--repository", "--model-repository", help="Model repository folder."),
-    host: str = typer.Option("127.0.0.1", help="Address to bind (all three endpoints)."),
-    http_port: int = typer.Option(8000, help="REST port (0: pick a free one; -1: off)."),
-    grpc_port: int = typer.Option(8001, help="gRPC port (0: pick a free one; -1: off)."),
-    metrics_port: int = typer.Option(8002, help="Prometheus metrics port (0: pick a free one; -1: off)."),
-    http_fd: int = typer.Option(
-        -1, help="Serve REST on this inherited, bound TCP socket instead of --http-port (as a launcher hands it)."
-    ),
-    grpc_fd: int = typer.Option(-1, help="Serve gRPC on this inherited, bound TCP socket instead of --grpc-port."),
-    metrics_fd: int = typer.Option(
-        -1, help="Serve metrics on this inherited, bound TCP socket instead of --metrics-port."
-    ),
-    model_control_mode: str = typer.Option("none", help="none | poll | explicit (Triton's model control modes)."),
-    load_model: list[str] = typer.Option([], help="Model to load at start in explicit mode ('*': all)."),
-    threads: int = typer.Option(0, help="CPU threads for inference (0: $OCTACLOUD_THREADS or every core)."),
-    poll_seconds: float = typer.Option(15.0, help="Repository poll interval in poll mode."),
-    max_body_mb: int = typer.Option(64, help="Largest request body (MiB) over REST and gRPC."),
-    grpc_server: str = typer.Option("h2", help="h2: octacloud's HTTP/2 gRPC server (leanest); aio: grpc.aio."),
-    log_level: str = typer.Option("info", help="Log level."),
-    model_storage: str | None = typer.Option(
-        None,
-        "--model-storage",
-        help="Fetch --fetch-model from this model store (a folder or URL) into the node "
-        "cache first; --repository is then the folder where this replica's one-model view is made.",
-    ),
-    storage_credentials: Path | None = typer.Option(None, help="S3 credentials file for --model-storage."),
-    model_cache: Path | None = typer.Option(None, help="The node's model cache folder (with --model-storage)."),
-    model_cache_size: str | None = typer.Option(None, help="The node cache's size limit (e.g. 20GiB)."),
-    fetch_model: str | None = typer.Option(None, help="With --model-storage: the model to fetch and serve."),
-    fetch_version: str = typer.Option("", help="With --fetch-model: its version ('' = the model's policy)."),
-    serve_as: str | None = typer.Option(None, help="With --fetch-model: the name clients use (default: the model)."),
+    repository: Path = REPOSITORY,
+    host: str = HOST,
+    http_port: int = HTTP_PORT,
+    grpc_port: int = GRPC_PORT,
+    metrics_port: int = METRICS_PORT,
+    http_fd: int = HTTP_FD,
+    grpc_fd: int = GRPC_FD,
+    metrics_fd: int = METRICS_FD,
+    model_control_mode: str = MODEL_CONTROL_MODE,
+    load_model: list[str] = LOAD_MODEL,
+    threads: int = THREADS,
+    poll_seconds: float = POLL_SECONDS,
+    max_body_mb: int = MAX_BODY_MB,
+    grpc_server: str = GRPC_SERVER,
+    log_level: str = LOG_LEVEL,
+    model_storage: str | None = MODEL_STORAGE,
+    storage_credentials: Path | None = STORAGE_CREDENTIALS,
+    model_cache: Path | None = MODEL_CACHE,
+    model_cache_size: str | None = MODEL_CACHE_SIZE,
+    fetch_model: str | None = FETCH_MODEL,
+    fetch_version: str = FETCH_VERSION,
+    serve_as: str | None = SERVE_AS,
 ) -> None:
     """Serve the models of REPOSITORY over the Open Inference Protocol (REST and gRPC), as Triton does."""
-    from octacloud.protocols.server import ServerSettings, run
+    from octacloud.protocols.server import ServerSettings
     from octacloud.serving import ControlMode
 
-    try:
-        mode = ControlMode(model_control_mode)
-    except ValueError:
-        raise typer.BadParameter(f"must be none, poll or explicit, got {model_control_mode!r}") from None
-    if grpc_server not in ("h2", "aio"):
-        raise typer.BadParameter(f"must be h2 or aio, got {grpc_server!r}", param_hint="--grpc-server")
+    mode = _control_mode(model_control_mode, grpc_server)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     fetch_seconds: float | None = None
     if model_storage is not None:
@@ -85,9 +107,29 @@ def serve(
         grpc_server=grpc_server,
         fetch_seconds=fetch_seconds,
     )
+    _run(settings)
+
+
+def _control_mode(model_control_mode: str, grpc_server: str) -> ControlMode:
+    """The model control mode asked for, with the gRPC server's choice checked."""
+    from octacloud.serving import ControlMode
+
+    try:
+        mode = ControlMode(model_control_mode)
+    except ValueError:
+        raise typer.BadParameter(f"must be none, poll or explicit, got {model_control_mode!r}") from None
+    if grpc_server not in ("h2", "aio"):
+        raise typer.BadParameter(f"must be h2 or aio, got {grpc_server!r}", param_hint="--grpc-server")
+    return mode
+
+
+def _run(settings: ServerSettings) -> None:
+    """Serve until stopped; a port in use or an address that is not ours is the error, without a traceback."""
+    from octacloud.protocols.server import run
+
     try:
         run(settings)
-    except OSError as e:  # a port in use, an address that is not ours: say so, no traceback
+    except OSError as e:
         typer.echo(f"octacloud serve: {e}", err=True)
         raise typer.Exit(1) from None
 
