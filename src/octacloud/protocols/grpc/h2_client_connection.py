@@ -168,19 +168,7 @@ class ClientConnection(asyncio.Protocol):
             else:
                 self._orphan_block = bytearray(block)
         elif kind == CONTINUATION:
-            c = self._continuation
-            if c is not None and c.id == sid and c.block is not None:
-                c.block += payload
-                if flags & END_HEADERS:
-                    block, c.block, self._continuation = bytes(c.block), None, None
-                    self._headers(c, block, c.block_ends)
-            elif self._orphan_block is not None:
-                self._orphan_block += payload
-                if flags & END_HEADERS:
-                    self._decoder.decode(bytes(self._orphan_block))  # keep the HPACK table in step
-                    self._orphan_block = None
-            else:
-                raise ValueError("unexpected CONTINUATION")
+            self._continuation_frame(flags, sid, payload)
         elif kind == SETTINGS:
             if not flags & ACK:
                 self._settings(payload)
@@ -188,31 +176,59 @@ class ClientConnection(asyncio.Protocol):
             if not flags & ACK:
                 self._write(frame(PING, ACK, 0, payload))
         elif kind == WINDOW_UPDATE:
-            increment = _U32.unpack(payload)[0] & MAX_WINDOW
-            if sid == 0:
-                self._send_window += increment
-                for c in list(self.calls.values()):
-                    if c.pending:
-                        self._send(c)
-            elif (c := self.calls.get(sid)) is not None:
-                c.send_window += increment
-                self._send(c)
+            self._window_update(sid, payload)
         elif kind == RST_STREAM:
-            c = self.calls.pop(sid, None)
-            if c is not None:
-                code = _U32.unpack(payload)[0]
-                if code == REFUSED_STREAM:
-                    self._settle_error(c, Unreachable(f"{self._label} refused the stream"))
-                else:
-                    details = f"the replica reset the call (HTTP/2 error {code})"
-                    self._settle(c, Answer(grpc.StatusCode.INTERNAL, details, (), b""))
-                self._maybe_close()
+            self._stream_reset(sid, payload)
         elif kind == GOAWAY:
-            last = _U32.unpack_from(payload, 0)[0] & MAX_WINDOW
-            self.going_away = True
-            for sid_ in [s for s in self.calls if s > last]:
-                self._settle_error(self.calls.pop(sid_), Unreachable(f"{self._label} is going away"))
+            self._goaway(payload)
+
+    def _continuation_frame(self, flags: int, sid: int, payload: bytes) -> None:
+        """More of a header block: the call's, or one of a call no longer here (decoded for the HPACK table)."""
+        c = self._continuation
+        if c is not None and c.id == sid and c.block is not None:
+            c.block += payload
+            if flags & END_HEADERS:
+                block, c.block, self._continuation = bytes(c.block), None, None
+                self._headers(c, block, c.block_ends)
+        elif self._orphan_block is not None:
+            self._orphan_block += payload
+            if flags & END_HEADERS:
+                self._decoder.decode(bytes(self._orphan_block))  # keep the HPACK table in step
+                self._orphan_block = None
+        else:
+            raise ValueError("unexpected CONTINUATION")
+
+    def _window_update(self, sid: int, payload: bytes) -> None:
+        """More send window: the connection's (every call with data pending sends on) or one call's."""
+        increment = _U32.unpack(payload)[0] & MAX_WINDOW
+        if sid == 0:
+            self._send_window += increment
+            for pending in list(self.calls.values()):
+                if pending.pending:
+                    self._send(pending)
+        elif (c := self.calls.get(sid)) is not None:
+            c.send_window += increment
+            self._send(c)
+
+    def _stream_reset(self, sid: int, payload: bytes) -> None:
+        """The replica reset a call: a refused stream is unreachable (retried elsewhere), any other an INTERNAL."""
+        c = self.calls.pop(sid, None)
+        if c is not None:
+            code = _U32.unpack(payload)[0]
+            if code == REFUSED_STREAM:
+                self._settle_error(c, Unreachable(f"{self._label} refused the stream"))
+            else:
+                details = f"the replica reset the call (HTTP/2 error {code})"
+                self._settle(c, Answer(grpc.StatusCode.INTERNAL, details, (), b""))
             self._maybe_close()
+
+    def _goaway(self, payload: bytes) -> None:
+        """The replica is going away: the calls after the last one it will answer are unreachable."""
+        last = _U32.unpack_from(payload, 0)[0] & MAX_WINDOW
+        self.going_away = True
+        for sid_ in [s for s in self.calls if s > last]:
+            self._settle_error(self.calls.pop(sid_), Unreachable(f"{self._label} is going away"))
+        self._maybe_close()
 
     def _settings(self, payload: bytes) -> None:
         for i in range(0, len(payload) - len(payload) % 6, 6):
