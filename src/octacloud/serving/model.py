@@ -104,17 +104,7 @@ class ModelVersion:
         }
         self.output_names = tuple(t.name for t in self.outputs)
         self.max_batch_size = int(config.max_batch_size)
-        settings = BatchingSettings.from_config(config)
-        param = config.parameters.get(PARAM_BATCH_ISOLATION)
-        isolation = param.string_value if param is not None and param.string_value else "auto"
-        if isolation not in BATCH_ISOLATION_VALUES:
-            raise ModelConfigError(
-                f"parameter {PARAM_BATCH_ISOLATION!r} is {isolation!r}; choose one of {list(BATCH_ISOLATION_VALUES)}"
-            )
-        if isolation == "requests":
-            settings = dataclasses.replace(settings, isolate_requests=True)
-        elif isolation == "tenants" or (isolation == "auto" and getattr(runtime, "couples_rows", False)):
-            settings = dataclasses.replace(settings, isolate_tenants=True)
+        settings = _batching_settings(config, runtime)
         self.isolates_requests = settings.isolate_requests
         self.isolates_tenants = settings.isolate_tenants
         instances = instances or len(instance_plan(config, 0))
@@ -155,30 +145,12 @@ class ModelVersion:
     ) -> ModelVersion:
         """Load the runtime (in a thread), complete and check the config, warm up; READY on return."""
         began = time.monotonic()
-        try:
-            gpus = factory_gpus(factory)
-            plan = instance_plan(config, gpus)  # one place per instance: a GPU of the slice, or the CPU
-            if compute_mode(config) == "process":
-                runtime: ModelRuntime = await asyncio.to_thread(
-                    ComputeProcess,
-                    factory,
-                    version_dir,
-                    config,
-                    max(1, threads // len(plan)),
-                    name,
-                    configs=place_configs(config, plan, gpus),
-                )
-            else:
-                runtime = await asyncio.to_thread(load_runtime, factory, version_dir, config, threads, plan, gpus)
-        except ModelConfigError:
-            raise
-        except Exception as e:
-            raise ModelConfigError(f"version {version}: the runtime cannot load it: {type(e).__name__}: {e}") from e
+        runtime, instances = await _start_runtime(name, version, version_dir, config, factory, threads)
         try:
             full = complete_config(
                 config, runtime.inputs, runtime.outputs, platform=factory.platform, backend=factory.backend
             )
-            model = cls(name, version, full, runtime, threads, clock=clock, probe=probe, instances=len(plan))
+            model = cls(name, version, full, runtime, threads, clock=clock, probe=probe, instances=instances)
         except Exception:
             await asyncio.to_thread(runtime.close)  # off the loop, as in unload
             raise
@@ -188,24 +160,29 @@ class ModelVersion:
         loaded = time.monotonic()
         if not model.bytes_per_sample:  # the config's parameter wins, then the toolchain's profile
             model.bytes_per_sample = profile_bytes_per_sample(version_dir) or 0
-
-        def ready_up() -> None:  # in a thread: a tokenizer takes 30-40 ms to load, a warm-up longer
-            model.text = TextInput.load(version_dir, full)
-            model.labels = load_labels(version_dir.parent, full)
-            model._warm_up(version_dir.parent)
-
-        try:
-            await asyncio.to_thread(ready_up)
-        except Exception as e:
-            model._executor.shutdown(wait=False)
-            await asyncio.to_thread(runtime.close)
-            if isinstance(e, ModelConfigError):
-                raise
-            raise ModelConfigError(f"version {version}: warm-up failed: {type(e).__name__}: {e}") from e
+        await model._ready_up(version_dir)
         model.cold_start = {"load": loaded - began, "warmup": time.monotonic() - loaded}
         model.batcher.start()
         model.state = ModelState.READY
         return model
+
+    async def _ready_up(self, version_dir: Path) -> None:
+        """Its text input, class labels and warm-up, in a thread (a tokenizer takes 30-40 ms to load, a warm-up
+        longer); on a failure the runtime is closed and the error names the version."""
+
+        def ready_up() -> None:
+            self.text = TextInput.load(version_dir, self.config)
+            self.labels = load_labels(version_dir.parent, self.config)
+            self._warm_up(version_dir.parent)
+
+        try:
+            await asyncio.to_thread(ready_up)
+        except Exception as e:
+            self._executor.shutdown(wait=False)
+            await asyncio.to_thread(self.runtime.close)
+            if isinstance(e, ModelConfigError):
+                raise
+            raise ModelConfigError(f"version {self.version}: warm-up failed: {type(e).__name__}: {e}") from e
 
     # ---- serving -------------------------------------------------------------------------------------------
     def acquire(self) -> None:
@@ -311,3 +288,46 @@ class ModelVersion:
     @property
     def inflight(self) -> int:
         return self._inflight
+
+
+def _batching_settings(config: mc.ModelConfig, runtime: ModelRuntime) -> BatchingSettings:
+    """The config's batching settings, with the isolation :data:`PARAM_BATCH_ISOLATION` asks for (checked)."""
+    settings = BatchingSettings.from_config(config)
+    param = config.parameters.get(PARAM_BATCH_ISOLATION)
+    isolation = param.string_value if param is not None and param.string_value else "auto"
+    if isolation not in BATCH_ISOLATION_VALUES:
+        raise ModelConfigError(
+            f"parameter {PARAM_BATCH_ISOLATION!r} is {isolation!r}; choose one of {list(BATCH_ISOLATION_VALUES)}"
+        )
+    if isolation == "requests":
+        settings = dataclasses.replace(settings, isolate_requests=True)
+    elif isolation == "tenants" or (isolation == "auto" and getattr(runtime, "couples_rows", False)):
+        settings = dataclasses.replace(settings, isolate_tenants=True)
+    return settings
+
+
+async def _start_runtime(
+    name: str, version: str, version_dir: Path, config: mc.ModelConfig, factory: RuntimeFactory, threads: int
+) -> tuple[ModelRuntime, int]:
+    """The version's runtime, loaded in a thread (or a compute process) on the places of its instance plan, and
+    how many instances it has; a runtime that cannot load it is a :class:`ModelConfigError` naming the version."""
+    try:
+        gpus = factory_gpus(factory)
+        plan = instance_plan(config, gpus)  # one place per instance: a GPU of the slice, or the CPU
+        if compute_mode(config) == "process":
+            runtime: ModelRuntime = await asyncio.to_thread(
+                ComputeProcess,
+                factory,
+                version_dir,
+                config,
+                max(1, threads // len(plan)),
+                name,
+                configs=place_configs(config, plan, gpus),
+            )
+        else:
+            runtime = await asyncio.to_thread(load_runtime, factory, version_dir, config, threads, plan, gpus)
+    except ModelConfigError:
+        raise
+    except Exception as e:
+        raise ModelConfigError(f"version {version}: the runtime cannot load it: {type(e).__name__}: {e}") from e
+    return runtime, len(plan)
