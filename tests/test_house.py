@@ -21,6 +21,7 @@ AIMED = (
     "octacloud/control/ray/replica.py",
     "octacloud/k8s/operator.py",
     "octacloud/protocols/grpc/h2_client_connection.py",
+    "octacloud/scheduler/actions/reservation.py",
     "octacloud/serving/model.py",
     "octacloud/sim/report.py",
     "octacloud/toolchain/rowscales.py",

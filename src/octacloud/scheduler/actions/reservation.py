@@ -118,39 +118,15 @@ def choose(
             continue
         if node.cpu_milli < request.cpu_milli or node.memory_mib < request.memory_mib:
             continue
-        per_card: dict[int, list[str]] = {}
-        allocations = state.on_node[i]
-        for name, a in allocations.items():
-            for g in a.placement.gpus:
-                per_card.setdefault(g, []).append(name)
-        cards = [
-            g
-            for g, gpu in enumerate(node.gpus)
-            if state.card_usable(i, g) and request.allows_model(gpu.model) and gpu.memory_mib >= request.gpu_memory_mib
-        ]
-        if len(cards) < n:
+        on_cards = _on_cards(state, request, i)
+        if on_cards is None:
             continue
-        free = state.free_gpu[i]
-        cards.sort(key=lambda g: (len(per_card.get(g, ())), MILLI_PER_GPU - free[g], g))
-        chosen = tuple(sorted(cards[:n]))
-        blockers = {name for g in chosen for name in per_card.get(g, ())}
-        cpu = state.free_cpu[i] + sum(allocations[b].request.cpu_milli for b in blockers)
-        mem = state.free_memory[i] + sum(allocations[b].request.memory_mib for b in blockers)
-        others: list[str] = []
-        if cpu < request.cpu_milli or mem < request.memory_mib:
-            rest = sorted(
-                (name for name in allocations if name not in blockers),
-                key=lambda name: (-allocations[name].request.cpu_milli, -allocations[name].request.memory_mib, name),
-            )
-            for name in rest:
-                if cpu >= request.cpu_milli and mem >= request.memory_mib:
-                    break
-                others.append(name)
-                cpu += allocations[name].request.cpu_milli
-                mem += allocations[name].request.memory_mib
-            if cpu < request.cpu_milli or mem < request.memory_mib:
-                continue
-            blockers.update(others)
+        chosen, blockers = on_cards
+        allocations = state.on_node[i]
+        others = _other_blockers(state, request, i, blockers)
+        if others is None:
+            continue
+        blockers.update(others)
         fixed = sum(1 for b in blockers if not movable(allocations[b]))
         held = sum(allocations[b].request.total_gpu_milli for b in blockers)
         whole = sum(allocations[b].request.total_gpu_milli for b in blockers if not allocations[b].request.is_sharing)
@@ -160,3 +136,48 @@ def choose(
     if best is None:
         return None
     return Reservation(request, best[1], best[2], made, best[0][2], best[3])
+
+
+def _on_cards(state: ClusterState, request: Request, i: int) -> tuple[tuple[int, ...], set[str]] | None:
+    """The cards of node ``i`` that ``request`` would hold (those the fewest replicas, then the least GPU, are
+    on) and the replicas on them; ``None`` when too few of its cards can host the request."""
+    node = state.nodes[i]
+    per_card: dict[int, list[str]] = {}
+    for name, a in state.on_node[i].items():
+        for g in a.placement.gpus:
+            per_card.setdefault(g, []).append(name)
+    cards = [
+        g
+        for g, gpu in enumerate(node.gpus)
+        if state.card_usable(i, g) and request.allows_model(gpu.model) and gpu.memory_mib >= request.gpu_memory_mib
+    ]
+    if len(cards) < request.num_gpu:
+        return None
+    free = state.free_gpu[i]
+    cards.sort(key=lambda g: (len(per_card.get(g, ())), MILLI_PER_GPU - free[g], g))
+    chosen = tuple(sorted(cards[: request.num_gpu]))
+    return chosen, {name for g in chosen for name in per_card.get(g, ())}
+
+
+def _other_blockers(state: ClusterState, request: Request, i: int, blockers: set[str]) -> list[str] | None:
+    """The fewest other replicas of node ``i`` (the largest first) whose CPU and memory, with what is free and
+    what ``blockers`` give back, cover ``request``; empty when those already do, ``None`` when not even all do."""
+    allocations = state.on_node[i]
+    cpu = state.free_cpu[i] + sum(allocations[b].request.cpu_milli for b in blockers)
+    mem = state.free_memory[i] + sum(allocations[b].request.memory_mib for b in blockers)
+    others: list[str] = []
+    if cpu >= request.cpu_milli and mem >= request.memory_mib:
+        return others
+    rest = sorted(
+        (name for name in allocations if name not in blockers),
+        key=lambda name: (-allocations[name].request.cpu_milli, -allocations[name].request.memory_mib, name),
+    )
+    for name in rest:
+        if cpu >= request.cpu_milli and mem >= request.memory_mib:
+            break
+        others.append(name)
+        cpu += allocations[name].request.cpu_milli
+        mem += allocations[name].request.memory_mib
+    if cpu < request.cpu_milli or mem < request.memory_mib:
+        return None
+    return others
