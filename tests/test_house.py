@@ -22,6 +22,7 @@ AIMED = (
     "octacloud/k8s/operator.py",
     "octacloud/protocols/grpc/h2_client_connection.py",
     "octacloud/scheduler/actions/reservation.py",
+    "octacloud/scheduler/loop.py",
     "octacloud/serving/model.py",
     "octacloud/sim/report.py",
     "octacloud/toolchain/rowscales.py",

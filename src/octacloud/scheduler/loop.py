@@ -40,6 +40,7 @@ from octacloud.scheduler.actions.reservation import Reservation, choose, conflic
 from octacloud.scheduler.framework.api import DemandObserver
 from octacloud.scheduler.framework.runner import Decision, Scheduler
 from octacloud.scheduler.framework.state import Allocation
+from octacloud.scheduler.framework.transaction import Transaction
 from octacloud.scheduler.pairing import best_remainder, lone_shares
 
 DEFAULT_PERIOD = 5.0
@@ -389,17 +390,7 @@ class ReevaluationLoop:
                 continue  # the profile keeps it off that node (its deployment's replicas kept apart)
             with scheduler.transaction() as tx:
                 move = move_to(tx, a, shadow, Placement(shadow.name, state.nodes[j].name, (h,), r.gpu_milli))
-                started = None
-                tried: set[tuple[object, ...]] = set()
-                for w in wanting:
-                    if w.name in placed_names or _shape(w) in tried or w.priority < r.priority:
-                        continue
-                    decision = scheduler.decide(w, [i])
-                    if decision.placement is not None:
-                        tx.allocate(decision.request, decision.placement)
-                        started = decision
-                        break
-                    tried.add(_shape(w))
+                started = self._start_freed(tx, wanting, placed_names, r.priority, i)
                 if started is None or started.placement is None:
                     continue  # leaving the block without commit rolls the move back
                 tx.commit()
@@ -418,6 +409,22 @@ class ReevaluationLoop:
                 remainders.pop((j, h), None)
             paired.add((j, h))
         return [r for r in waiting if r.name not in placed_names]
+
+    def _start_freed(
+        self, tx: Transaction, wanting: list[Request], placed: set[str], priority: int, node: int
+    ) -> Decision | None:
+        """Allocate in ``tx``, on ``node`` (where a share just moved off), the first of ``wanting`` not yet
+        ``placed`` and of at least ``priority`` that fits there; requests of a shape already tried are skipped."""
+        tried: set[tuple[object, ...]] = set()
+        for w in wanting:
+            if w.name in placed or _shape(w) in tried or w.priority < priority:
+                continue
+            decision = self.scheduler.decide(w, [node])
+            if decision.placement is not None:
+                tx.allocate(decision.request, decision.placement)
+                return decision
+            tried.add(_shape(w))
+        return None
 
     def _clear(self, holder: Request, res: Reservation, budget: int, report: PassReport) -> int:
         """Move every blocker off ``res``'s cards (smallest first, each to where the profile would place it off
