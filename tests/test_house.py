@@ -20,6 +20,7 @@ AIMED = (
     "octacloud/cli/simulate.py",
     "octacloud/control/ray/replica.py",
     "octacloud/k8s/operator.py",
+    "octacloud/metering/meter.py",
     "octacloud/protocols/grpc/h2_client_connection.py",
     "octacloud/scheduler/actions/reservation.py",
     "octacloud/scheduler/loop.py",

@@ -212,39 +212,9 @@ class Meter:
         else:  # no mark inside this past interval: its traffic goes to the next one that has a mark
             traffic = self._traffic
         work = dict(await self.source.work())
-        records = [
-            UsageRecord(t, d, r, Metric.ALLOC, start, length, q, model) for (t, d, r, model), q in self._alloc.items()
-        ]
-        records += [
-            UsageRecord(t, d, r, Metric.GPU_USED, start, length, q, model)
-            for (t, d, r, model), q in self._used.items()
-            if q > 0
-        ]
-        records += [
-            UsageRecord(t, d, r, Metric.ENERGY, start, length, round(q), model)
-            for (t, d, r, model), q in self._energy.items()
-            if round(q) > 0
-        ]
-        for (tenant, deployment), now in traffic.items():
-            was = self._traffic.get((tenant, deployment), Traffic())
-            for metric, q in (
-                (Metric.REQUESTS, now.requests - was.requests),
-                (Metric.BYTES_IN, now.bytes_in - was.bytes_in),
-                (Metric.BYTES_OUT, now.bytes_out - was.bytes_out),
-                (Metric.PROMPT_TOKENS, now.prompt_tokens - was.prompt_tokens),
-                (Metric.COMPLETION_TOKENS, now.completion_tokens - was.completion_tokens),
-            ):
-                if q > 0:
-                    records.append(UsageRecord(tenant, deployment, "", metric, start, length, q))
-        for replica, w in work.items():
-            base = self._work.get(replica)
-            if base is None or w.exec_us < base.exec_us or w.inferences < base.inferences:
-                exec_us, inferences = w.exec_us, w.inferences  # new since the last close, or restarted
-            else:
-                exec_us, inferences = w.exec_us - base.exec_us, w.inferences - base.inferences
-            for metric, q in ((Metric.EXEC, exec_us), (Metric.INFERENCES, inferences)):
-                if q > 0:
-                    records.append(UsageRecord(w.tenant, w.deployment, replica, metric, start, length, q, w.gpu_model))
+        records = self._held_records(start, length)
+        records += self._traffic_records(traffic, start, length)
+        records += self._work_records(work, start, length)
         for s in await asyncio.to_thread(self.source.storage):
             if s.bytes > 0:
                 records.append(UsageRecord(s.tenant, s.deployment, "", Metric.STORAGE, start, length, s.bytes * length))
@@ -262,6 +232,56 @@ class Meter:
         self.start_ms = self._sampled_ms = end_ms
         self.closed += 1
         return True
+
+    def _held_records(self, start: int, length: int) -> list[UsageRecord]:
+        """The interval's allocation, GPU use and energy integrated so far, one record per replica and model."""
+        records = [
+            UsageRecord(t, d, r, Metric.ALLOC, start, length, q, model) for (t, d, r, model), q in self._alloc.items()
+        ]
+        records += [
+            UsageRecord(t, d, r, Metric.GPU_USED, start, length, q, model)
+            for (t, d, r, model), q in self._used.items()
+            if q > 0
+        ]
+        records += [
+            UsageRecord(t, d, r, Metric.ENERGY, start, length, round(q), model)
+            for (t, d, r, model), q in self._energy.items()
+            if round(q) > 0
+        ]
+        return records
+
+    def _traffic_records(
+        self, traffic: Mapping[tuple[str, str], Traffic], start: int, length: int
+    ) -> list[UsageRecord]:
+        """Each deployment's requests, bytes and tokens since the last written interval (counters ``traffic``)."""
+        records: list[UsageRecord] = []
+        for (tenant, deployment), now in traffic.items():
+            was = self._traffic.get((tenant, deployment), Traffic())
+            for metric, q in (
+                (Metric.REQUESTS, now.requests - was.requests),
+                (Metric.BYTES_IN, now.bytes_in - was.bytes_in),
+                (Metric.BYTES_OUT, now.bytes_out - was.bytes_out),
+                (Metric.PROMPT_TOKENS, now.prompt_tokens - was.prompt_tokens),
+                (Metric.COMPLETION_TOKENS, now.completion_tokens - was.completion_tokens),
+            ):
+                if q > 0:
+                    records.append(UsageRecord(tenant, deployment, "", metric, start, length, q))
+        return records
+
+    def _work_records(self, work: Mapping[str, Work], start: int, length: int) -> list[UsageRecord]:
+        """Each replica's execution time and inferences since the last written interval (a restarted replica's
+        counters, smaller than before, count from zero)."""
+        records: list[UsageRecord] = []
+        for replica, w in work.items():
+            base = self._work.get(replica)
+            if base is None or w.exec_us < base.exec_us or w.inferences < base.inferences:
+                exec_us, inferences = w.exec_us, w.inferences  # new since the last close, or restarted
+            else:
+                exec_us, inferences = w.exec_us - base.exec_us, w.inferences - base.inferences
+            for metric, q in ((Metric.EXEC, exec_us), (Metric.INFERENCES, inferences)):
+                if q > 0:
+                    records.append(UsageRecord(w.tenant, w.deployment, replica, metric, start, length, q, w.gpu_model))
+        return records
 
     async def flush(self) -> bool:
         """On shutdown: close the open interval at now, so nothing measured so far is lost."""
