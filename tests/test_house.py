@@ -18,6 +18,7 @@ AIMED = (
     "octacloud/cli/convert.py",
     "octacloud/cli/serve.py",
     "octacloud/cli/simulate.py",
+    "octacloud/control/controller/core.py",
     "octacloud/control/ray/replica.py",
     "octacloud/k8s/operator.py",
     "octacloud/metering/meter.py",

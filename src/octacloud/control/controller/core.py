@@ -110,10 +110,25 @@ class Controller:
             reservations=reservations, events=events, clock=clock, settings=settings, wakeup=wakeup,
         )  # fmt: skip
         routes.on_eject.append(lambda e: health.probe_soon(e.replica_id))  # its readmission need not wait its turn
-        self.executor = executor = Executor(
+        self.executor = Executor(
             store=store, loop=self.loop, lifecycle=lifecycle, replacements=replacements, health=health,
             reservations=reservations, events=events, clock=clock, scheduling=scheduling, wakeup=wakeup,
         )  # fmt: skip
+        self._wire_changes(launcher, routes, footprint, autoscaler, admission)
+
+    def _wire_changes(
+        self,
+        launcher: ReplicaLauncher,
+        routes: RouteTable,
+        footprint: FootprintSource,
+        autoscaler: Autoscaler | None,
+        admission: DeployAdmission | None,
+    ) -> None:
+        """The parts that change the fleet on top of the lifecycle: reconciling (with autoscaling), adopting
+        replicas found running, deploying, and node changes."""
+        store, events, clock, wakeup = self.store, self.events, self.clock, self.wakeup
+        lifecycle, replacements, reservations = self.lifecycle, self.replacements, self.reservations
+        executor, health = self.executor, self.health
         autoscaling = Autoscaling(store=store, routes=routes, footprint=footprint,
                                   autoscaler=autoscaler or Autoscaler(), events=events, clock=clock)  # fmt: skip
         self.reconciler = Reconciler(store=store, lifecycle=lifecycle, replacements=replacements, executor=executor,
