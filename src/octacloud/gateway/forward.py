@@ -117,11 +117,9 @@ class Forwarding:
         may_see = None if self.guard is None else principal.may_see
         return self.routes.admit(deployment, may_see, self.limits.max_inflight_per_replica)
 
-    @staticmethod
-    def flight(counters: DeploymentCounters) -> Flight:
-        """The request's slot under its deployment's in-flight bound, held for a ``with`` block (see
-        :class:`Flight`)."""
-        return Flight(counters)
+    flight = Flight
+    """``flight(counters)``: the request's slot under its deployment's in-flight bound, held for a ``with`` block
+    (see :class:`Flight`); the class itself, so that taking one is one call."""
 
     @staticmethod
     def received(counters: DeploymentCounters, size: int) -> None:
@@ -142,10 +140,10 @@ class Forwarding:
         replicas asked; and the replica. Each counts the request in its ``outstanding`` while it is asked, and
         (``hold``) past the answer: the caller then gives it back when it has relayed the answer (a stream).
         Raises :class:`Exhausted` or :class:`TimedOut` (``timeout`` is the ask's, for the message)."""
-        self.received(counters, size)
+        counters.requests += 1  # self.received, inline: this runs for every request
+        counters.bytes_in += size
         routes = self.routes
         tried: list[str] = []
-        why = f"deployment '{deployment}' has no ready replica"
         for _ in range(MAX_ATTEMPTS):
             endpoint = routes.choose(deployment, tried)
             if endpoint is None:
@@ -159,7 +157,6 @@ class Forwarding:
             except Unanswered as exc:
                 routes.failed(endpoint)
                 log.warning("deployment %s: replica %s: %s", deployment, endpoint.replica_id, exc)
-                why = f"deployment '{deployment}': {len(tried)} replica(s) tried, none answered"
                 continue
             except TimeoutError:
                 routes.failed(endpoint)
@@ -173,6 +170,11 @@ class Forwarding:
             routes.succeeded(endpoint)
             return answer, endpoint
         counters.failures += 1
+        why = (
+            f"deployment '{deployment}': {len(tried)} replica(s) tried, none answered"
+            if tried
+            else f"deployment '{deployment}' has no ready replica"
+        )  # formatted only when it is said
         raise Exhausted(why, routes.retry_after(deployment))
 
     async def fan_out(self, deployment: str, counters: DeploymentCounters, size: int, ask: Ask[A | None]) -> list[A]:

@@ -226,10 +226,8 @@ class RestGateway:
         when the one asked did not answer in time."""
         try:
             return await self.core.forward(deployment, counters, size, ask, self.request_timeout, hold)
-        except Exhausted as exc:
-            raise HttpError(503, str(exc), [(b"retry-after", str(exc.retry_after).encode())]) from None
-        except TimedOut as exc:
-            raise HttpError(504, str(exc)) from None
+        except (Exhausted, TimedOut) as exc:
+            raise _unforwarded(exc) from None
 
     async def _proxy_native(self, request: Http1Request, path: str, principal: Principal) -> None:
         deployment = deployment_of(path)
@@ -282,7 +280,10 @@ class RestGateway:
                 raise Unanswered(_misdirected(response))
             return response
 
-        response, _ = await self.forward(deployment, counters, len(body), ask)
+        try:  # the core itself, not self.forward: one coroutine less on every request's path
+            response, _ = await self.core.forward(deployment, counters, len(body), ask, self.request_timeout)
+        except (Exhausted, TimedOut) as exc:
+            raise _unforwarded(exc) from None
         status, usage = response.status, self.routes.tenant_traffic(principal.tenant, deployment)
         self.core.settle(counters, usage, len(body), len(response.body), failed=status >= 400, billed=status < 500)
         return response
@@ -408,6 +409,14 @@ class RestGateway:
         except (ValueError, AttributeError) as exc:
             return await json_reply(send, 502, {"error": f"a replica answered statistics that are not JSON: {exc}"})
         return await json_reply(send, 200, merged)
+
+
+def _unforwarded(exc: Exhausted | TimedOut) -> HttpError:
+    """What the core's "no replica answered" is over HTTP: 503 with Retry-After, or 504 when the one asked did not
+    answer in time."""
+    if isinstance(exc, Exhausted):
+        return HttpError(503, str(exc), [(b"retry-after", str(exc.retry_after).encode())])
+    return HttpError(504, str(exc))
 
 
 def _misdirected(response: Response) -> str:
