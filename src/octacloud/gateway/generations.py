@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from octacloud.gateway.sharing import ShareError
+from octacloud.gateway.sharing import ShareError, count
 from octacloud.protocols.asgi import HttpError
 from octacloud.tenancy.keys import Quota
 from octacloud.tenancy.tokens import GenerationLimits, Hold, OverLimitError
@@ -43,7 +43,7 @@ class GenerationOwner:
         if not isinstance(tenant, str):
             raise ShareError("admit needs a string tenant")
         quota = Quota(tokens_per_minute=_optional(message, "tpm"), max_streams=_optional(message, "streams"))
-        estimate = _count(message.get("estimate"), "estimate")
+        estimate = count(message.get("estimate"), "estimate")
         mine = self._held.setdefault(worker, {})
         if ticket in mine:
             raise ShareError(f"admit {ticket} is already held")
@@ -58,7 +58,7 @@ class GenerationOwner:
         """One ``settle`` of ``worker``: its generation ended having used ``used`` tokens (an unknown one is
         ignored: it was settled when its worker was found gone)."""
         ticket = _ticket(message.get("id"))
-        used = _count(message.get("used"), "used")
+        used = count(message.get("used"), "used")
         hold = self._held.get(worker, {}).pop(ticket, None)
         if hold is not None:
             self.limits.settle(hold, used)
@@ -145,15 +145,9 @@ def _ticket(value: Any) -> int:
     return value
 
 
-def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ShareError(f"{name} is a non-negative integer, got {value!r}")
-    return value
-
-
 def _optional(message: Mapping[str, Any], name: str) -> int | None:
     value = message.get(name)
-    return None if value is None else _count(value, name)
+    return None if value is None else count(value, name)
 
 
 def _retry_after(answer: Mapping[str, Any]) -> int:

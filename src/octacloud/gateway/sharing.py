@@ -83,14 +83,14 @@ def apply_snapshot(table: RouteTable, snapshot: Snapshot) -> None:
         if not (isinstance(owner, list) and len(owner) == 2 and isinstance(owner[1], bool)):
             raise ShareError(f"owner of {name!r} is not [tenant, published]")
         new_owners[_text(name)] = Owner(_text(owner[0]), owner[1])
-    new_inflight = {_text(name): _count(n) for name, n in inflight.items()}
+    new_inflight = {_text(name): count(n) for name, n in inflight.items()}
     gone = snapshot.get("gone", [])  # absent in a snapshot of an older main process
     if not (isinstance(gone, list) and all(isinstance(g, str) for g in gone)):
         raise ShareError("gone is not a list of replica ids")
     latency = snapshot.get("latency", {})  # absent in a snapshot of an older main process
     if not (isinstance(latency, dict) and all(isinstance(k, str) for k in latency)):
         raise ShareError("latency is not a mapping of replica id to microseconds")
-    new_latency = {k: _count(v) for k, v in latency.items()}
+    new_latency = {k: count(v) for k, v in latency.items()}
     for replica_id in gone:
         if replica_id not in table.gone:  # found dead since the last snapshot: end what is in flight to it
             table.drop_endpoint(replica_id, gone=True)
@@ -108,7 +108,7 @@ def apply_snapshot(table: RouteTable, snapshot: Snapshot) -> None:
 def _endpoint(item: Any) -> Endpoint:
     if not (isinstance(item, list) and len(item) == 4):
         raise ShareError("an endpoint is [replica_id, host, http_port, grpc_port]")
-    return Endpoint(_text(item[0]), _text(item[1]), _count(item[2]), _count(item[3]))
+    return Endpoint(_text(item[0]), _text(item[1]), count(item[2]), count(item[3]))
 
 
 def _mapping(data: Any, key: str) -> Mapping[str, Any]:
@@ -124,9 +124,12 @@ def _text(value: Any) -> str:
     return value
 
 
-def _count(value: Any) -> int:
+def count(value: Any, name: str = "") -> int:
+    """A non-negative integer of a feed message (``name``: the field, for the error); every feed message's counts,
+    the generation owner's included, are checked with it."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ShareError(f"expected a non-negative integer, got {value!r}")
+        raise ShareError(f"{name} is a non-negative integer, got {value!r}" if name else
+                         f"expected a non-negative integer, got {value!r}")  # fmt: skip
     return value
 
 
@@ -185,7 +188,7 @@ class CounterMerger:
         if not isinstance(traffic, list):
             raise ShareError("'traffic' is missing or not a list")
         counts = {_text(name): _counts(values, len(_SUMMED)) for name, values in deployments.items()}
-        levels = {_text(name): _count(n) for name, n in outstanding.items()}
+        levels = {_text(name): count(n) for name, n in outstanding.items()}
         rows: list[tuple[str, str, list[int]]] = []
         for row in traffic:
             if not (isinstance(row, list) and len(row) == 2 + len(_TRAFFIC)):
@@ -226,7 +229,7 @@ class CounterMerger:
 def _counts(values: Any, n: int) -> list[int]:
     if not (isinstance(values, list) and len(values) == n):
         raise ShareError(f"expected a list of {n} counts")
-    return [_count(v) for v in values]
+    return [count(v) for v in values]
 
 
 RESERVE = 0.1
@@ -309,7 +312,7 @@ class DemandShares:
             raise ShareError(f"worker index {worker!r} is not one of 0..{self.workers - 1}")
         if not isinstance(demand, Mapping):
             raise ShareError("demand is not an object")
-        counts = {_text(tenant): _count(n) for tenant, n in demand.items()}
+        counts = {_text(tenant): count(n) for tenant, n in demand.items()}
         mine = self._pending.setdefault(worker, {})
         for tenant, n in counts.items():
             mine[tenant] = mine.get(tenant, 0) + n
@@ -362,7 +365,7 @@ def parse_levels(levels: Any) -> dict[str, int]:
     """Key → non-negative count, as a ``shares`` message carries them; raises ShareError when malformed."""
     if not isinstance(levels, Mapping):
         raise ShareError("levels is not an object")
-    return {_text(key): _count(n) for key, n in levels.items()}
+    return {_text(key): count(n) for key, n in levels.items()}
 
 
 def _fraction(value: Any) -> float:
